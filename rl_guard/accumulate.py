@@ -1,0 +1,87 @@
+"""Device-side accumulation across micro-batches and the single device->host transfer per step.
+
+Partials with the same layout (names and sizes) are packed into one flat vector per reduction (sum, max) and
+added in place, so a micro-batch costs two small kernels here. At the end of the step every segment is
+concatenated, optionally reduced across ranks (one SUM and one MAX collective), and moved to the host in one
+``.cpu()`` call. Minima travel negated inside the max vector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .probes import Partial
+
+Layout = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
+
+
+def _layout(p: Partial) -> Layout:
+    return (tuple((k, v.numel()) for k, v in p.sum.items()), tuple((k, v.numel()) for k, v in p.max.items()))
+
+
+def _cat(tensors, device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.cat([t.to(device=device, dtype=torch.float64) for t in tensors])
+
+
+class StepAccumulator:
+    """Adds ``Partial`` statistics on the device until ``finish()`` is called once per optimizer step."""
+
+    def __init__(self) -> None:
+        self._segments: dict[Layout, list[torch.Tensor]] = {}
+        self.device: torch.device | None = None
+
+    def __bool__(self) -> bool:  # "anything recorded this step?" without touching device values
+        return bool(self._segments)
+
+    def add(self, partial: Partial) -> None:
+        if not partial.sum and not partial.max:
+            return
+        if self.device is None:
+            first = next(iter(partial.sum.values() or partial.max.values()))
+            self.device = first.device
+        layout = _layout(partial)
+        s = _cat(list(partial.sum.values()), self.device)
+        m = _cat(list(partial.max.values()), self.device)
+        seg = self._segments.get(layout)
+        if seg is None:
+            self._segments[layout] = [s, m]
+        else:
+            seg[0].add_(s)
+            torch.maximum(seg[1], m, out=seg[1])
+
+    def pack(self) -> tuple[list[Layout], torch.Tensor, torch.Tensor]:
+        """Segments in a canonical order plus the concatenated sum and max vectors (still on the device)."""
+        layouts = sorted(self._segments)
+        sums = _cat([self._segments[k][0] for k in layouts], self.device)
+        maxes = _cat([self._segments[k][1] for k in layouts], self.device)
+        return layouts, sums, maxes
+
+    def finish(self, reduce: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, np.ndarray]:
+        """Reduce (optional), transfer once, reset; returns name -> float64 array with minima un-negated."""
+        layouts, sums, maxes = self.pack()
+        if reduce is not None:
+            reduce(sums, maxes)
+        host = torch.cat([sums, maxes]).cpu().numpy() if sums.numel() + maxes.numel() else np.zeros(0)
+        self._segments.clear()
+        return unpack(layouts, host)
+
+
+def unpack(layouts: list[Layout], host: np.ndarray) -> dict[str, np.ndarray]:
+    """Split the transferred vector back into named arrays, merging names that appear in several segments."""
+    n_sum = sum(size for lay in layouts for _, size in lay[0])
+    out: dict[str, np.ndarray] = {}
+    offsets = [0, n_sum]
+    for lay in layouts:
+        for part, merge in ((0, np.add), (1, np.maximum)):
+            for name, size in lay[part]:
+                chunk = host[offsets[part] : offsets[part] + size].astype(np.float64)
+                offsets[part] += size
+                out[name] = merge(out[name], chunk) if name in out else chunk
+    for name in [k for k in out if k.startswith("-")]:
+        out[name[1:]] = -out.pop(name)
+    return out

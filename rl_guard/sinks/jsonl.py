@@ -1,0 +1,183 @@
+"""Zero-dependency default sink: `metrics.jsonl` and `incidents.jsonl` in the run dir.
+
+Format: one JSON object per line, append-only. Metrics lines are `{"step": s, name: value...}`.
+Non-finite floats are written as the JSON strings "nan", "inf" and "-inf" (plain JSON has
+no NaN/Infinity); `read_jsonl` turns exactly those strings back into floats.
+Every write is followed by `flush()` so a crash loses at most the line being written;
+`fsync=True` additionally forces it to disk (costs a disk round trip per step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .base import Histograms, Sink
+
+METRICS_FILE = "metrics.jsonl"
+INCIDENTS_FILE = "incidents.jsonl"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _encode_float(x: float) -> float | str:
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Recursively convert numpy/torch scalars and arrays to builtins, non-finite floats to strings."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, (float, np.floating)):
+        return _encode_float(float(obj))
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, pathlib.PurePath):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # np.bool_, 0-d torch tensors
+        try:
+            return to_jsonable(obj.item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(obj)  # never fail a training step over an odd type in a record
+
+
+def dumps(obj: Any) -> str:
+    """One JSON line (no trailing newline); strictly valid JSON."""
+    return json.dumps(to_jsonable(obj), allow_nan=False, ensure_ascii=False)
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return _NONFINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read a jsonl file written by this sink; "nan"/"inf"/"-inf" strings become floats.
+
+    A truncated last line (crash mid-write) is ignored.
+    """
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # partial line from a crash
+            if line.strip():
+                out.append(_decode(json.loads(line)))
+    return out
+
+
+def _repair(path: pathlib.Path, max_step: int | None) -> set[int]:
+    """Drop a partial last line and (if `max_step` given) lines with step > max_step.
+
+    Streams through a temp file + atomic rename, so a crash here never loses the file.
+    Returns the steps kept (empty set if nothing had to be scanned).
+    """
+    if not path.exists() or path.stat().st_size == 0:
+        return set()
+    if max_step is None:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) == b"\n":
+                return set()  # complete file, nothing to filter
+    tmp = path.with_name(path.name + ".tmp")
+    steps, dropped = set(), 0
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for line in src:
+            if not line.endswith(b"\n"):
+                dropped += 1  # partial line from a crash mid-write
+                continue
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                step = None  # not ours to judge: keep unparsable complete lines
+            if max_step is not None and isinstance(step, int) and step > max_step:
+                dropped += 1
+                continue
+            dst.write(line)
+            if isinstance(step, int):
+                steps.add(step)
+        dst.flush()
+        os.fsync(dst.fileno())
+    if dropped:
+        os.replace(tmp, path)
+    else:
+        tmp.unlink()
+    return steps
+
+
+class JsonlSink(Sink):
+    """Append-only jsonl writer; resume-safe (no duplicated steps)."""
+
+    name = "jsonl"
+
+    def __init__(self, fsync: bool = False, keep_lost_incidents: bool = True) -> None:
+        super().__init__()
+        self.fsync = fsync
+        # Incidents after the resume step are kept by default: they are the audit trail
+        # of why the lost run was rolled back, not data that gets recomputed.
+        self.keep_lost_incidents = keep_lost_incidents
+        self._metrics = self._incidents = None
+        self._steps: set[int] = set()
+
+    def start(self, run_dir: pathlib.Path, resume_step: int | None = None) -> None:
+        super().start(run_dir, resume_step)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mpath, ipath = self.run_dir / METRICS_FILE, self.run_dir / INCIDENTS_FILE
+        steps = _repair(mpath, resume_step)
+        _repair(ipath, None if self.keep_lost_incidents else resume_step)
+        if resume_step is not None:
+            self._steps = steps
+        elif mpath.exists() and mpath.stat().st_size > 0:
+            # A fresh (non-resumed) run in a used dir: append rather than destroy or skip data.
+            warnings.warn(
+                f"rl_guard: {mpath} already has data and no resume_step was "
+                "given; appending (pass resume_step to de-duplicate)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._metrics = open(mpath, "a", encoding="utf-8")
+        self._incidents = open(ipath, "a", encoding="utf-8")
+
+    def _write(self, f, obj: dict) -> None:
+        f.write(dumps(obj) + "\n")
+        f.flush()
+        if self.fsync:
+            os.fsync(f.fileno())
+
+    def log(self, values: dict[str, float], step: int, histograms: Histograms | None = None) -> None:
+        step = int(step)
+        if step in self._steps:
+            return  # already recorded (resumed run replaying a step)
+        # Histograms are not stored here: the tensorboard/wandb sinks handle them.
+        self._write(self._metrics, {"step": step, **{k: v for k, v in values.items() if k != "step"}})
+        self._steps.add(step)
+
+    def incident(self, record: dict) -> None:
+        self._write(self._incidents, record)
+
+    def finish(self) -> None:
+        for f in (self._metrics, self._incidents):
+            if f is not None and not f.closed:
+                f.close()
+        self._metrics = self._incidents = None
