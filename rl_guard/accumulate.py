@@ -15,6 +15,10 @@ import torch
 
 from .probes import Partial
 
+class RankMismatch(RuntimeError):
+    """Ranks fed different statistics layouts (e.g. one rank passed ref_logprobs, another did not)."""
+
+
 Layout = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
 
 
@@ -57,18 +61,26 @@ class StepAccumulator:
     def pack(self) -> tuple[list[Layout], torch.Tensor, torch.Tensor]:
         """Segments in a canonical order plus the concatenated sum and max vectors (still on the device)."""
         layouts = sorted(self._segments)
-        sums = _cat([self._segments[k][0] for k in layouts], self.device)
-        maxes = _cat([self._segments[k][1] for k in layouts], self.device)
+        device = self.device if self.device is not None else torch.device("cpu")
+        sums = _cat([self._segments[k][0] for k in layouts], device)
+        maxes = _cat([self._segments[k][1] for k in layouts], device)
         return layouts, sums, maxes
 
     def finish(self, reduce: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, np.ndarray]:
         """Reduce (optional), transfer once, reset; returns name -> float64 array with minima un-negated."""
         layouts, sums, maxes = self.pack()
+        # The layout size rides in the max vector as (+n, -n): after a MAX across ranks they disagree iff the
+        # ranks' layouts differ. It costs nothing extra: it travels in the same single transfer.
+        n = float(sums.numel() * 1_000_003 + maxes.numel())
+        maxes = torch.cat([maxes, torch.tensor([n, -n], dtype=torch.float64, device=maxes.device)])
         if reduce is not None:
             reduce(sums, maxes)
-        host = torch.cat([sums, maxes]).cpu().numpy() if sums.numel() + maxes.numel() else np.zeros(0)
+        host = torch.cat([sums, maxes]).cpu().numpy()
         self._segments.clear()
-        return unpack(layouts, host)
+        if host[-2] != -host[-1]:
+            raise RankMismatch("ranks fed different statistics layouts this step (some rank saw fields the others "
+                               "did not); feed the same TokenBatch fields on every rank")
+        return unpack(layouts, host[:-2])
 
 
 def unpack(layouts: list[Layout], host: np.ndarray) -> dict[str, np.ndarray]:

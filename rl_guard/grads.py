@@ -60,3 +60,10 @@ def param_groups_of(optimizer_or_params) -> list[list[torch.nn.Parameter]]:
     if isinstance(optimizer_or_params, torch.nn.Module):
         return [list(optimizer_or_params.parameters())]
     return [list(optimizer_or_params)]
+
+
+@torch.no_grad()
+def any_nonfinite_grad(param_groups: list[list[torch.nn.Parameter]]) -> bool:
+    """Host-side check used only on the guard's failure path (it synchronises)."""
+    grads = [g for group in param_groups for g in _grads(group)]
+    return bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, 2.0))).all())

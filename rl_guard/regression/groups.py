@@ -10,8 +10,9 @@ from ._base import CheckResult, RegressionCheckFailed, as_f64
 
 GroupAdvantageFn = Callable[[torch.Tensor, int], torch.Tensor]
 
-# 0.0 and 1.0 tie with std exactly 0 (the 0/0 trap); 0.1, 0.7 and -2.7 with group sizes 3 and 7
-# give a float64 std of ~1e-17..1e-16 instead of 0, so "(r - mean) / std" returns +-0.8 noise.
+# 0.0 and 1.0 tie with std exactly 0 (the 0/0 trap). 0.1, 0.7 and -2.7 in groups of 3 or 7, reduced
+# per group as 1-D arrays (numpy, torch slices in a loop), give a float64 std of ~1e-17..1e-16
+# instead of 0, so "(r - mean) / std" guarded only against std == 0 returns +-0.8 noise.
 _TIE_VALUES = (0.0, 1.0, 0.1, 0.7, -2.7)
 
 

@@ -1,0 +1,114 @@
+"""Carrying out decisions on the attached ``TrainState``: drop the update, checkpoint, halt, roll back, snapshot.
+
+- skip (every action but warn): gradients are set to ``None``, so ``optimizer.step()`` changes no parameter and no
+  optimizer moment (torch optimizers skip parameters without a gradient).
+- checkpoint: the full state (model, optimizer, scheduler, RNG, step, extra such as a data cursor, and the
+  guard's own state) saved atomically per rank under ``run_dir/checkpoints/step_<N>/rank<r>.pt``.
+- rollback: restores the newest healthy snapshot bit for bit, optionally scales the LR, and asks the loop to skip
+  the next ``skip_batches`` batches (``Guard.batches_to_skip``).
+- snapshots: taken after ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import distributed
+from .checkpoint import SnapshotRing, atomic_save
+from .controller import Decision
+
+
+class Actions:
+    def __init__(self, guard):
+        self.guard = guard
+        cfg = guard.config
+        self.snapshots = SnapshotRing(cfg.snapshots["keep"], cfg.snapshots["where"], guard.run_dir / "snapshots" / f"rank{guard.rank}")
+        self.healthy_streak = 0
+        self.pending_restore: dict | None = None
+        self.batches_to_skip = 0
+        self.last_checkpoint: str | None = None
+
+    def can_rollback(self) -> bool:
+        return self.guard.state is not None and len(self.snapshots) > 0
+
+    def apply(self, decision: Decision, params, defer_restore: bool) -> None:
+        if decision.skip_step and params is not None:
+            drop_grads(params)
+        ckpt = None
+        if decision.save:
+            ckpt = self.save_checkpoint(reason=decision.action)
+        if decision.rollback:
+            self.pending_restore = self.snapshots.latest()
+            if not defer_restore:
+                self.restore_pending()
+        for firing in decision.firings:
+            self._incident(decision, firing, ckpt)
+
+    def restore_pending(self) -> int | None:
+        """Restore the snapshot chosen by a rollback decision; returns its step."""
+        snap, self.pending_restore = self.pending_restore, None
+        if snap is None:
+            return None
+        cfg = self.guard.config.rollback
+        self.guard.state.restore(snap, lr_scale=cfg["lr_scale"])
+        self.batches_to_skip = cfg["skip_batches"]
+        self.healthy_streak = 0
+        return snap["step"]
+
+    def after_step(self, decision: Decision) -> None:
+        self.healthy_streak = 0 if decision.firings else self.healthy_streak + 1
+        cfg = self.guard.config.snapshots
+        n = self.healthy_streak
+        due = n == cfg["healthy_steps"] or (n > cfg["healthy_steps"] and (n - cfg["healthy_steps"]) % cfg["every"] == 0)
+        if self.guard.state is not None and due and self._uses_snapshots():
+            self.snapshots.push(self.guard.state.capture(self.guard.step + 1))
+
+    def _uses_snapshots(self) -> bool:
+        return any(r.action == "rollback" for r in self.guard.controller.rules)
+
+    def save_checkpoint(self, reason: str) -> str | None:
+        """Every rank saves its own state; a failure on any rank fails the action on all ranks."""
+        g = self.guard
+        if g.state is None:
+            return None
+        path = g.run_dir / g.config.checkpoint["dir"] / f"step_{g.step:08d}" / f"rank{g.rank}.pt"
+        error = None
+        try:
+            payload = g.state.capture(g.step)
+            payload["guard"] = g.state_dict()
+            payload["reason"] = reason
+            atomic_save(payload, path)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = exc
+        distributed.raise_if_any_rank_failed(error, f"checkpoint save to {path}")
+        self.last_checkpoint = str(path)
+        return str(path)
+
+    def _incident(self, decision: Decision, firing, ckpt: str | None) -> None:
+        g = self.guard
+        if g.rank != 0:
+            return
+        v = firing.verdict
+        record = {"step": decision.step, "rule": firing.rule.name, "metric": v.metric, "value": v.value, "op": v.op,
+                  "threshold": v.threshold, "action": firing.action, "severity": firing.rule.severity,
+                  "message": firing.message, "rank": g.rank, "window": firing.window, "checkpoint": ckpt, "time": time.time(),
+                  "escalated_from": decision.escalated_from}
+        g._safe(lambda: g.sinks.incident(record), "incident")
+
+    def state_dict(self) -> dict:
+        return {"healthy_streak": self.healthy_streak, "batches_to_skip": self.batches_to_skip,
+                "snapshots": self.snapshots.state_dict(), "last_checkpoint": self.last_checkpoint}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.healthy_streak, self.batches_to_skip = state["healthy_streak"], state["batches_to_skip"]
+        self.last_checkpoint = state["last_checkpoint"]
+        self.snapshots.load_state_dict(state["snapshots"])
+
+
+def drop_grads(params) -> None:
+    """Set every gradient to None so the optimizer step is a no-op for weights and moments."""
+    from .grads import param_groups_of
+
+    for group in param_groups_of(params):
+        for p in group:
+            p.grad = None

@@ -1,0 +1,78 @@
+"""Atomic checkpoint files and the ring of healthy snapshots.
+
+Writes go to a temp file in the same directory, are fsync'ed, then renamed over the target (and the directory
+fsync'ed), so a crash mid-save leaves the previous good file loadable. Loads use ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import deque
+from pathlib import Path
+
+import torch
+
+
+def atomic_save(obj, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load(path: str | os.PathLike):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class SnapshotRing:
+    """The last ``keep`` healthy snapshots, in host memory or on disk (``where='disk'`` needs ``directory``)."""
+
+    def __init__(self, keep: int = 2, where: str = "memory", directory: str | os.PathLike | None = None):
+        self.keep, self.where = keep, where
+        self.directory = Path(directory) if directory is not None else None
+        self._items: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, snap: dict) -> None:
+        if self.where == "disk":
+            item = atomic_save(snap, self.directory / f"snapshot_step{snap['step']:08d}.pt")
+        else:
+            item = snap
+        self._items.append(item)
+        while len(self._items) > self.keep:
+            old = self._items.popleft()
+            if isinstance(old, Path):
+                old.unlink(missing_ok=True)
+
+    def latest(self) -> dict | None:
+        if not self._items:
+            return None
+        item = self._items[-1]
+        return load(item) if isinstance(item, Path) else item
+
+    def steps(self) -> list[int]:
+        return [int(i.stem.removeprefix("snapshot_step")) if isinstance(i, Path) else i["step"] for i in self._items]
+
+    def state_dict(self) -> dict:
+        """Disk snapshots survive a restart (their paths are kept); memory snapshots do not."""
+        return {"paths": [str(i) for i in self._items if isinstance(i, Path)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._items = deque(Path(p) for p in state.get("paths", []) if Path(p).exists())

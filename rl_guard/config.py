@@ -1,0 +1,220 @@
+"""Guard configuration: YAML schema, validation with key paths and line numbers, and defaults.
+
+All problems are collected and raised together as one ``ConfigError``. See ``configs/*.yaml`` for annotated presets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import glossary
+from .errors import ConfigError
+from .yaml_nodes import load_with_lines, read_source
+
+ACTIONS = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")
+OPS = (">", ">=", "<", "<=", "outside", "nonfinite")
+SEVERITIES = ("info", "warning", "error", "critical")
+SPIKE_METHODS = ("mad", "ema_z", "early_max")
+DIRECTIONS = ("up", "down", "both")
+FAIL_MODES = ("open", "closed")
+BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
+TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
+            "rules", "fail_mode", "sharded_grads", "log_every")
+RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
+             "cooldown_steps", "severity", "description")
+COND_KEYS = ("metric", "op", "threshold", "band", "spike")
+SPIKE_KEYS = ("method", "window", "threshold", "factor", "direction", "min_history")
+SECTION_KEYS = {
+    "snapshots": {"healthy_steps": int, "every": int, "keep": int, "where": ("memory", "disk")},
+    "rollback": {"max_rollbacks": int, "lr_scale": float, "skip_batches": int},
+    "checkpoint": {"dir": str, "keep": int},
+}
+DEFAULTS = {
+    "snapshots": {"healthy_steps": 3, "every": 10, "keep": 2, "where": "memory"},
+    "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "skip_batches": 0},
+    "checkpoint": {"dir": "checkpoints", "keep": 3},
+}
+
+
+@dataclass
+class GuardConfig:
+    rules: list[dict]
+    builtin_rules: dict[str, dict | None]
+    snapshots: dict = field(default_factory=lambda: dict(DEFAULTS["snapshots"]))
+    rollback: dict = field(default_factory=lambda: dict(DEFAULTS["rollback"]))
+    checkpoint: dict = field(default_factory=lambda: dict(DEFAULTS["checkpoint"]))
+    lag_buckets: tuple[int, ...] = (0, 1, 2, 3, 5, 9)
+    sinks: list = field(default_factory=lambda: ["jsonl"])
+    run_dir: str | None = None
+    fail_mode: str = "open"
+    sharded_grads: bool = False
+    log_every: int = 1
+    source_text: str = ""
+
+
+class _Checker:
+    def __init__(self, lines: dict[tuple, int]):
+        self.lines, self.errors = lines, []
+
+    def err(self, path: tuple, msg: str) -> None:
+        line = self.lines.get(path) or self.lines.get(path[:-1]) if path else None
+        self.errors.append((path, line, msg))
+
+    def keys(self, d: Any, allowed, path: tuple) -> bool:
+        if not isinstance(d, dict):
+            self.err(path, f"expected a mapping, got {type(d).__name__}")
+            return False
+        for k in d:
+            if k not in allowed:
+                self.err(path + (k,), f"unknown key {k!r}; allowed: {', '.join(allowed)}")
+        return True
+
+    def typed(self, d: dict, key: str, kind, path: tuple, minimum=None):
+        if key not in d:
+            return None
+        v, p = d[key], path + (key,)
+        if isinstance(kind, tuple):
+            if v not in kind:
+                self.err(p, f"{v!r} is not allowed; allowed values: {', '.join(map(str, kind))}")
+            return v
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+        if not ok:
+            self.err(p, f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
+        elif minimum is not None and v < minimum:
+            self.err(p, f"must be >= {minimum}, got {v!r}")
+        return v
+
+    def metric(self, d: dict, path: tuple) -> None:
+        name = d.get("metric")
+        if not isinstance(name, str):
+            self.err(path + ("metric",), "a metric name (string) is required, e.g. rl_guard/kl_ref/k3_mean")
+        elif not glossary.is_known(name):
+            hint = glossary.closest(name)
+            self.err(path + ("metric",), f"unknown metric {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                     + " (all names: see the glossary, rl_guard.glossary.GLOSSARY)")
+
+    def condition(self, d: dict, path: tuple) -> None:
+        self.metric(d, path)
+        has_op, has_spike = "op" in d, "spike" in d
+        if has_op == has_spike:
+            self.err(path, "give exactly one of 'op' (with threshold/band) or 'spike'")
+        if has_op:
+            op = self.typed(d, "op", OPS, path)
+            if op == "outside":
+                band = d.get("band")
+                if not (isinstance(band, list) and len(band) == 2 and all(isinstance(x, (int, float)) for x in band)):
+                    self.err(path + ("band",), "op 'outside' needs band: [low, high] (two numbers)")
+                elif band[0] >= band[1]:
+                    self.err(path + ("band",), f"band low must be < high, got {band}")
+            elif op in (">", ">=", "<", "<="):
+                if "threshold" not in d:
+                    self.err(path, f"op {op!r} needs a numeric 'threshold'")
+                self.typed(d, "threshold", float, path)
+        if has_spike:
+            self.spike(d["spike"], path + ("spike",))
+
+    def spike(self, s: Any, path: tuple) -> None:
+        if not self.keys(s, SPIKE_KEYS, path):
+            return
+        method = self.typed(s, "method", SPIKE_METHODS, path)
+        if method is None:
+            self.err(path, f"spike needs 'method'; allowed values: {', '.join(SPIKE_METHODS)}")
+        self.typed(s, "window", int, path, minimum=2)
+        self.typed(s, "threshold", float, path, minimum=0)
+        self.typed(s, "factor", float, path, minimum=1)
+        self.typed(s, "min_history", int, path, minimum=1)
+        self.typed(s, "direction", DIRECTIONS, path)
+        if method == "early_max" and "threshold" in s:
+            self.err(path + ("threshold",), "early_max uses 'factor' (x times the early max), not 'threshold'")
+
+    def rule(self, r: Any, path: tuple, names: set) -> None:
+        if not self.keys(r, RULE_KEYS, path):
+            return
+        name = r.get("name")
+        if not isinstance(name, str) or not name:
+            self.err(path + ("name",), "every rule needs a unique 'name' (string)")
+        elif name in names:
+            self.err(path + ("name",), f"duplicate rule name {name!r}")
+        names.add(name)
+        if "action" not in r:
+            self.err(path, f"rule needs an 'action'; allowed values: {', '.join(ACTIONS)}")
+        self.typed(r, "action", ACTIONS, path)
+        self.typed(r, "severity", SEVERITIES, path)
+        for k in ("warmup_steps", "cooldown_steps"):
+            self.typed(r, k, int, path, minimum=0)
+        self.typed(r, "patience", int, path, minimum=1)
+        groups = [k for k in ("all", "any") if k in r]
+        if groups:
+            if len(groups) > 1 or any(k in r for k in COND_KEYS):
+                self.err(path, "a composite rule has either 'all' or 'any' (a list of conditions) and no metric of its own")
+            subs = r[groups[0]]
+            if not isinstance(subs, list) or len(subs) < 2:
+                self.err(path + (groups[0],), "needs a list of at least two conditions")
+                return
+            for i, sub in enumerate(subs):
+                if self.keys(sub, COND_KEYS, path + (groups[0], i)):
+                    self.condition(sub, path + (groups[0], i))
+        else:
+            self.condition(r, path)
+
+
+def load_config(source) -> GuardConfig:
+    """Parse and validate a YAML file path or YAML text; raise ``ConfigError`` listing every problem."""
+    text, origin = read_source(source)
+    data, lines = load_with_lines(text, origin)
+    data = {} if data is None else data
+    c = _Checker(lines)
+    if not c.keys(data, TOP_KEYS, ()):
+        raise ConfigError(c.errors)
+    c.typed(data, "version", int, ())
+    c.typed(data, "run_dir", str, ())
+    c.typed(data, "fail_mode", FAIL_MODES, ())
+    c.typed(data, "sharded_grads", bool, ())
+    c.typed(data, "log_every", int, (), minimum=1)
+    sections = {}
+    for sec, spec in SECTION_KEYS.items():
+        given = data.get(sec) or {}
+        if c.keys(given, tuple(spec), (sec,)):
+            for k, kind in spec.items():
+                c.typed(given, k, kind, (sec,), minimum=None if isinstance(kind, tuple) or kind is str else 0)
+        sections[sec] = {**DEFAULTS[sec], **(given if isinstance(given, dict) else {})}
+    buckets = data.get("lag_buckets", [0, 1, 2, 3, 5, 9])
+    if not (isinstance(buckets, list) and buckets and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
+            and buckets[0] == 0 and all(a < b for a, b in zip(buckets, buckets[1:]))):
+        c.err(("lag_buckets",), f"lag_buckets must be increasing integers starting at 0 (lower bucket edges), got {buckets!r}")
+    builtins = _builtins(data.get("builtin_rules", {}), c)
+    rules = data.get("rules", [])
+    if not isinstance(rules, list):
+        c.err(("rules",), "rules must be a list of rule mappings")
+        rules = []
+    names: set = set()
+    for i, r in enumerate(rules):
+        c.rule(r, ("rules", i), names)
+    sinks = data.get("sinks", ["jsonl"])
+    if not isinstance(sinks, list):
+        c.err(("sinks",), "sinks must be a list, e.g. [jsonl, tensorboard, wandb, console]")
+    if c.errors:
+        raise ConfigError(c.errors)
+    return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=sinks,
+                       run_dir=data.get("run_dir"), fail_mode=data.get("fail_mode", "open"),
+                       sharded_grads=data.get("sharded_grads", False), log_every=data.get("log_every", 1),
+                       source_text=text, **sections)
+
+
+def _builtins(given: Any, c: _Checker) -> dict[str, dict | None]:
+    """Built-in non-finite rules: on (action skip_step) unless set to false."""
+    out = {name: {"action": "skip_step"} for name in BUILTINS}
+    if not c.keys(given, BUILTINS, ("builtin_rules",)):
+        return out
+    for name, value in given.items():
+        path = ("builtin_rules", name)
+        if value is False:
+            out[name] = None
+        elif isinstance(value, dict):
+            if c.keys(value, ("action",), path):
+                c.typed(value, "action", ACTIONS, path)
+                out[name] = {"action": value.get("action", "skip_step")}
+        elif value is not True:
+            c.err(path, "expected false (disable), true, or {action: ...}")
+    return out

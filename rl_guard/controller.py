@@ -1,0 +1,139 @@
+"""The controller evaluates every rule every step and returns a ``Decision`` (flags); adapters act on it.
+
+Ladder (as Lightning's EarlyStopping): non-finite checks first (built-ins and any non-finite value bypass warmup
+and patience), then thresholds, patience / consecutive-step rules, spike detectors and composites. Every rule is
+evaluated each step so all reasons are logged even after one fires.
+
+Precedence when several rules fire: rollback > checkpoint_and_halt > early_stop > skip_step > warn. Every action
+but ``warn`` drops the current update (the numbers that fired came from it). ``rollback`` escalates to
+``checkpoint_and_halt`` when no healthy snapshot exists or ``max_rollbacks`` is spent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .config import GuardConfig
+from .rules import History, Rule, Verdict, builtin_rules
+
+PRECEDENCE = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")
+
+
+@dataclass
+class Firing:
+    rule: Rule
+    verdict: Verdict
+    action: str
+    message: str
+    window: dict = field(default_factory=dict)  # metric -> values of the steps before the trigger
+
+
+@dataclass
+class Decision:
+    """Flags for the adapter. ``apply_step`` is False whenever the update must not reach the weights."""
+
+    step: int
+    action: str | None = None
+    firings: list[Firing] = field(default_factory=list)
+    escalated_from: str | None = None
+
+    @property
+    def warn(self) -> bool:
+        return bool(self.firings)
+
+    @property
+    def skip_step(self) -> bool:
+        return self.action in ("skip_step", "early_stop", "checkpoint_and_halt", "rollback")
+
+    @property
+    def apply_step(self) -> bool:
+        return not self.skip_step
+
+    @property
+    def stop(self) -> bool:
+        return self.action in ("early_stop", "checkpoint_and_halt")
+
+    @property
+    def save(self) -> bool:
+        return self.stop
+
+    @property
+    def rollback(self) -> bool:
+        return self.action == "rollback"
+
+    @property
+    def messages(self) -> list[str]:
+        return [f.message for f in self.firings]
+
+
+def message(rule: Rule, v: Verdict, step: int, rank: int, action: str) -> str:
+    """The one message template: ``[rule kl_spike] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step 812 (rank 3) -> halt``."""
+    return f"[rule {rule.name}] {v.reason} at step {step} (rank {rank}) -> {action}"
+
+
+class Controller:
+    def __init__(self, config: GuardConfig, rank: int = 0):
+        self.config, self.rank = config, rank
+        self.rules = builtin_rules(config.builtin_rules) + [Rule(r) for r in config.rules]
+        windows = [c.spike.get("window", 100) for r in self.rules for c in r.conditions if c.spike]
+        self.history = History(maxlen=max(windows + [64]), early=max(windows + [1]))
+        self.step = 0
+        self.consecutive = {r.name: 0 for r in self.rules}
+        self.last_fired = {r.name: -(10**9) for r in self.rules}
+        self.rollbacks = 0
+        self.skipped_steps = 0
+        self.missing_warned: set[str] = set()
+
+    def decide(self, metrics: dict[str, float], can_rollback: bool = True) -> Decision:
+        """Evaluate all rules on this step's metrics; update history and counters; return the decision."""
+        decision = Decision(step=self.step)
+        for rule in self.rules:
+            v = rule.evaluate(metrics, self.history)
+            if v.missing:
+                self.missing_warned.update(c.metric for c in rule.conditions if c.metric not in metrics)
+            self.consecutive[rule.name] = self.consecutive[rule.name] + 1 if v.fired else 0
+            if not v.fired or not self._armed(rule, v):
+                continue
+            self.last_fired[rule.name] = self.step
+            window = {m: self.history.values(m)[-32:] for m in rule.metrics}
+            decision.firings.append(Firing(rule, v, rule.action, "", window))
+        decision.action = max((f.action for f in decision.firings), key=PRECEDENCE.index, default=None)
+        if decision.action == "rollback" and (not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
+            decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
+        for f in decision.firings:
+            f.action = decision.action if f.action == "rollback" and decision.escalated_from else f.action
+            f.message = message(f.rule, f.verdict, self.step, self.rank, f.action)
+        # Finite values only: the robust detectors tolerate the odd spike in their window, and a refused value
+        # must keep counting, or a genuine regime change would be refused forever.
+        self.history.push({k: v for k, v in metrics.items() if math.isfinite(v)})
+        return decision
+
+    def _armed(self, rule: Rule, v: Verdict) -> bool:
+        if rule.bypasses_modifiers(v):
+            return True
+        if self.step < rule.warmup_steps or self.consecutive[rule.name] < rule.patience:
+            return False
+        return self.step - self.last_fired[rule.name] > rule.cooldown_steps
+
+    def step_done(self, decision: Decision) -> None:
+        """Count the step (applied, skipped or rolled back) and advance the guard's step counter."""
+        if decision.skip_step:
+            self.skipped_steps += 1
+        if decision.rollback:
+            self.rollbacks += 1
+        self.step += 1
+
+    def counters(self) -> dict[str, float]:
+        return {"rl_guard/guard/skipped_steps": float(self.skipped_steps), "rl_guard/guard/rollbacks": float(self.rollbacks)}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consecutive": dict(self.consecutive), "last_fired": dict(self.last_fired),
+                "rollbacks": self.rollbacks, "skipped_steps": self.skipped_steps, "history": self.history.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.rollbacks, self.skipped_steps = state["step"], state["rollbacks"], state["skipped_steps"]
+        self.consecutive.update(state["consecutive"])
+        self.last_fired.update(state["last_fired"])
+        self.history.load_state_dict(state["history"])
+

@@ -1,0 +1,112 @@
+"""Every emitted metric, documented once: formula, direction, reduction, typical range.
+
+Names are ``rl_guard/<family>/<stat>``. ``<q>`` is one of p01 p05 p25 p50 p75 p95 p99 (rank ``ceil(q n)``,
+from the histogram sketch; see ``rl_guard/sketch.py`` for the error bound). ``<bucket>`` is a policy-lag bucket
+(default 0, 1, 2, 3-4, 5-8, 9+), ``<i>`` an optimizer parameter-group index, ``<field>`` a token-batch field.
+All token statistics are over tokens with mask = 1 and finite inputs; "seq" statistics first reduce each
+sequence, then over sequences. Direction: which way is trouble.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+from .sketch import QUANTILE_NAMES
+
+_RATIO_STATS = ("mean", "min", "max", *QUANTILE_NAMES)
+
+GLOSSARY: dict[str, str] = {
+    "ratio/<stat>": "r = exp(logp - logp_old) per token (old = behaviour/rollout policy); stat in mean/min/max/<q>. "
+    "Token-level. ~1 on-policy (exactly 1 before the first update of a synchronous step); trouble: far from 1.",
+    "seq_ratio/<stat>": "GSPO sequence ratio exp(mean over the sequence's tokens of logp - logp_old); over sequences. ~1.",
+    "importance_weight/<stat>": "Decoupled PPO pi_theta / pi_prox per token; ~1, exactly 1 with one minibatch.",
+    "behave_imp_weight/<stat>": "Decoupled PPO pi_prox / pi_behave per token; ~1; drifts with staleness.",
+    "kl_old/<k>_mean": "KL(pi_old || pi_theta) estimated from tokens sampled by pi_old, log r = logp - logp_old: "
+    "k1 = -log r, k2 = (log r)^2/2, k3 = (r-1) - log r (unbiased, >= 0; Schulman 2020). Token mean. Up is trouble.",
+    "kl_old/<k>_seq_mean": "Mean over sequences of the per-sequence sum of the estimator (sequence-level KL).",
+    "kl_old/<k>_seq_max": "Max over sequences of the per-sequence sum: a few prompts drifting far hide in the mean.",
+    "kl_ref/<k>_mean": "KL(pi_theta || pi_ref), log r = logp_ref - logp, tokens from the sampling policy (taken as "
+    "pi_theta); k1/k2/k3 as for kl_old (k3 = TRL's per-token KL). Token mean. Up is trouble (target ~0.01-0.1).",
+    "kl_ref/<k>_seq_mean": "Mean over sequences of the per-sequence sum of the reference-KL estimator.",
+    "kl_ref/<k>_seq_max": "Max over sequences of the per-sequence sum of the reference-KL estimator.",
+    "entropy/<stat>": "Per-token entropy of pi_theta in nats; mean/min/max/<q>. Down toward 0 is collapse.",
+    "clip/low_frac": "Share of tokens with r < 1 - eps_low and A < 0 (PPO lower clip active). 0-0.3 typical.",
+    "clip/high_frac": "Share of tokens with r > 1 + eps_high and A > 0 (upper clip active).",
+    "clip/region_frac": "low_frac + high_frac; > 0.4 means updates too aggressive (seed 001). The clipped ratio is "
+    "importance_weight under decoupled PPO and the sequence ratio under GSPO.",
+    "adv/<stat>": "Advantages over loss tokens: mean, std (sample), min, max, zero_frac (exactly 0: no signal).",
+    "length/<stat>": "Response length per sequence (given, else mask sum): mean/min/max; truncated_frac = no-EOS share "
+    "(> 0.05 is trouble, seed 003).",
+    "reward/<stat>": "Per-sequence scalar reward: mean, std, min, max (finite values).",
+    "lag/mean": "Policy lag = current_version - sample version, token mean. 0 on synchronous runs.",
+    "lag/max": "Largest policy lag among loss tokens; compare with max_head_offpolicyness.",
+    "lag/<bucket>/token_frac": "Share of loss tokens whose lag falls in the bucket.",
+    "lag/<bucket>/ratio_p50": "Median of r = exp(logp - logp_old) within the bucket (version distance is not the ratio).",
+    "lag/<bucket>/ratio_p99": "99th percentile of r within the bucket.",
+    "lag/<bucket>/clip_frac": "Clip region fraction within the bucket.",
+    "lag/<bucket>/k3_mean": "k3 KL(pi_old || pi_theta) token mean within the bucket.",
+    "grad/norm": "Total L2 norm of all gradients seen before optimizer.step() (post-clip inside HF Trainer).",
+    "grad/norm_preclip": "Pre-clip total gradient norm as computed by the trainer, when the adapter can see it.",
+    "grad/max_abs": "max |g| over all gradient entries.",
+    "grad/nonfinite": "Number of parameter tensors whose gradient holds a NaN or inf.",
+    "grad/group<i>/norm": "L2 norm of parameter group i (only when the optimizer has several groups).",
+    "loss/value": "Sum of the micro-batch losses fed this step (NaN if any was non-finite).",
+    "loss/nonfinite": "Number of non-finite micro-batch losses this step.",
+    "tokens/count": "Loss tokens (mask = 1) seen this step.",
+    "tokens/microbatches": "Micro-batches fed this step.",
+    "input/<field>/nonfinite": "Masked entries of a token-batch field that are NaN or inf (excluded from statistics).",
+    "guard/skipped_steps": "Cumulative optimizer steps skipped by the guard.",
+    "guard/rollbacks": "Cumulative rollbacks performed.",
+    "guard/fired": "Rules that fired this step.",
+}
+
+_PLACEHOLDERS = {
+    "<stat>": "(?:" + "|".join(_RATIO_STATS + ("std", "zero_frac", "truncated_frac")) + ")",
+    "<k>": "k[123]",
+    "<bucket>": r"\d+(?:-\d+|\+)?",
+    "<i>": r"\d+",
+    "<field>": r"[a-z_]+",
+    "<q>": "(?:" + "|".join(QUANTILE_NAMES) + ")",
+}
+_extra_patterns: dict[str, str] = {}
+
+
+def register(pattern: str, doc: str) -> None:
+    """Add metrics from an extension (e.g. run diagnostics) so rules may name them."""
+    _extra_patterns[pattern] = doc
+
+
+def _regex(pattern: str) -> re.Pattern:
+    body = re.escape(pattern)
+    for ph, rx in _PLACEHOLDERS.items():
+        body = body.replace(re.escape(ph), rx)
+    return re.compile(body + r"\Z")
+
+
+def all_patterns() -> dict[str, str]:
+    return {**GLOSSARY, **_extra_patterns}
+
+
+def is_known(name: str) -> bool:
+    short = name.removeprefix("rl_guard/")
+    return any(_regex(p).match(short) for p in all_patterns())
+
+
+def example_names() -> list[str]:
+    """Concrete names (placeholders filled with common values) used for 'did you mean' suggestions."""
+    fills = {"<stat>": _RATIO_STATS + ("std", "zero_frac", "truncated_frac"), "<k>": ("k1", "k2", "k3"),
+             "<bucket>": ("0", "1", "2", "3-4", "5-8", "9+"), "<i>": ("0", "1"),
+             "<field>": ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages", "rewards"), "<q>": QUANTILE_NAMES}
+    names = []
+    for pattern in all_patterns():
+        expanded = [pattern]
+        for ph, values in fills.items():
+            expanded = [e.replace(ph, v) for e in expanded for v in values] if any(ph in e for e in expanded) else expanded
+        names.extend("rl_guard/" + e for e in expanded)
+    return names
+
+
+def closest(name: str) -> str | None:
+    match = difflib.get_close_matches(name if name.startswith("rl_guard/") else "rl_guard/" + name, example_names(), n=1, cutoff=0.5)
+    return match[0] if match else None

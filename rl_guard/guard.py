@@ -1,0 +1,174 @@
+"""``Guard``: the framework-agnostic guard a training loop (or an adapter) calls.
+
+A plain PyTorch loop::
+
+    guard = Guard.from_yaml("configs/ppo.yaml", run_dir="runs/ppo").attach(model, optimizer, scheduler)
+    for batch in loader:
+        for mb in micro_batches(batch):
+            loss = loss_fn(mb)
+            guard.observe(TokenBatch(...), loss=loss)   # device-side, no sync
+            loss.backward()
+        decision = guard.check()                        # grads probe, ONE host transfer, rules, actions
+        if decision.apply_step:
+            optimizer.step(); scheduler.step()
+        optimizer.zero_grad()
+        guard.step_done()                               # healthy snapshots, step counter
+        if decision.stop:
+            break
+    guard.close()
+
+Failure policy (``fail_mode``): an internal error of the guard itself (a bug, a backend failure) never kills the
+run in the default ``open`` mode: it warns once with the traceback and lets that step through unguarded, except
+that a non-finite gradient still drops the update (checked independently of the failed part). In ``closed`` mode
+an internal error is treated as ``checkpoint_and_halt``. Errors in what the caller passes (``BatchError``,
+``EmptyMaskError``, ``ConfigError``) are always raised: they are bugs upstream, not guard failures.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import distributed
+from .accumulate import StepAccumulator
+from .actions import Actions
+from .batch import BatchError, EmptyMaskError, TokenBatch
+from .config import GuardConfig, load_config
+from .controller import Controller, Decision
+from .grads import any_nonfinite_grad, param_groups_of, probe_grads
+from .probe_batch import probe_batch
+from .probes import Partial, loss_stats
+from .state import TrainState
+from .summarize import summarize
+
+
+class Guard:
+    def __init__(self, config: GuardConfig, run_dir: str | Path | None = None, sinks=None):
+        self.config = config
+        self.rank, self.world_size = distributed.rank_and_world()
+        self.run_dir = Path(run_dir or config.run_dir or "runs/rl_guard")
+        self.controller = Controller(config, rank=self.rank)
+        self._acc = StepAccumulator()
+        self.state: TrainState | None = None
+        self.actions = Actions(self)
+        self.last_metrics: dict[str, float] = {}
+        self.last_histograms: dict = {}
+        self.last_decision: Decision | None = None
+        self.internal_failures = 0
+        self._sinks = None
+        self._sink_spec = sinks if sinks is not None else config.sinks
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(config.source_text or "# defaults\n", encoding="utf-8")
+
+    @classmethod
+    def from_yaml(cls, source, run_dir=None, sinks=None) -> "Guard":
+        """Build from a YAML path or YAML text (validated at once; raises ``ConfigError``)."""
+        return cls(load_config(source), run_dir=run_dir, sinks=sinks)
+
+    # -- wiring ----------------------------------------------------------------------------------------------------
+    def attach(self, model, optimizer=None, scheduler=None, **extra) -> "Guard":
+        """Give the guard the state its actions work on (``extra``: objects with state_dict/load_state_dict)."""
+        self.state = TrainState(model, optimizer, scheduler, extra)
+        return self
+
+    @property
+    def sinks(self):
+        if self._sinks is None:
+            from .sinks import build_sinks
+
+            self._sinks = build_sinks(self._sink_spec, self.run_dir, is_main_process=self.rank == 0)
+            self._sinks.start(self.run_dir, resume_step=self.controller.step - 1 if self.controller.step else None)
+        return self._sinks
+
+    @property
+    def step(self) -> int:
+        return self.controller.step
+
+    # -- per micro-batch ---------------------------------------------------------------------------------------------
+    def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
+        """Accumulate one micro-batch's statistics on the device (no host sync)."""
+        try:
+            if batch is not None:
+                self._acc.add(probe_batch(batch, self.config.lag_buckets))
+            if loss is not None:
+                p = Partial()
+                loss_stats(p, loss)
+                self._acc.add(p)
+        except BatchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the guard must not take the run down
+            self._internal_failure("observe", exc)
+
+    # -- per optimizer step --------------------------------------------------------------------------------------------
+    def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
+        """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
+        params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
+        try:
+            if params is not None:
+                self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=self.config.sharded_grads))
+            raw = self._acc.finish(distributed.reducer())
+            if raw.get("tokens.empty_microbatches", [0])[0] > 0:
+                raise EmptyMaskError(
+                    f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an all-zero "
+                    "mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no data'.")
+            metrics, hists = summarize(raw, self.config.lag_buckets)
+            decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
+        except (BatchError, distributed.RankMismatch):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return self._fail(exc, params)
+        metrics.update(self.controller.counters())
+        metrics["rl_guard/guard/fired"] = float(len(decision.firings))
+        self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
+        self.actions.apply(decision, params, defer_restore=defer_restore)
+        return decision
+
+    def step_done(self) -> None:
+        """Report that the step happened (applied or skipped): log, snapshot if healthy, advance the counter."""
+        decision = self.last_decision or Decision(step=self.step)
+        if self.step % self.config.log_every == 0 or decision.firings:
+            self._safe(lambda: self.sinks.log(self.last_metrics, self.step, self.last_histograms), "log")
+        self.actions.after_step(decision)
+        self.controller.step_done(decision)
+        self.last_decision = None
+
+    def close(self) -> None:
+        if self._sinks is not None:
+            self._sinks.finish()
+
+    # -- failure policy -------------------------------------------------------------------------------------------------
+    def _fail(self, exc: Exception, params) -> Decision:
+        self._internal_failure("check", exc)
+        decision = Decision(step=self.step)
+        if self.config.fail_mode == "closed":
+            decision.action = "checkpoint_and_halt"
+        elif params is not None and any_nonfinite_grad(param_groups_of(params)):
+            decision.action = "skip_step"
+        self.last_metrics, self.last_histograms, self.last_decision = self.controller.counters(), {}, decision
+        self.actions.apply(decision, params, defer_restore=False)
+        return decision
+
+    def _internal_failure(self, where: str, exc: Exception) -> None:
+        self.internal_failures += 1
+        self._acc = StepAccumulator()
+        warnings.warn(f"rl_guard internal failure in {where} at step {self.step} (fail_mode={self.config.fail_mode}): "
+                      f"{exc!r}\n{traceback.format_exc()}", RuntimeWarning, stacklevel=3)
+
+    def _safe(self, fn, what: str) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            self._internal_failure(what, exc)
+
+    # -- persistence ------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(), "time": time.time()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["controller"])
+        self.actions.load_state_dict(state["actions"])

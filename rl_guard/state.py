@@ -1,0 +1,98 @@
+"""The small state protocol actions work on: model, optimizer, scheduler, RNG states, step, data cursor.
+
+``capture()`` copies everything to host memory (tensors cloned, so later training cannot alias them);
+``restore()`` loads it back bit for bit. Everything captured is plain tensors / containers, so it can be saved
+and loaded with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _to_host(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"key": np_state[0], "pos": torch.from_numpy(np_state[1].astype(np.int64)), "rest": list(np_state[2:])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state["key"], np_state["pos"].numpy().astype(np.uint32), *np_state["rest"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(obj):
+    # torch.save round-trips tuples as tuples, but a JSON/other path may give lists; random.setstate wants tuples.
+    return tuple(_as_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+@dataclass
+class TrainState:
+    """What the guard may snapshot and restore. ``extra`` holds objects with ``state_dict``/``load_state_dict``
+    (a data cursor, a sampler, a reward normaliser...)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def capture(self, step: int) -> dict:
+        snap = {"step": step, "model": _to_host(self.model.state_dict()), "rng": rng_state()}
+        if self.optimizer is not None:
+            snap["optimizer"] = _to_host(self.optimizer.state_dict())
+        if self.scheduler is not None:
+            snap["scheduler"] = _to_host(self.scheduler.state_dict())
+        snap["extra"] = {k: _to_host(v.state_dict()) for k, v in self.extra.items()}
+        return snap
+
+    def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
+        self.model.load_state_dict(snap["model"])
+        if self.optimizer is not None and "optimizer" in snap:
+            self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        if self.scheduler is not None and "scheduler" in snap:
+            self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        for k, v in self.extra.items():
+            if k in snap["extra"]:
+                v.load_state_dict(copy.deepcopy(snap["extra"][k]))
+        set_rng_state(snap["rng"])
+        if lr_scale != 1.0:
+            scale_lr(self.optimizer, self.scheduler, lr_scale)
+
+
+def scale_lr(optimizer, scheduler, factor: float) -> None:
+    """Scale the learning rate now and in the schedule (schedulers recompute lr from ``base_lrs``)."""
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        if hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]

@@ -1,0 +1,49 @@
+"""Safe YAML loading that remembers the line of every key, so errors can point at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError
+
+
+def read_source(source) -> tuple[str, str]:
+    """(yaml_text, origin) from a path or YAML text. A one-line string naming no existing file is a path error."""
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and ":" not in source):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError([(("",), None, f"config file not found: {source}")])
+        return path.read_text(encoding="utf-8"), str(path)
+    return str(source), "<yaml text>"
+
+
+def load_with_lines(text: str, origin: str) -> tuple[object, dict[tuple, int]]:
+    """Parse with ``yaml.SafeLoader`` only; return (data, {key path: 1-based line})."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise ConfigError([(("",), line, f"{origin}: not valid YAML: {getattr(exc, 'problem', exc)}")]) from None
+    finally:
+        loader.dispose()
+    lines: dict[tuple, int] = {}
+    if node is not None:
+        _walk(node, (), lines)
+    return data, lines
+
+
+def _walk(node, path: tuple, lines: dict) -> None:
+    lines.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            child = path + (key_node.value,)
+            lines[child] = key_node.start_mark.line + 1
+            _walk(value_node, child, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _walk(item, path + (i,), lines)

@@ -1,0 +1,144 @@
+"""WandbSink against real offline runs; the binary .wandb log is read back record by record."""
+
+import json
+import math
+import struct
+import warnings
+
+import numpy as np
+import pytest
+
+wandb = pytest.importorskip("wandb")
+from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
+
+from rl_guard.sinks import WandbSink  # noqa: E402
+
+_BLOCK = 32768  # leveldb-log block size used by the .wandb format
+
+
+def read_records(path):
+    """Decode a .wandb file: 7-byte file header, then leveldb-log records of protobuf `Record`s."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            pos += left - 7 - length
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST extend
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            yield rec
+
+
+def _key(item):
+    return "/".join(item.nested_key) if item.nested_key else item.key
+
+
+def load_run(root):
+    (path,) = root.rglob("run-*.wandb")
+    history, summary, alerts = [], {}, []
+    for rec in read_records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+        elif kind == "summary":
+            summary.update({_key(i): json.loads(i.value_json) for i in rec.summary.update})
+        elif kind == "alert":
+            alerts.append(rec.alert)
+    return path.parent, history, summary, alerts
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+        path = tmp_path / "wandb_home" / var.lower()
+        path.mkdir(parents=True)  # wandb silently falls back to the cwd if WANDB_DIR is missing
+        monkeypatch.setenv(var, str(path))
+    wandb.teardown()  # wandb caches env-derived settings per process; re-read ours
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
+def _incident(step, rule, severity="error"):
+    return {"step": step, "rule": rule, "metric": "rl_guard/kl_ref/k3_mean", "value": 0.31, "op": ">",
+            "threshold": 0.2, "action": "warn", "severity": severity, "rank": 0, "checkpoint": None,
+            "window": {"rl_guard/kl_ref/k3_mean": [0.1, 0.31]}, "time": 1.0,
+            "message": f"[rule {rule}] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step {step} (rank 0) -> warn"}
+
+
+def test_own_offline_run(offline, monkeypatch):
+    monkeypatch.delenv("WANDB_DIR")  # no user choice -> files go under the run dir
+    run_dir = offline / "run"
+    sink = WandbSink(init={"project": "rl_guard_test", "mode": "offline"})
+    sink.start(run_dir)
+    assert wandb.run is not None
+    edges, counts = np.linspace(0.0, 2.0, 5), np.array([1, 5, 3, 1])
+    for step in (1, 2, 3):
+        sink.log({"rl_guard/ratio/p50": 1.0 + step / 10, "rl_guard/loss/nonfinite": float("nan")}, step,
+                 histograms={"rl_guard/ratio": (edges, counts)})
+    sink.incident(_incident(3, "kl_spike"))
+    sink.incident(_incident(3, "kl_spike"))  # same rule within alert_every_s: no second alert
+    sink.incident(_incident(3, "ratio_tail", severity="warn"))
+    sink.finish()
+    assert wandb.run is None  # we started it, so we finished it
+
+    files_dir, history, summary, alerts = load_run(run_dir / "wandb")
+    rows = [h for h in history if "rl_guard/step" in h]
+    assert [h["rl_guard/step"] for h in rows] == [1, 2, 3] and [h["_step"] for h in rows] == [1, 2, 3]
+    assert [h["rl_guard/ratio/p50"] for h in rows] == pytest.approx([1.1, 1.2, 1.3])
+    assert all(math.isnan(h["rl_guard/loss/nonfinite"]) for h in rows)
+    assert rows[0]["rl_guard/ratio/_type"] == "histogram" and rows[0]["rl_guard/ratio/values"] == [1, 5, 3, 1]
+    assert [(a.title, a.level) for a in alerts] == [("rl_guard: kl_spike", "ERROR"), ("rl_guard: ratio_tail", "WARN")]
+    assert alerts[0].text.startswith("[rule kl_spike]") and alerts[0].wait_duration == 300_000
+    assert summary["rl_guard/incident_count"] == 3
+    assert summary["rl_guard/last_incident"].startswith("[rule ratio_tail]")
+    assert summary["rl_guard/incidents"]["nrows"] == 3
+    tables = sorted(files_dir.rglob("incidents_summary_*.table.json"), key=lambda p: p.stat().st_mtime)
+    table = json.loads(tables[-1].read_text())
+    col = table["columns"].index("rule")
+    assert [r[col] for r in table["data"]] == ["kl_spike", "kl_spike", "ratio_tail"]
+
+
+def test_logs_into_active_run_without_owning_it(offline):
+    run = wandb.init(project="trainer_run", mode="offline", dir=str(offline / "trainer"))
+    run.log({"train/loss": 1.0})  # the trainer advances wandb's own step counter
+    run.log({"train/loss": 0.5})
+    sink = WandbSink(alerts=False)
+    sink.start(offline / "run")
+    sink.log({"rl_guard/grad/norm": 2.5}, 7)
+    sink.incident(_incident(7, "kl_spike"))
+    sink.finish()
+    assert wandb.run is run  # the trainer's run stays open
+    run.finish()
+    _, history, summary, alerts = load_run(offline / "trainer")
+    print(history, summary, [(p, p.stat().st_size) for p in (offline / "trainer").rglob("*.wandb")])
+    (row,) = [h for h in history if "rl_guard/grad/norm" in h]
+    assert row["rl_guard/step"] == 7 and row["rl_guard/grad/norm"] == 2.5
+    assert summary["rl_guard/incident_count"] == 1 and alerts == []
+
+
+def test_no_run_and_no_init_warns_once_and_drops(offline):
+    sink = WandbSink()
+    sink.start(offline / "run")
+    with pytest.warns(RuntimeWarning, match="no active wandb run") as rec:
+        sink.log({"rl_guard/grad/norm": 1.0}, 1)
+        sink.log({"rl_guard/grad/norm": 1.0}, 2)
+        sink.incident(_incident(2, "r"))
+    assert len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sink.finish()
+    assert not list(offline.rglob("*.wandb"))
