@@ -65,11 +65,9 @@ def offline(tmp_path, monkeypatch):
         path = tmp_path / "wandb_home" / var.lower()
         path.mkdir(parents=True)  # wandb silently falls back to the cwd if WANDB_DIR is missing
         monkeypatch.setenv(var, str(path))
-    wandb.teardown()  # wandb caches env-derived settings per process; re-read ours
     yield tmp_path
     if wandb.run is not None:
         wandb.run.finish()
-    wandb.teardown()
 
 
 def _incident(step, rule, severity="error"):
