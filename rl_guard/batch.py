@@ -55,6 +55,7 @@ class TokenBatch:
     eps_low: float = 0.2
     eps_high: float = 0.2
     importance_sampling_level: str = "token"
+    allow_empty_mask: bool = False  # e.g. TRL's mask_truncated_completions can legitimately zero a micro-batch
 
     def __post_init__(self) -> None:
         lp = self._tensor("logprobs", self.logprobs)

@@ -40,7 +40,7 @@ from .batch import BatchError, EmptyMaskError, TokenBatch
 from .config import GuardConfig, load_config
 from .controller import Controller, Decision
 from .grads import any_nonfinite_grad, param_groups_of, probe_grads
-from .probe_batch import probe_batch
+from .probe_batch import probe_batch, sequence_stats
 from .probes import Partial, loss_stats
 from .state import TrainState
 from .summarize import summarize
@@ -58,6 +58,7 @@ class Guard:
         self.last_metrics: dict[str, float] = {}
         self.last_histograms: dict = {}
         self.last_decision: Decision | None = None
+        self.last_logged: dict[str, float] = {}  # metrics of the last completed step (adapters merge these into logs)
         self.internal_failures = 0
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
@@ -104,6 +105,15 @@ class Guard:
         except Exception as exc:  # noqa: BLE001 - the guard must not take the run down
             self._internal_failure("observe", exc)
 
+    def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
+        """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
+        p = Partial()
+        try:
+            sequence_stats(p, lengths=lengths, truncated=truncated, rewards=rewards)
+            self._acc.add(p)
+        except Exception as exc:  # noqa: BLE001
+            self._internal_failure("observe_sequences", exc)
+
     # -- per optimizer step --------------------------------------------------------------------------------------------
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
@@ -135,6 +145,7 @@ class Guard:
             self._safe(lambda: self.sinks.log(self.last_metrics, self.step, self.last_histograms), "log")
         self.actions.after_step(decision)
         self.controller.step_done(decision)
+        self.last_logged = dict(self.last_metrics)
         self.last_decision = None
 
     def close(self) -> None:

@@ -26,7 +26,8 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES) -> Partial:
     p = Partial()
     mask = b.mask.reshape(-1).bool()
     p.add_sum("tokens.count", mask.sum())
-    p.add_sum("tokens.empty_microbatches", (~mask.any()).to(torch.int64))
+    if not b.allow_empty_mask:
+        p.add_sum("tokens.empty_microbatches", (~mask.any()).to(torch.int64))
     p.add_sum("tokens.microbatches", torch.ones((), device=b.device))
 
     logp = b.flat(b.logprobs)
@@ -77,11 +78,17 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES) -> Partial:
 
 
 def _sequence_stats(p: Partial, b: TokenBatch, mask: torch.Tensor) -> None:
-    lengths = b.lengths.float() if b.lengths is not None else b.seq_sum(mask.float())
-    all_seqs = torch.ones_like(lengths, dtype=torch.bool)
-    value_stats(p, "length", lengths, all_seqs)
-    if b.truncated is not None:
-        p.add_sum("length.truncated", b.truncated.bool().sum())
-    if b.rewards is not None:
-        rewards = b.rewards.float()
+    lengths = b.lengths if b.lengths is not None else b.seq_sum(mask.float())
+    sequence_stats(p, lengths=lengths, truncated=b.truncated, rewards=b.rewards)
+
+
+def sequence_stats(p: Partial, lengths=None, truncated=None, rewards=None) -> None:
+    """Per-sequence statistics: lengths, truncated (no-EOS) share, scalar rewards (finite values only)."""
+    if lengths is not None:
+        value_stats(p, "length", lengths.float(), torch.ones_like(lengths, dtype=torch.bool))
+    if truncated is not None:
+        p.add_sum("length.truncated", truncated.bool().sum())
+    if rewards is not None:
+        rewards = rewards.float()
+        all_seqs = torch.ones_like(rewards, dtype=torch.bool)
         value_stats(p, "reward", rewards, nonfinite(p, "rewards", rewards, all_seqs), squares=True)

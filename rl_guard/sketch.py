@@ -54,7 +54,7 @@ class SketchSpec:
 
 # Log-ratios live near 0 (|log r| ~ 1e-3 matters); entropies in nats up to ~log(vocab).
 LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, bins=2048)
-ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, bins=1024)
+ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, bins=4096)
 
 
 def cell_index(x: torch.Tensor, spec: SketchSpec) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""TRL / transformers adapter: ``GRPOTrainer(..., callbacks=[RLGuardCallback("configs/grpo.yaml")])``.
+
+Supported: trl >= 1.0, < 2 (matched against trl 1.16.0) and transformers >= 5.0, < 6 (matched against 5.24.0).
+
+A ``TrainerCallback`` receives no trainer object, so at ``on_train_begin`` the callback finds the trainer that is
+calling it (the caller's frame whose ``callback_handler`` holds this callback) and wraps, on that instance only,
+these methods. Each wrapper calls the original with the same arguments and returns its result unchanged; it only
+reads tensors (detached, under ``no_grad``) and never draws random numbers, so loss, gradients and the RNG stream
+are untouched. The wrappers are removed at ``on_train_end``.
+
+TRL internals relied on (GRPOTrainer): ``_get_per_token_logps_and_entropies`` (returns per-token log-probs and
+entropies used by the loss), ``compute_loss(model, inputs)`` with ``inputs`` keys ``completion_ids``,
+``completion_mask``, ``tool_mask``, ``advantages``, ``old_per_token_logps`` (absent when fully on-policy: TRL then
+uses the detached current log-probs, so the guard reports the ratio as exactly 1), ``ref_per_token_logps``
+(``beta != 0``), ``sampling_per_token_logps`` / ``importance_sampling_ratio`` (vLLM), attributes ``epsilon_low``,
+``epsilon_high``, ``importance_sampling_level``, ``eos_token_ids``, ``mask_truncated_completions``,
+``num_generations``, ``reward_weights``, ``reward_func_names``, ``_buffered_inputs`` (cleared after a rollback
+so TRL regenerates instead of training on rollouts of the diverged policy); ``_calculate_rewards`` (per-function rewards
+gathered over processes, before TRL turns NaN into 0); ``log(logs)``. transformers ``Trainer``:
+``_clip_grad_norm`` (returns the pre-clip norm) and the ``on_pre_optimizer_step`` / ``on_step_end`` events.
+A plain transformers ``Trainer`` gets the gradient, loss and non-finite rules (no token statistics).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import torch
+
+from .. import Guard, TokenBatch
+from ..errors import GuardHalted  # noqa: F401 - part of the adapter's public surface
+
+SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
+logger = logging.getLogger("rl_guard")
+
+
+def check_versions() -> None:
+    """Fail clearly outside the supported range."""
+    import importlib.metadata as md
+
+    for pkg, (lo, hi) in SUPPORTED.items():
+        try:
+            version = md.version(pkg)
+        except md.PackageNotFoundError:
+            if pkg == "trl":
+                continue  # a plain transformers Trainer needs no trl
+            raise
+        parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+        if not lo <= parts < hi:
+            raise RuntimeError(f"rl_guard's TRL adapter supports {pkg} >= {'.'.join(map(str, lo))}, < "
+                               f"{'.'.join(map(str, hi))}; found {pkg} {version}")
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class RLGuardCallback(_callback_base()):
+    """Guard a transformers / TRL trainer. ``guard``: a YAML path, YAML text, or a ``Guard``."""
+
+    def __init__(self, guard="configs/grpo.yaml", run_dir: str | None = None):
+        check_versions()
+        self.guard = guard if isinstance(guard, Guard) else Guard.from_yaml(guard, run_dir=run_dir)
+        self.trainer = None
+        self._originals: dict[str, object] = {}
+        self._in_loss = False
+        self._captured = None
+        self._preclip = None
+        self._on_policy_noted = False
+
+    # -- finding the trainer and wrapping its methods -----------------------------------------------------------
+    def _find_trainer(self):
+        frame = inspect.currentframe()
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None)
+            if handler is not None and self in getattr(handler, "callbacks", ()):
+                return candidate
+            frame = frame.f_back
+        raise RuntimeError("RLGuardCallback could not find the Trainer calling it; pass it in `callbacks=[...]`")
+
+    def _wrap(self, name: str, make) -> None:
+        original = getattr(self.trainer, name, None)
+        if original is None:
+            return
+        self._originals[name] = original
+        setattr(self.trainer, name, functools.wraps(original)(make(original)))
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        self.trainer = self._find_trainer()
+        self.guard.attach(model, optimizer, lr_scheduler)
+        self._wrap("_get_per_token_logps_and_entropies", self._wrap_logps)
+        self._wrap("compute_loss", self._wrap_loss)
+        self._wrap("_calculate_rewards", self._wrap_rewards)
+        self._wrap("_clip_grad_norm", self._wrap_clip)
+        self._wrap("log", self._wrap_log)
+
+    def on_train_end(self, args, state, control, **kw):
+        for name in self._originals:
+            self.trainer.__dict__.pop(name, None)
+        self._originals.clear()
+        self.guard.close()
+
+    def _wrap_logps(self, original):
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self._in_loss:
+                self._captured = out
+            return out
+        return wrapper
+
+    def _wrap_loss(self, original):
+        def wrapper(model, inputs, *args, **kwargs):
+            self._in_loss, self._captured = True, None
+            try:
+                out = original(model, inputs, *args, **kwargs)
+            finally:
+                self._in_loss = False
+            loss = out[0] if isinstance(out, tuple) else out
+            if model.training:
+                self.guard.observe(self._token_batch(inputs), loss=loss.detach())
+            return out
+        return wrapper
+
+    def _wrap_rewards(self, original):
+        def wrapper(*args, **kwargs):
+            per_func = original(*args, **kwargs)
+            if self.trainer.model.training:
+                weights = self.trainer.reward_weights.to(per_func.device)
+                # Unlike TRL's nansum, a NaN from any reward function stays visible to the guard.
+                self.guard.observe_sequences(rewards=(per_func * weights).sum(1))
+            return per_func
+        return wrapper
+
+    def _wrap_clip(self, original):
+        def wrapper(*args, **kwargs):
+            norm = original(*args, **kwargs)
+            self._preclip = norm
+            return norm
+        return wrapper
+
+    def _wrap_log(self, original):
+        def wrapper(logs, *args, **kwargs):
+            if "loss" in logs:  # training logs only; every report_to backend then receives rl_guard/* too
+                logs.update(self.guard.last_logged)
+            return original(logs, *args, **kwargs)
+        return wrapper
+
+    # -- translating TRL tensors --------------------------------------------------------------------------------
+    def _token_batch(self, inputs) -> TokenBatch | None:
+        if self._captured is None or "completion_mask" not in inputs:
+            return None
+        t = self.trainer
+        logps, entropies = self._captured[0], self._captured[1]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        old = inputs.get("old_per_token_logps")
+        if old is None:
+            old = logps.detach()
+            if not self._on_policy_noted:
+                logger.info("rl_guard: TRL is fully on-policy here (no old_per_token_logps); the importance ratio "
+                            "is exactly 1 by construction and reported as such")
+                self._on_policy_noted = True
+        behaviour, prox = old, None
+        if inputs.get("sampling_per_token_logps") is not None:
+            behaviour, prox = inputs["sampling_per_token_logps"], old  # vLLM sampler vs trainer's old policy
+        completion_ids = inputs["completion_ids"]
+        eos = torch.tensor(t.eos_token_ids, device=completion_ids.device)
+        truncated = ~(torch.isin(completion_ids, eos) & inputs["completion_mask"].bool()).any(1)
+        return TokenBatch(
+            logprobs=logps.detach(), mask=mask.bool(), old_logprobs=behaviour.detach(), prox_logprobs=prox,
+            ref_logprobs=inputs.get("ref_per_token_logps"), entropy=None if entropies is None else entropies.detach(),
+            advantages=inputs["advantages"], lengths=inputs["completion_mask"].sum(1), truncated=truncated,
+            eps_low=float(t.epsilon_low), eps_high=float(t.epsilon_high),
+            importance_sampling_level=getattr(t, "importance_sampling_level", "token"),
+            allow_empty_mask=bool(getattr(t, "mask_truncated_completions", False)),
+        )
+
+    # -- acting before and after the optimizer step -------------------------------------------------------------
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kw):
+        preclip, self._preclip = self._preclip, None
+        decision = self.guard.check(params=optimizer if optimizer is not None else model, pre_clip_norm=preclip,
+                                    defer_restore=True)
+        if decision.stop:
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+    def on_step_end(self, args, state, control, **kw):
+        restored = self.guard.actions.restore_pending()
+        if restored is not None:
+            # Rollouts buffered from the diverged policy must not be trained on: TRL regenerates when this is None.
+            if hasattr(self.trainer, "_buffered_inputs"):
+                self.trainer._buffered_inputs = None
+            logger.warning(f"rl_guard: rolled back to the healthy state of guard step {restored}; "
+                           f"trainer global_step keeps counting ({state.global_step})")
+        self.guard.step_done()
+        return control

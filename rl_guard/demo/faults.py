@@ -1,0 +1,65 @@
+"""Fault injection into a real transformers/TRL training run (for the demo and the tests).
+
+``FaultInjector`` is a ``TrainerCallback``; put it *before* ``RLGuardCallback`` in ``callbacks`` so a gradient fault
+is in place when the guard looks. Faults:
+- ``lr_blowup``: from ``at_step`` on, the learning rate (and the scheduler's base rates) jumps by ``factor``.
+- ``lr_ramp``: from ``at_step`` on, the learning rate grows by ``factor`` every step (a gradual fault).
+- ``inf_grad``: one gradient entry becomes +inf at ``at_step``.
+- ``nan_reward``: the reward function returns NaN for one completion at ``at_step`` (see ``faulty_reward``).
+- ``ratio_drift``: at ``at_step`` the weights are perturbed between generation and training, so the buffered
+  behaviour log-probs come from another policy (needs ``steps_per_generation`` or ``num_iterations`` > 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import TrainerCallback
+
+from ..state import scale_lr
+
+FAULTS = ("none", "lr_blowup", "lr_ramp", "inf_grad", "nan_reward", "ratio_drift")
+
+
+class FaultInjector(TrainerCallback):
+    def __init__(self, fault: str = "none", at_step: int = 10, factor: float | None = None):
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; allowed: {', '.join(FAULTS)}")
+        self.fault, self.at_step = fault, at_step
+        self.factor = factor if factor is not None else {"lr_blowup": 100.0, "lr_ramp": 2.0}.get(fault, 1.0)
+        self.current_step = 0
+        self.injected_at: list[int] = []
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        self.current_step = state.global_step
+        step = state.global_step
+        if self.fault == "lr_blowup" and step == self.at_step or self.fault == "lr_ramp" and step >= self.at_step:
+            scale_lr(optimizer, lr_scheduler, self.factor)
+            self.injected_at.append(step)
+        if self.fault == "ratio_drift" and step == self.at_step:
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(1234)
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.5 * p.detach().float().std().clamp(min=1e-3))
+            self.injected_at.append(step)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if self.fault == "inf_grad" and state.global_step == self.at_step:
+            p = next(p for p in model.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = math.inf
+            self.injected_at.append(state.global_step)
+
+    def faulty_reward(self, base):
+        """Wrap a reward function so it returns NaN for one completion at ``at_step`` (fault ``nan_reward``)."""
+
+        def reward(prompts, completions, **kwargs):
+            out = list(base(prompts, completions, **kwargs))
+            if self.fault == "nan_reward" and self.current_step == self.at_step and not self.injected_at:
+                out[0] = float("nan")
+                self.injected_at.append(self.current_step)
+            return out
+
+        reward.__name__ = base.__name__
+        return reward
+
