@@ -96,8 +96,9 @@ class ConsoleSink(Sink):
     def incident(self, record: dict) -> None:
         message = str(record.get("message", record))
         if self._console is not None:
-            # markup=False: messages start with "[rule ...]", which rich would eat as a tag.
-            self._console.print(message, style="bold red", markup=False)
+            # markup=False: messages start with "[rule ...]", which rich would eat as a tag;
+            # soft_wrap: keep one incident on one line so logs stay grep-able.
+            self._console.print(message, style="bold red", markup=False, soft_wrap=True)
         else:
             print(message, file=self._out(), flush=True)
 

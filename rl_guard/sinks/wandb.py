@@ -2,8 +2,9 @@
 
 Logs into the active `wandb.run` (e.g. the one a trainer started); only when configured with
 `init={...}` kwargs and no run is active does it start (and later finish) its own run.
-Every record carries `rl_guard/step` and the `rl_guard/*` metrics are plotted against it,
-because a trainer's own run may advance wandb's internal `_step` differently from ours.
+Every record carries `rl_guard/step` and the `rl_guard/*` metrics are plotted against it;
+wandb's own `_step` is left alone because a trainer (or a resumed run) advances it its own way.
+To continue a wandb run after a restart pass e.g. `init={"id": ..., "resume": "allow"}`.
 Incidents become `wandb.alert`s (rate-limited per rule, `alert_every_s`) and are also kept in
 the run summary (`rl_guard/incidents` table, count, last message) so they survive offline mode,
 where alerts are only recorded locally.
@@ -53,7 +54,7 @@ class WandbSink(Sink):
     def __init__(self, init: dict | None = None, alert_every_s: float = 300.0,
                  alerts: bool = True, histograms: bool = True) -> None:
         super().__init__()
-        self.init_kwargs = dict(init) if init else None
+        self.init_kwargs = dict(init) if init is not None else None  # {} = start with defaults
         self.alert_every_s = float(alert_every_s)
         self.alerts = alerts
         self.histograms = histograms
@@ -101,11 +102,9 @@ class WandbSink(Sink):
         if self.histograms and histograms:
             for name, (edges, counts) in histograms.items():
                 data[name] = self._wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
-        # Only our own run may use wandb's step: a trainer's run counts steps its own way.
-        if run is self._own_run:
-            run.log(data, step=int(step))
-        else:
-            run.log(data)
+        # No `step=`: wandb drops rows whose step is below its counter (trainer runs, resumed
+        # runs, replayed steps); the x axis is `rl_guard/step` via define_metric instead.
+        run.log(data)
 
     def incident(self, record: dict) -> None:
         run = self._run()

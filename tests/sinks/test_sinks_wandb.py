@@ -3,6 +3,7 @@
 import json
 import math
 import struct
+import time
 import warnings
 
 import numpy as np
@@ -43,10 +44,26 @@ def _key(item):
     return "/".join(item.nested_key) if item.nested_key else item.key
 
 
+def _complete_records(root, timeout_s=15.0):
+    """Records of the single run under `root`, once the writer has appended the exit record.
+
+    wandb-core writes the .wandb file asynchronously and `run.finish()` can return before the
+    last blocks hit the disk, so poll briefly instead of reading a half-written file.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        paths = list(root.rglob("run-*.wandb"))
+        records = list(read_records(paths[0])) if len(paths) == 1 else []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            assert len(paths) == 1, paths
+            return paths[0], records
+        time.sleep(0.05)
+
+
 def load_run(root):
-    (path,) = root.rglob("run-*.wandb")
-    history, summary, alerts = [], {}, []
-    for rec in read_records(path):
+    path, records = _complete_records(root)
+    history, summary, alerts, metrics = [], {}, [], {}
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
@@ -54,6 +71,9 @@ def load_run(root):
             summary.update({_key(i): json.loads(i.value_json) for i in rec.summary.update})
         elif kind == "alert":
             alerts.append(rec.alert)
+        elif kind == "metric":
+            metrics[rec.metric.glob_name or rec.metric.name] = rec.metric.step_metric
+    summary["__metrics__"] = metrics
     return path.parent, history, summary, alerts
 
 
@@ -95,7 +115,8 @@ def test_own_offline_run(offline, monkeypatch):
 
     files_dir, history, summary, alerts = load_run(run_dir / "wandb")
     rows = [h for h in history if "rl_guard/step" in h]
-    assert [h["rl_guard/step"] for h in rows] == [1, 2, 3] and [h["_step"] for h in rows] == [1, 2, 3]
+    assert [h["rl_guard/step"] for h in rows] == [1, 2, 3]
+    assert summary["__metrics__"]["rl_guard/*"] == "rl_guard/step"  # x axis for our metrics
     assert [h["rl_guard/ratio/p50"] for h in rows] == pytest.approx([1.1, 1.2, 1.3])
     assert all(math.isnan(h["rl_guard/loss/nonfinite"]) for h in rows)
     assert rows[0]["rl_guard/ratio/_type"] == "histogram" and rows[0]["rl_guard/ratio/values"] == [1, 5, 3, 1]
@@ -122,7 +143,6 @@ def test_logs_into_active_run_without_owning_it(offline):
     assert wandb.run is run  # the trainer's run stays open
     run.finish()
     _, history, summary, alerts = load_run(offline / "trainer")
-    print(history, summary, [(p, p.stat().st_size) for p in (offline / "trainer").rglob("*.wandb")])
     (row,) = [h for h in history if "rl_guard/grad/norm" in h]
     assert row["rl_guard/step"] == 7 and row["rl_guard/grad/norm"] == 2.5
     assert summary["rl_guard/incident_count"] == 1 and alerts == []
