@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import glossary
+from . import diagnostics, glossary  # noqa: F401 - importing diagnostics registers its metric names
 from .errors import ConfigError
 from .yaml_nodes import load_with_lines, read_source
 
@@ -25,11 +25,12 @@ RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
 SPIKE_KEYS = ("method", "window", "threshold", "factor", "direction", "min_history")
-SECTION_KEYS = {
-    "snapshots": {"healthy_steps": int, "every": int, "keep": int, "where": ("memory", "disk")},
-    "rollback": {"max_rollbacks": int, "lr_scale": float, "skip_batches": int},
-    "checkpoint": {"dir": str, "keep": int},
+SECTION_KEYS = {  # key -> (type or allowed values, minimum)
+    "snapshots": {"healthy_steps": (int, 1), "every": (int, 1), "keep": (int, 1), "where": (("memory", "disk"), None)},
+    "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "skip_batches": (int, 0)},
+    "checkpoint": {"dir": (str, None), "keep": (int, 1)},
 }
+SINK_NAMES = ("jsonl", "tensorboard", "wandb", "console")
 DEFAULTS = {
     "snapshots": {"healthy_steps": 3, "every": 10, "keep": 2, "where": "memory"},
     "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "skip_batches": 0},
@@ -58,7 +59,8 @@ class _Checker:
         self.lines, self.errors = lines, []
 
     def err(self, path: tuple, msg: str) -> None:
-        line = self.lines.get(path) or self.lines.get(path[:-1]) if path else None
+        # A missing key has no line of its own: point at the mapping that lacks it.
+        line = self.lines.get(path) or (self.lines.get(path[:-1]) if path else None)
         self.errors.append((path, line, msg))
 
     def keys(self, d: Any, allowed, path: tuple) -> bool:
@@ -107,10 +109,14 @@ class _Checker:
                     self.err(path + ("band",), "op 'outside' needs band: [low, high] (two numbers)")
                 elif band[0] >= band[1]:
                     self.err(path + ("band",), f"band low must be < high, got {band}")
+                if "threshold" in d:
+                    self.err(path + ("threshold",), "op 'outside' uses band: [low, high], not threshold")
             elif op in (">", ">=", "<", "<="):
                 if "threshold" not in d:
-                    self.err(path, f"op {op!r} needs a numeric 'threshold'")
+                    self.err(path + ("threshold",), f"op {op!r} needs a numeric 'threshold'")
                 self.typed(d, "threshold", float, path)
+                if "band" in d:
+                    self.err(path + ("band",), f"band is only for op 'outside', not {op!r}")
         if has_spike:
             self.spike(d["spike"], path + ("spike",))
 
@@ -127,6 +133,8 @@ class _Checker:
         self.typed(s, "direction", DIRECTIONS, path)
         if method == "early_max" and "threshold" in s:
             self.err(path + ("threshold",), "early_max uses 'factor' (x times the early max), not 'threshold'")
+        if method in ("mad", "ema_z") and "factor" in s:
+            self.err(path + ("factor",), f"{method} uses 'threshold' (a z-score), not 'factor' (early_max only)")
 
     def rule(self, r: Any, path: tuple, names: set) -> None:
         if not self.keys(r, RULE_KEYS, path):
@@ -136,9 +144,11 @@ class _Checker:
             self.err(path + ("name",), "every rule needs a unique 'name' (string)")
         elif name in names:
             self.err(path + ("name",), f"duplicate rule name {name!r}")
+        elif name in BUILTINS:
+            self.err(path + ("name",), f"{name!r} is a built-in rule name; configure it under builtin_rules")
         names.add(name)
         if "action" not in r:
-            self.err(path, f"rule needs an 'action'; allowed values: {', '.join(ACTIONS)}")
+            self.err(path + ("action",), f"rule needs an 'action'; allowed values: {', '.join(ACTIONS)}")
         self.typed(r, "action", ACTIONS, path)
         self.typed(r, "severity", SEVERITIES, path)
         for k in ("warmup_steps", "cooldown_steps"):
@@ -162,12 +172,16 @@ class _Checker:
 def load_config(source) -> GuardConfig:
     """Parse and validate a YAML file path or YAML text; raise ``ConfigError`` listing every problem."""
     text, origin = read_source(source)
-    data, lines = load_with_lines(text, origin)
+    data, lines, duplicates = load_with_lines(text, origin)
     data = {} if data is None else data
     c = _Checker(lines)
+    for path, line in duplicates:
+        c.errors.append((path, line, f"duplicate key {path[-1]!r} (YAML would silently keep only the last one)"))
     if not c.keys(data, TOP_KEYS, ()):
         raise ConfigError(c.errors)
-    c.typed(data, "version", int, ())
+    version = c.typed(data, "version", int, ())
+    if isinstance(version, int) and not isinstance(version, bool) and version != 1:
+        c.err(("version",), f"unsupported version {data['version']!r}; this rl_guard reads version 1")
     c.typed(data, "run_dir", str, ())
     c.typed(data, "fail_mode", FAIL_MODES, ())
     c.typed(data, "sharded_grads", bool, ())
@@ -176,8 +190,8 @@ def load_config(source) -> GuardConfig:
     for sec, spec in SECTION_KEYS.items():
         given = data.get(sec) or {}
         if c.keys(given, tuple(spec), (sec,)):
-            for k, kind in spec.items():
-                c.typed(given, k, kind, (sec,), minimum=None if isinstance(kind, tuple) or kind is str else 0)
+            for k, (kind, minimum) in spec.items():
+                c.typed(given, k, kind, (sec,), minimum=minimum)
         sections[sec] = {**DEFAULTS[sec], **(given if isinstance(given, dict) else {})}
     buckets = data.get("lag_buckets", [0, 1, 2, 3, 5, 9])
     if not (isinstance(buckets, list) and buckets and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
@@ -191,9 +205,10 @@ def load_config(source) -> GuardConfig:
     names: set = set()
     for i, r in enumerate(rules):
         c.rule(r, ("rules", i), names)
+    if sections["rollback"]["lr_scale"] == 0:
+        c.err(("rollback", "lr_scale"), "must be > 0 (a zero learning rate would freeze training after a rollback)")
     sinks = data.get("sinks", ["jsonl"])
-    if not isinstance(sinks, list):
-        c.err(("sinks",), "sinks must be a list, e.g. [jsonl, tensorboard, wandb, console]")
+    _check_sinks(sinks, c)
     if c.errors:
         raise ConfigError(c.errors)
     return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=sinks,
@@ -202,8 +217,21 @@ def load_config(source) -> GuardConfig:
                        source_text=text, **sections)
 
 
+def _check_sinks(sinks: Any, c: _Checker) -> None:
+    """A list of sink names or one-key mappings {name: {options}} (options are checked by the sink itself)."""
+    if not isinstance(sinks, list):
+        c.err(("sinks",), f"sinks must be a list, e.g. [{', '.join(SINK_NAMES)}]")
+        return
+    for i, item in enumerate(sinks):
+        name = next(iter(item)) if isinstance(item, dict) and len(item) == 1 else item
+        if not isinstance(name, str) or name not in SINK_NAMES:
+            c.err(("sinks", i), f"{item!r} is not a sink; allowed values: {', '.join(SINK_NAMES)} "
+                  "(a name or a one-key mapping {name: {options}})")
+
+
 def _builtins(given: Any, c: _Checker) -> dict[str, dict | None]:
-    """Built-in non-finite rules: on (action skip_step) unless set to false."""
+    """Built-in non-finite rules: on (action skip_step) unless set to false; an action name or {action: ...}
+    changes the action."""
     out = {name: {"action": "skip_step"} for name in BUILTINS}
     if not c.keys(given, BUILTINS, ("builtin_rules",)):
         return out
@@ -211,10 +239,13 @@ def _builtins(given: Any, c: _Checker) -> dict[str, dict | None]:
         path = ("builtin_rules", name)
         if value is False:
             out[name] = None
+        elif isinstance(value, str):
+            if c.typed(given, name, ACTIONS, ("builtin_rules",)) in ACTIONS:
+                out[name] = {"action": value}
         elif isinstance(value, dict):
             if c.keys(value, ("action",), path):
                 c.typed(value, "action", ACTIONS, path)
                 out[name] = {"action": value.get("action", "skip_step")}
         elif value is not True:
-            c.err(path, "expected false (disable), true, or {action: ...}")
+            c.err(path, f"expected false (disable), true, an action or {{action: ...}}; got {value!r}")
     return out

@@ -68,6 +68,7 @@ _PLACEHOLDERS = {
     "<i>": r"\d+",
     "<field>": r"[a-z_]+",
     "<q>": "(?:" + "|".join(QUANTILE_NAMES) + ")",
+    "<name>": r"[A-Za-z0-9_.+-]+",  # a user-chosen label (reward component, phase, drop reason, version)
 }
 _extra_patterns: dict[str, str] = {}
 

@@ -72,6 +72,16 @@ class SinkSet:
         self.run_dir = pathlib.Path(run_dir)
         self._forward("start", self.run_dir, resume_step)
 
+    def add(self, sink: Sink) -> None:
+        """Add and start a sink after ``start()`` (e.g. an adapter that finds a wandb run at train begin)."""
+        self.sinks.append(sink)
+        if self.is_main_process or not sink.main_process_only:
+            self.active.append(sink)
+            try:
+                sink.start(self.run_dir)
+            except Exception as err:  # noqa: BLE001
+                self._disable(sink, "start", err)
+
     def log(self, values: dict[str, float], step: int, histograms: Histograms | None = None) -> None:
         self._forward("log", values, step, histograms)
 

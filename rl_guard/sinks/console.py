@@ -22,6 +22,13 @@ KEY_METRICS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("clip", (("region_frac", "rl_guard/clip/region_frac"),)),
     ("grad", (("norm", "rl_guard/grad/norm"),)),
     ("lag", (("max", "rl_guard/lag/max"),)),
+    ("reward", (("mean", "rl_guard/reward/mean"), ("std", "rl_guard/reward/std"),
+                ("nonfinite", "rl_guard/input/rewards/nonfinite"))),
+    ("groups", (("mixed", "rl_guard/group/mixed_frac"), ("zero_std", "rl_guard/group/zero_std_frac"),
+                ("unique", "rl_guard/group/unique_frac"))),
+    ("funnel", (("sampled", "rl_guard/funnel/sampled/count"), ("completed", "rl_guard/funnel/completed/keep_frac"),
+                ("truncated", "rl_guard/funnel/truncated/keep_frac"))),
+    ("guard", (("skipped", "rl_guard/guard/skipped_steps"), ("rollbacks", "rl_guard/guard/rollbacks"))),
 )
 
 

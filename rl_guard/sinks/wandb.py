@@ -47,13 +47,15 @@ def _cell(v: Any) -> Any:
 class WandbSink(Sink):
     """Options: `init` (kwargs for `wandb.init` when no run is active), `alert_every_s`
     (min seconds between alerts of one rule), `alerts` (False disables `wandb.alert`),
-    `histograms` (log given bins as `wandb.Histogram`)."""
+    `histograms` (log given bins as `wandb.Histogram`), `metrics` (False: incidents and alerts only, for a
+    trainer that already logs the metrics to the same run)."""
 
     name = "wandb"
 
     def __init__(self, init: dict | None = None, alert_every_s: float = 300.0,
-                 alerts: bool = True, histograms: bool = True) -> None:
+                 alerts: bool = True, histograms: bool = True, metrics: bool = True) -> None:
         super().__init__()
+        self.metrics = metrics
         self.init_kwargs = dict(init) if init is not None else None  # {} = start with defaults
         self.alert_every_s = float(alert_every_s)
         self.alerts = alerts
@@ -94,6 +96,8 @@ class WandbSink(Sink):
         return run
 
     def log(self, values: dict[str, float], step: int, histograms: Histograms | None = None) -> None:
+        if not self.metrics:
+            return
         run = self._run()
         if run is None:
             return

@@ -1,0 +1,94 @@
+"""Sample audit files: the few samples worth reading, kept next to the metrics.
+
+Each update writes ``run_dir/audit/step_<N>.jsonl`` (one JSON object per line, written atomically):
+the ``k`` highest-reward and ``k`` lowest-reward valid samples, ``k`` random others (drawn from a private numpy
+Generator so the global RNGs are untouched), and when an outcome is given the two quadrant cells worth reading:
+one ``quadrant_cell`` line per cell with its count and sample ids (at most ``MAX_CELL_IDS``), then up to ``k``
+samples of it (hacking: highest reward first; false_negative: lowest reward first).
+
+Bounded: texts, prompts and ids are cut to ``max_chars`` characters (``text_chars`` keeps the full length) and at
+most ``max_files`` step files are kept, the oldest steps deleted first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .samples import Prepared, json_value
+
+MAX_CELL_IDS = 256
+_FILE = re.compile(r"step_(\d+)\.jsonl\Z")
+
+
+def _cut(x, max_chars: int):
+    if x is None:
+        return None
+    x = json_value(x)
+    return x[:max_chars] if isinstance(x, str) else x
+
+
+class AuditWriter:
+    def __init__(self, run_dir, k: int = 3, max_files: int = 200, max_chars: int = 2000):
+        if k < 0 or max_files < 1 or max_chars < 1:
+            raise ValueError("audit needs k >= 0, max_files >= 1 and max_chars >= 1")
+        self.dir = Path(run_dir) / "audit"
+        self.k, self.max_files, self.max_chars = k, max_files, max_chars
+
+    def _record(self, p: Prepared, i: int, kind: str, step: int) -> dict:
+        rec = {"step": step, "kind": kind, "index": int(i), "id": _cut(p.ids[i], self.max_chars)}
+        if p.group_ids is not None:
+            rec["group"] = _cut(p.group_ids[i], self.max_chars)
+        for name, arr in (("reward", p.rewards), ("outcome", p.outcome), ("length", p.lengths)):
+            if arr is not None:
+                rec[name] = json_value(float(arr[i]))
+        if p.termination is not None:
+            rec["termination"] = p.termination[i]
+        for name, seq in (("prompt", p.prompts), ("text", p.texts)):
+            if seq is not None and seq[i] is not None:
+                full = str(seq[i])
+                rec[name] = full[:self.max_chars]
+                rec[f"{name}_chars"] = len(full)
+        return rec
+
+    def select(self, p: Prepared, rng: np.random.Generator) -> list[tuple[str, int]]:
+        chosen: list[tuple[str, int]] = []
+        if p.rewards is not None and p.reward_ok.any():
+            valid = np.flatnonzero(p.reward_ok)
+            # Ties keep batch order in both lists; a sample is never both top and bottom.
+            top = valid[np.argsort(-p.rewards[valid], kind="stable")][:self.k].tolist()
+            up = valid[np.argsort(p.rewards[valid], kind="stable")].tolist()
+            chosen += [("top", i) for i in top] + [("bottom", i) for i in [i for i in up if i not in top][:self.k]]
+        taken = {i for _, i in chosen}
+        others = np.array([i for i in range(p.n) if i not in taken], dtype=np.int64)
+        if len(others) and self.k:
+            pick = rng.choice(others, size=min(self.k, len(others)), replace=False)
+            chosen += [("random", int(i)) for i in np.sort(pick)]
+        return chosen
+
+    def write(self, step: int, p: Prepared, cells: dict[str, list[int]], rng: np.random.Generator) -> Path:
+        lines = [self._record(p, i, kind, step) for kind, i in self.select(p, rng)]
+        for cell, idx in cells.items():
+            lines.append({"step": step, "kind": "quadrant_cell", "cell": cell, "count": len(idx),
+                          "ids": [_cut(p.ids[i], self.max_chars) for i in idx[:MAX_CELL_IDS]]})
+            sign = -1.0 if cell == "hacking" else 1.0
+            ordered = sorted(idx, key=lambda i: (sign * p.rewards[i], i))
+            lines += [self._record(p, i, cell, step) for i in ordered[:self.k]]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"step_{int(step)}.jsonl"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in lines:
+                f.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+        os.replace(tmp, path)
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        steps = sorted((int(m.group(1)), f) for f in self.dir.iterdir() if (m := _FILE.match(f.name)))
+        for _, f in steps[:max(0, len(steps) - self.max_files)]:
+            f.unlink(missing_ok=True)

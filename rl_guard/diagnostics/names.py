@@ -1,0 +1,50 @@
+"""Output helpers shared by the diagnostic families: prefixed names, glossary registration, least squares."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import glossary
+
+PREFIX = "rl_guard/"
+
+
+class Out(dict):
+    """Flat {name: float}. Undefined statistics are left out, never NaN: a non-finite value fires every rule
+    that names the metric, and "no data" must not look like an incident."""
+
+    def put(self, name: str, value) -> None:
+        if value is None:
+            return
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} = {value}: diagnostics must leave undefined statistics out instead")
+        self[PREFIX + name] = value
+
+
+def register(docs: dict[str, str]) -> None:
+    """Make the family's metric patterns known to YAML rule validation."""
+    for pattern, doc in docs.items():
+        glossary.register(pattern, doc)
+
+
+def frac(count, total) -> float | None:
+    return float(count) / float(total) if total > 0 else None
+
+
+def slope(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Least-squares slope of y on x: sum((x - x̄)(y - ȳ)) / sum((x - x̄)^2); None if x is constant."""
+    dx = x - x.mean()
+    sxx = float(dx @ dx)
+    return float(dx @ (y - y.mean())) / sxx if sxx > 0 else None
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Pearson correlation; None with fewer than 2 points or a constant input."""
+    if len(x) < 2:
+        return None
+    dx, dy = x - x.mean(), y - y.mean()
+    den = math.sqrt(float(dx @ dx) * float(dy @ dy))
+    return float(dx @ dy) / den if den > 0 else None

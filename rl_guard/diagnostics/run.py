@@ -1,0 +1,75 @@
+"""RunDiagnostics: per generation batch, on the host, SampleBatch -> flat {rl_guard/<family>/<stat>: float}.
+
+Families (each documented in its module): budget, funnel, term, reward, quadrant, group, length/trend, critic;
+plus the audit files when ``run_dir`` is set. A family reports only when its inputs are present, and an
+undefined statistic is left out rather than NaN (a non-finite value would fire every rule that names it).
+Importing this package registers every name with the glossary, so YAML rules may use them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .audit import AuditWriter
+from .budget import Budget, spent
+from .critic import critic
+from .funnel import funnel
+from .groups import groups
+from .names import Out
+from .quadrant import quadrant
+from .reward import reward
+from .samples import Prepared, SampleBatch
+from .termination import termination
+from .trend import Trend
+
+STATE_VERSION = 1
+
+
+class RunDiagnostics:
+    """Run-level diagnostics; call ``update`` once per generation batch.
+
+    ``quadrant_threshold``: reward at or above which a sample is "high reward" (None: batch median rule).
+    ``window``: updates in the trend fits. Cumulative budgets, the trend window and the audit sampler's RNG state
+    are in ``state_dict`` so they continue across a resume.
+    """
+
+    def __init__(self, run_dir=None, audit_k: int = 3, audit_max_files: int = 200, seed: int = 0, *,
+                 window: int = 20, audit_max_chars: int = 2000, quadrant_threshold: float | None = None):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.audit = AuditWriter(self.run_dir, audit_k, audit_max_files, audit_max_chars) if self.run_dir else None
+        self.quadrant_threshold = quadrant_threshold
+        # Private generator: audit sampling must not shift the training run's global RNG streams.
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.budget = Budget()
+        self.trend = Trend(window)
+        self.last_audit_file: Path | None = None
+
+    def update(self, samples: SampleBatch, step: int, *, optimizer_updates: int | None = None) -> dict[str, float]:
+        """Metrics for this batch (names carry the ``rl_guard/`` prefix; no ``step`` key)."""
+        p = Prepared(samples)  # validates every input before any state changes
+        this = spent(samples, p, optimizer_updates)
+        out = Out()
+        funnel(samples, this.get("rollout_tokens"), out)
+        termination(p, out)
+        reward(p, out)
+        cells = quadrant(p, self.quadrant_threshold, out)
+        groups(p, out)
+        critic(p, out)
+        self.budget.update(this, out)
+        self.trend.update(p, step, out)
+        if self.audit is not None and p.n:
+            self.last_audit_file = self.audit.write(step, p, cells, self.rng)
+        return dict(out)
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "budget": self.budget.state_dict(), "trend": self.trend.state_dict(),
+                "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"RunDiagnostics state version {state.get('version')!r}, expected {STATE_VERSION}")
+        self.budget.load_state_dict(state["budget"])
+        self.trend.load_state_dict(state["trend"])
+        self.rng.bit_generator.state = state["rng"]
