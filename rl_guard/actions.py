@@ -6,7 +6,10 @@
   guard's own state) saved atomically per rank under ``run_dir/checkpoints/step_<N>/rank<r>.pt``.
 - rollback: restores the newest healthy snapshot bit for bit, optionally scales the LR, and asks the loop to skip
   the next ``skip_batches`` batches (``Guard.batches_to_skip``).
-- snapshots: taken after ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps.
+- snapshots: taken after ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps. A step
+  is healthy when its update was applied (no rule fired, or only ``warn`` rules): a warn-level rule is by
+  definition tolerated, and counting it as unhealthy would let one noisy warning disable rollback entirely.
+- checkpoints: the newest ``checkpoint.keep`` step directories are kept; older ones are removed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import time
 
 from . import distributed
-from .checkpoint import SnapshotRing, atomic_save
+from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
 
 
@@ -56,7 +59,7 @@ class Actions:
         return snap["step"]
 
     def after_step(self, decision: Decision) -> None:
-        self.healthy_streak = 0 if decision.firings else self.healthy_streak + 1
+        self.healthy_streak = self.healthy_streak + 1 if decision.apply_step else 0
         cfg = self.guard.config.snapshots
         n = self.healthy_streak
         due = n == cfg["healthy_steps"] or (n > cfg["healthy_steps"] and (n - cfg["healthy_steps"]) % cfg["every"] == 0)
@@ -71,7 +74,8 @@ class Actions:
         g = self.guard
         if g.state is None:
             return None
-        path = g.run_dir / g.config.checkpoint["dir"] / f"step_{g.step:08d}" / f"rank{g.rank}.pt"
+        root = g.run_dir / g.config.checkpoint["dir"]
+        path = root / f"step_{g.step:08d}" / f"rank{g.rank}.pt"
         error = None
         try:
             payload = g.state.capture(g.step)
@@ -81,6 +85,7 @@ class Actions:
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
         distributed.raise_if_any_rank_failed(error, f"checkpoint save to {path}")
+        prune_checkpoints(root, path.name, g.config.checkpoint["keep"])
         self.last_checkpoint = str(path)
         return str(path)
 
@@ -91,8 +96,9 @@ class Actions:
         v = firing.verdict
         record = {"step": decision.step, "rule": firing.rule.name, "metric": v.metric, "value": v.value, "op": v.op,
                   "threshold": v.threshold, "action": firing.action, "severity": firing.rule.severity,
-                  "message": firing.message, "rank": g.rank, "window": firing.window, "checkpoint": ckpt, "time": time.time(),
-                  "escalated_from": decision.escalated_from}
+                  "message": firing.message, "detail": v.detail, "rank": g.rank, "window": firing.window,
+                  "checkpoint": ckpt, "time": time.time(), "escalated_from": decision.escalated_from,
+                  "decision": decision.action}  # the step's action after precedence (``action`` is this rule's)
         g._safe(lambda: g.sinks.incident(record), "incident")
 
     def state_dict(self) -> dict:

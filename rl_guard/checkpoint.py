@@ -35,6 +35,18 @@ def atomic_save(obj, path: str | os.PathLike) -> Path:
     return path
 
 
+def prune_checkpoints(root: str | os.PathLike, filename: str, keep: int) -> None:
+    """Remove this rank's ``filename`` from all but the newest ``keep`` ``step_*`` directories (and the directories
+    once empty). Each rank prunes its own file, so no rank deletes what another may still be writing."""
+    steps = sorted(d for d in Path(root).glob("step_*") if d.is_dir())
+    for d in steps[:-keep] if keep > 0 else []:
+        (d / filename).unlink(missing_ok=True)
+        try:
+            d.rmdir()
+        except OSError:  # other ranks' files are still there
+            pass
+
+
 def load(path: str | os.PathLike):
     return torch.load(path, map_location="cpu", weights_only=True)
 

@@ -11,7 +11,7 @@ but ``warn`` drops the current update (the numbers that fired came from it). ``r
 
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass, field
 
 from .config import GuardConfig
@@ -68,7 +68,9 @@ class Decision:
 
 
 def message(rule: Rule, v: Verdict, step: int, rank: int, action: str) -> str:
-    """The one message template: ``[rule kl_spike] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step 812 (rank 3) -> halt``."""
+    """The one template ``[rule <name>] <metric> = <value> <op> <threshold> at step <n> (rank <r>) -> <action>``,
+    e.g. ``[rule kl_spike] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step 812 (rank 3) -> checkpoint_and_halt``
+    (composites join their conditions with ``and`` / ``or``; a non-finite value reads ``= nan is non-finite``)."""
     return f"[rule {rule.name}] {v.reason} at step {step} (rank {rank}) -> {action}"
 
 
@@ -90,8 +92,7 @@ class Controller:
         decision = Decision(step=self.step)
         for rule in self.rules:
             v = rule.evaluate(metrics, self.history)
-            if v.missing:
-                self.missing_warned.update(c.metric for c in rule.conditions if c.metric not in metrics)
+            self._warn_missing(rule, metrics)
             self.consecutive[rule.name] = self.consecutive[rule.name] + 1 if v.fired else 0
             if not v.fired or not self._armed(rule, v):
                 continue
@@ -104,10 +105,19 @@ class Controller:
         for f in decision.firings:
             f.action = decision.action if f.action == "rollback" and decision.escalated_from else f.action
             f.message = message(f.rule, f.verdict, self.step, self.rank, f.action)
-        # Finite values only: the robust detectors tolerate the odd spike in their window, and a refused value
-        # must keep counting, or a genuine regime change would be refused forever.
-        self.history.push({k: v for k, v in metrics.items() if math.isfinite(v)})
+        # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
+        # regime change must become the new normal for the spike detectors, or it would be refused forever.
+        self.history.push(metrics)
         return decision
+
+    def _warn_missing(self, rule: Rule, metrics: dict) -> None:
+        """Once per metric: a rule whose metric is never reported can never fire, which must not stay silent."""
+        for m in rule.metrics:
+            if m not in metrics and m not in self.missing_warned:
+                self.missing_warned.add(m)
+                warnings.warn(f"rl_guard: rule {rule.name!r} watches {m}, which was not reported at step {self.step}; "
+                              "it cannot fire while the metric is absent (is the input that produces it passed?)",
+                              RuntimeWarning, stacklevel=4)
 
     def _armed(self, rule: Rule, v: Verdict) -> bool:
         if rule.bypasses_modifiers(v):

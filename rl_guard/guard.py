@@ -39,6 +39,7 @@ from .actions import Actions
 from .batch import BatchError, EmptyMaskError, TokenBatch
 from .config import GuardConfig, load_config
 from .controller import Controller, Decision
+from .diagnostics import RunDiagnostics, SampleBatch
 from .grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .probe_batch import probe_batch, sequence_stats
 from .probes import Partial, loss_stats
@@ -60,6 +61,8 @@ class Guard:
         self.last_decision: Decision | None = None
         self.last_logged: dict[str, float] = {}  # metrics of the last completed step (adapters merge these into logs)
         self.internal_failures = 0
+        self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
+        self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
         if self.rank == 0:
@@ -75,6 +78,10 @@ class Guard:
     def attach(self, model, optimizer=None, scheduler=None, **extra) -> "Guard":
         """Give the guard the state its actions work on (``extra``: objects with state_dict/load_state_dict)."""
         self.state = TrainState(model, optimizer, scheduler, extra)
+        param = next(iter(model.parameters()), None) if model is not None else None
+        if param is not None and self._acc.device is None:
+            # A rank that saw no data this step still enters the collectives with tensors on the right device.
+            self._acc.device = param.device
         return self
 
     @property
@@ -114,6 +121,15 @@ class Guard:
         except Exception as exc:  # noqa: BLE001
             self._internal_failure("observe_sequences", exc)
 
+    def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
+        """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
+        try:
+            self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._internal_failure("observe_samples", exc)
+
     # -- per optimizer step --------------------------------------------------------------------------------------------
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
@@ -127,6 +143,8 @@ class Guard:
                     f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an all-zero "
                     "mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no data'.")
             metrics, hists = summarize(raw, self.config.lag_buckets)
+            metrics.update(self._host_metrics)
+            self._host_metrics = {}
             decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
         except (BatchError, distributed.RankMismatch):
             raise
@@ -178,8 +196,11 @@ class Guard:
 
     # -- persistence ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(), "time": time.time()}
+        return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(),
+                "diagnostics": self.diagnostics.state_dict(), "time": time.time()}
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
         self.actions.load_state_dict(state["actions"])
+        if "diagnostics" in state:
+            self.diagnostics.load_state_dict(state["diagnostics"])

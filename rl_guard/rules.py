@@ -1,11 +1,20 @@
 """Rules are pure: ``(step metrics, history) -> Verdict(fired, reason)``.
 
 A condition is a threshold (``>``, ``>=``, ``<``, ``<=``, ``outside`` a band, ``nonfinite``) or a spike detector
-relative to the run's own history: rolling median + MAD (robust z = (x - median) / (1.4826 MAD)), EMA z-score
-(EMA mean and variance over the window, alpha = 2 / (window + 1)), or ``early_max`` (x >= factor * the max of the
-first ``window`` values, as Megatron flags grad-norm spikes at 10x the early max). A non-finite value fires every
-condition: a NaN can never be "within" a threshold. Composite rules combine conditions with ``all`` / ``any``.
-Warmup, patience, cooldown and actions are applied by the controller.
+relative to the run's own history (the last ``window`` finite values, the current one excluded):
+
+- ``mad``: robust z = (x - median) / (1.4826 MAD); when MAD = 0 (over half the window identical) the scale falls
+  back to 1.2533 x mean absolute deviation from the median (Iglewicz & Hoaglin's modified z-score).
+- ``ema_z``: z = (x - m) / s with the exponentially weighted mean m and variance s^2 over the window,
+  alpha = 2 / (window + 1), seeded with the oldest value (m += alpha d; s^2 = (1 - alpha)(s^2 + alpha d^2)).
+- ``early_max``: x >= factor x the max of the first ``window`` values of the run (Megatron flags grad-norm spikes
+  at 10x the early max); armed once ``window`` values are known.
+
+``direction`` up fires on z > k, down on z < -k, both on |z| > k. Every reason reads
+``<metric> = <value> <op> <threshold>`` with the threshold in the metric's own units (a spike reports the limit
+center +- k scale; the z-score and window go to ``detail``). A non-finite value fires every condition ("nan can
+never be within a threshold") and reads ``<metric> = nan is non-finite``. Composite rules combine conditions with
+``all`` / ``any``. Warmup, patience, cooldown and actions are applied by the controller.
 """
 
 from __future__ import annotations
@@ -26,10 +35,21 @@ class Verdict:
     op: str = ""
     threshold: float | str = ""
     missing: bool = False
+    detail: str = ""
+    nonfinite: bool = False  # fired because a value was NaN/inf (bypasses warmup and patience)
+
+
+def _fmt(x) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def verdict(fired: bool, metric: str, x: float, op: str, threshold, detail: str = "") -> Verdict:
+    """A verdict whose reason follows the one template ``<metric> = <value> <op> <threshold>``."""
+    return Verdict(fired, f"{metric} = {_fmt(x)} {op} {_fmt(threshold)}", metric, x, op, threshold, detail=detail)
 
 
 class History:
-    """Past values per metric (most recent last) and the first values seen (for ``early_max``)."""
+    """Past finite values per metric (most recent last) and the first values seen (for ``early_max``)."""
 
     def __init__(self, maxlen: int = 1024, early: int = 1024):
         self.maxlen, self.early = maxlen, early
@@ -41,21 +61,20 @@ class History:
 
     def push(self, metrics: dict[str, float]) -> None:
         for name, v in metrics.items():
-            self.recent.setdefault(name, deque(maxlen=self.maxlen)).append(v)
+            if not math.isfinite(v):
+                continue
+            self.recent.setdefault(name, deque(maxlen=self.maxlen)).append(float(v))
             first = self.first.setdefault(name, [])
-            if len(first) < self.early and math.isfinite(v):
-                first.append(v)
+            if len(first) < self.early:
+                first.append(float(v))
 
     def state_dict(self) -> dict:
-        return {"recent": {k: list(v) for k, v in self.recent.items()}, "first": dict(self.first)}
+        # Copies: a state dict must not change when training goes on after it was taken.
+        return {"recent": {k: list(v) for k, v in self.recent.items()}, "first": {k: list(v) for k, v in self.first.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.recent = {k: deque(v, maxlen=self.maxlen) for k, v in state["recent"].items()}
         self.first = {k: list(v) for k, v in state["first"].items()}
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 class Condition:
@@ -73,56 +92,59 @@ class Condition:
             return Verdict(False, f"{self.metric} not reported this step", self.metric, missing=True)
         x = float(metrics[self.metric])
         if not math.isfinite(x):
-            return Verdict(True, f"{self.metric} = {x} is non-finite", self.metric, x, "nonfinite", "finite")
+            return Verdict(True, f"{self.metric} = {x} is non-finite", self.metric, x, "is", "non-finite", nonfinite=True)
         if self.op == "nonfinite":
-            return Verdict(False, "", self.metric, x)
+            return verdict(False, self.metric, x, "is", "non-finite")
         if self.spike is not None:
             return self._spike(x, history)
-        return self._threshold(x)
-
-    def _threshold(self, x: float) -> Verdict:
         if self.op == "outside":
             lo, hi = self.band
-            fired = x < lo or x > hi
-            return Verdict(fired, f"{self.metric} = {_fmt(x)} outside [{lo}, {hi}]", self.metric, x, "outside", f"[{lo}, {hi}]")
+            return verdict(x < lo or x > hi, self.metric, x, "outside", f"[{lo}, {hi}]")
         t = float(self.threshold)
         fired = {">": x > t, ">=": x >= t, "<": x < t, "<=": x <= t}[self.op]
-        return Verdict(fired, f"{self.metric} = {_fmt(x)} {self.op} {_fmt(t)}", self.metric, x, self.op, t)
+        return verdict(fired, self.metric, x, self.op, t)
 
     def _spike(self, x: float, history: History) -> Verdict:
         s = self.spike
         method, window = s["method"], s.get("window", 100)
-        direction, min_history = s.get("direction", "up"), s.get("min_history", 8)
-        past = [v for v in history.values(self.metric)[-window:] if math.isfinite(v)]
         if method == "early_max":
             early = history.first.get(self.metric, [])[:window]
-            if len(early) < min(window, min_history) or len(history.values(self.metric)) < window:
+            if len(early) < window or max(early) <= 0:  # a multiple of a non-positive max means nothing
                 return Verdict(False, "", self.metric, x)
-            limit = s.get("factor", 10.0) * max(early)
-            return Verdict(x >= limit, f"{self.metric} = {_fmt(x)} >= {s.get('factor', 10.0)} x early max "
-                           f"{_fmt(max(early))}", self.metric, x, ">=", limit)
-        if len(past) < min_history:
+            factor = float(s.get("factor", 10.0))
+            limit = factor * max(early)
+            return verdict(x >= limit, self.metric, x, ">=", limit, f"{factor:g} x early max {_fmt(max(early))} "
+                           f"(first {window} steps)")
+        past = history.values(self.metric)[-window:]
+        if len(past) < s.get("min_history", 8):
             return Verdict(False, "", self.metric, x)
-        arr = np.asarray(past, dtype=np.float64)
-        if method == "mad":
-            center = float(np.median(arr))
-            scale = 1.4826 * float(np.median(np.abs(arr - center)))
-            label = "robust z (median/MAD)"
-        else:
-            alpha = 2.0 / (window + 1.0)
-            center, var = arr[0], 0.0
-            for v in arr[1:]:
-                d = v - center
-                center += alpha * d
-                var = (1 - alpha) * (var + alpha * d * d)
-            scale = math.sqrt(var)
-            label = "EMA z"
-        scale = max(scale, 1e-12 * max(abs(center), 1.0))
+        center, scale, label = _center_scale(method, np.asarray(past, dtype=np.float64), window)
+        scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
         z = (x - center) / scale
         k = float(s.get("threshold", 6.0))
-        fired = z > k if direction == "up" else (z < -k if direction == "down" else abs(z) > k)
-        return Verdict(fired, f"{self.metric} = {_fmt(x)}, {label} = {z:.3g} vs {k:g} over {len(past)} steps "
-                       f"({direction})", self.metric, x, f"{label} {direction}", k)
+        lo, hi = center - k * scale, center + k * scale
+        detail = f"{label} = {z:.3g} vs {k:g} (center {_fmt(center)}, scale {_fmt(scale)}, {len(past)} steps)"
+        direction = s.get("direction", "up")
+        if direction == "up":
+            return verdict(z > k, self.metric, x, ">", hi, detail)
+        if direction == "down":
+            return verdict(z < -k, self.metric, x, "<", lo, detail)
+        return verdict(abs(z) > k, self.metric, x, "outside", f"[{_fmt(lo)}, {_fmt(hi)}]", detail)
+
+
+def _center_scale(method: str, arr: np.ndarray, window: int) -> tuple[float, float, str]:
+    if method == "mad":
+        center = float(np.median(arr))
+        dev = np.abs(arr - center)
+        mad = float(np.median(dev))
+        return center, (1.4826 * mad if mad > 0 else 1.2533 * float(np.mean(dev))), "robust z"
+    alpha = 2.0 / (window + 1.0)
+    center, var = float(arr[0]), 0.0
+    for v in arr[1:]:
+        d = float(v) - center
+        center += alpha * d
+        var = (1 - alpha) * (var + alpha * d * d)
+    return center, math.sqrt(var), "EMA z"
 
 
 class Rule:
@@ -138,7 +160,7 @@ class Rule:
         self.cooldown_steps = spec.get("cooldown_steps", 0)
         self.builtin = builtin
         self.mode = "all" if "all" in spec else ("any" if "any" in spec else "single")
-        subs = spec.get(self.mode, [spec]) if self.mode != "single" else [spec]
+        subs = spec[self.mode] if self.mode != "single" else [spec]
         self.conditions = [Condition(c) for c in subs]
 
     @property
@@ -150,15 +172,18 @@ class Rule:
         if self.mode == "single":
             return verdicts[0]
         fired = [v for v in verdicts if v.fired]
-        ok = all(v.fired for v in verdicts) if self.mode == "all" else bool(fired)
+        ok = len(fired) == len(verdicts) if self.mode == "all" else bool(fired)
         lead = fired[0] if fired else verdicts[0]
-        reason = f" {'and' if self.mode == 'all' else 'or'} ".join(v.reason for v in (verdicts if self.mode == "all" else fired) if v.reason)
+        shown = verdicts if self.mode == "all" else fired
+        reason = f" {'and' if self.mode == 'all' else 'or'} ".join(v.reason for v in shown if v.reason)
+        detail = "; ".join(v.detail for v in shown if v.detail)
         return Verdict(ok, reason, lead.metric, lead.value, lead.op, lead.threshold,
-                       missing=all(v.missing for v in verdicts))
+                       missing=all(v.missing for v in verdicts), detail=detail,
+                       nonfinite=ok and any(v.nonfinite for v in fired))
 
     def bypasses_modifiers(self, verdict: Verdict) -> bool:
         """Built-in non-finite rules, and any non-finite value, skip warmup and patience (the ladder's first rung)."""
-        return self.builtin or (verdict.fired and not math.isfinite(verdict.value))
+        return self.builtin or (verdict.fired and verdict.nonfinite)
 
 
 def builtin_rules(config_builtins: dict[str, dict | None]) -> list[Rule]:

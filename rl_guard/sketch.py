@@ -2,7 +2,7 @@
 
 Values are mapped through the odd, monotone transform ``u = sign(x) * log1p(|x| / c)`` and counted in ``bins``
 uniform cells over ``u in [-U, U]`` with ``U = log1p(max_abs / c)`` (0 is a cell edge). Counting is one
-``index_add_`` into a fixed-size tensor: no sort, no size limit, no host sync, and two sketches merge by adding
+exact integer count into a fixed-size tensor: no sort, no size limit, no host sync, and two sketches merge by adding
 their counts (exact across micro-batches and ranks).
 
 Error bound: for ``|x| <= max_abs`` the value reported for a rank lies in the same cell as the exact order
@@ -57,18 +57,34 @@ LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, bins=2048)
 ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, bins=4096)
 
 
-def cell_index(x: torch.Tensor, spec: SketchSpec) -> torch.Tensor:
-    """Cell index in ``[0, bins)`` for every element (non-finite -> arbitrary valid cell; weight it 0)."""
-    u = x.abs().float()
-    u.mul_(1.0 / spec.scale).log1p_().mul_(1.0 / spec.width).copysign_(x.float())
-    u.add_(spec.bins // 2).nan_to_num_(nan=0.0).clamp_(0, spec.bins - 1)
-    return u.long()
+def cell_index(x: torch.Tensor, spec: SketchSpec, valid=None, bucket=None, buckets: int = 1) -> torch.Tensor:
+    """Cell index (int32) of every element, plus ``bucket * bins`` when per-element buckets are given.
+
+    Elements that are not ``valid`` get the spare index ``buckets * bins`` (count ``buckets * bins + 1`` cells and
+    drop the last). Values beyond ``max_abs`` (and +-inf) land in the edge cells; without ``valid``, NaN -> cell 0.
+    """
+    xf = x.float()
+    u = xf.abs()
+    u.mul_(1.0 / spec.scale).log1p_().mul_(1.0 / spec.width).copysign_(xf)
+    u.add_(spec.bins // 2).clamp_(0, spec.bins - 1)
+    if bucket is not None:
+        # floor first: integer-valued floats below 2^24 add exactly, so the offset never moves a value's cell
+        u.floor_().add_(bucket * spec.bins)
+    if valid is None:
+        return u.nan_to_num_(nan=0.0).to(torch.int32)
+    return torch.where(valid, u, float(buckets * spec.bins)).to(torch.int32)
 
 
-def count_cells(index: torch.Tensor, weight: torch.Tensor, size: int) -> torch.Tensor:
-    """Histogram counts (float64) of ``index`` weighted by ``weight`` (0 drops a token)."""
-    out = torch.zeros(size, dtype=torch.float64, device=index.device)
-    return out.index_add_(0, index, weight.to(torch.float64))
+def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Exact counts (int64 ``[size]``) of an index tensor with values in ``[0, size)``.
+
+    ``bincount`` is the fastest exact counter on CPU, but on CUDA it reads the index maximum on the host to size
+    its output (a sync), so other devices use an ``index_add_`` of ones into a fixed-size vector.
+    """
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=size)
+    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
+    return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
 
 
 def quantiles_from_counts(

@@ -88,10 +88,10 @@ def _lag(out: _Out, raw, edges) -> None:
         out.put(f"lag/{bucket}/token_frac", _div(tokens[i], total))
         if hist is None:
             continue
-        count = raw["lag.ratio_count"][i]
+        cells = hist[i * LOG_RATIO.bins : (i + 1) * LOG_RATIO.bins]
+        count = cells.sum()  # tokens of the bucket with a finite ratio
         if count <= 0:
             continue
-        cells = hist[i * LOG_RATIO.bins : (i + 1) * LOG_RATIO.bins]
         lo, hi = _f(raw, "ratio.logmin"), _f(raw, "ratio.logmax")
         p50, p99 = quantiles_from_counts(cells, LOG_RATIO, lo, hi, qs=(0.5, 0.99))
         out.put(f"lag/{bucket}/ratio_p50", math.exp(min(p50, 709.0)))

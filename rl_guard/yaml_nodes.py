@@ -19,8 +19,9 @@ def read_source(source) -> tuple[str, str]:
     return str(source), "<yaml text>"
 
 
-def load_with_lines(text: str, origin: str) -> tuple[object, dict[tuple, int]]:
-    """Parse with ``yaml.SafeLoader`` only; return (data, {key path: 1-based line})."""
+def load_with_lines(text: str, origin: str) -> tuple[object, dict[tuple, int], list[tuple[tuple, int]]]:
+    """Parse with ``yaml.SafeLoader`` only (no arbitrary tags such as ``!!python/object``); return
+    (data, {key path: 1-based line}, [(path, line) of every repeated key in a mapping])."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
@@ -32,18 +33,23 @@ def load_with_lines(text: str, origin: str) -> tuple[object, dict[tuple, int]]:
     finally:
         loader.dispose()
     lines: dict[tuple, int] = {}
+    duplicates: list[tuple[tuple, int]] = []
     if node is not None:
-        _walk(node, (), lines)
-    return data, lines
+        _walk(node, (), lines, duplicates)
+    return data, lines, duplicates
 
 
-def _walk(node, path: tuple, lines: dict) -> None:
+def _walk(node, path: tuple, lines: dict, duplicates: list) -> None:
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
+        seen = set()
         for key_node, value_node in node.value:
             child = path + (key_node.value,)
+            if key_node.value in seen:
+                duplicates.append((child, key_node.start_mark.line + 1))
+            seen.add(key_node.value)
             lines[child] = key_node.start_mark.line + 1
-            _walk(value_node, child, lines)
+            _walk(value_node, child, lines, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _walk(item, path + (i,), lines)
+            _walk(item, path + (i,), lines, duplicates)

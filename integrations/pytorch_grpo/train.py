@@ -83,8 +83,12 @@ class RunResult:
 def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = "none", fault_step: int = 30,
         seed: int = 0, run_dir: str | None = None, lr: float = 3e-3, guard: Guard | None = None,
         prompts_per_step: int = 16, group: int = 4, num_iterations: int = 2, beta: float = 0.02,
-        stop_on_nonfinite: bool = True) -> RunResult:
-    """Train; returns what happened. ``config=None`` runs unguarded (the twin used to find the NaN step)."""
+        stop_on_nonfinite: bool = True, on_step=None) -> RunResult:
+    """Train; returns what happened. ``config=None`` runs unguarded (the twin used to find the NaN step).
+
+    ``on_step(step, iteration, decision, model, optimizer, scheduler)``, if given, is called after every optimizer
+    step (applied or not; ``decision`` is None when unguarded), e.g. to inspect the state the guard left behind.
+    """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = Policy()
@@ -112,7 +116,8 @@ def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = 
         if fault == "nan_reward" and step == fault_step:
             rewards[3] = float("nan")
         if fault == "reward_scale_ramp" and step >= fault_step:
-            rewards = rewards * 10.0 ** (step - fault_step + 1)
+            # x100 per step: float32 gradients overflow about 19 steps in (Adam normalises the update until then)
+            rewards = rewards * 100.0 ** (step - fault_step + 1)
         grouped = rewards.view(-1, group)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).reshape(-1)
         if fault == "reward_scale_ramp" and step >= fault_step:
@@ -147,6 +152,8 @@ def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = 
                 guard.step_done()
                 if decision.firings:
                     res.decisions.append((step, decision.action, decision.messages))
+            if on_step is not None:
+                on_step(step, it, decision, model, opt, sched)
             finite = all(torch.isfinite(p).all() for p in model.parameters())
             res.params_finite_every_step &= finite
             if not finite and res.first_nonfinite_step is None:

@@ -31,6 +31,7 @@ import torch
 
 from .. import Guard, TokenBatch
 from ..errors import GuardHalted  # noqa: F401 - part of the adapter's public surface
+from .trl_samples import samples_from_rewards
 
 SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
 logger = logging.getLogger("rl_guard")
@@ -98,6 +99,11 @@ class RLGuardCallback(_callback_base()):
         self._wrap("_calculate_rewards", self._wrap_rewards)
         self._wrap("_clip_grad_norm", self._wrap_clip)
         self._wrap("log", self._wrap_log)
+        if "wandb" in (args.report_to or []) and "wandb" not in self.guard.sinks.names:
+            from ..sinks.wandb import WandbSink
+
+            # The trainer logs the metrics to its wandb run; the guard adds alerts and the incident table.
+            self.guard.sinks.add(WandbSink(metrics=False))
 
     def on_train_end(self, args, state, control, **kw):
         for name in self._originals:
@@ -127,12 +133,15 @@ class RLGuardCallback(_callback_base()):
         return wrapper
 
     def _wrap_rewards(self, original):
-        def wrapper(*args, **kwargs):
-            per_func = original(*args, **kwargs)
+        def wrapper(inputs, prompts, completions, completion_ids_list, *args, **kwargs):
+            per_func = original(inputs, prompts, completions, completion_ids_list, *args, **kwargs)
             if self.trainer.model.training:
                 weights = self.trainer.reward_weights.to(per_func.device)
                 # Unlike TRL's nansum, a NaN from any reward function stays visible to the guard.
-                self.guard.observe_sequences(rewards=(per_func * weights).sum(1))
+                total = (per_func * weights).sum(1)
+                self.guard.observe_sequences(rewards=total)
+                self.guard.observe_samples(
+                    samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list))
             return per_func
         return wrapper
 

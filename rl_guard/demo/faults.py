@@ -6,8 +6,9 @@ is in place when the guard looks. Faults:
 - ``lr_ramp``: from ``at_step`` on, the learning rate grows by ``factor`` every step (a gradual fault).
 - ``inf_grad``: one gradient entry becomes +inf at ``at_step``.
 - ``nan_reward``: the reward function returns NaN for one completion at ``at_step`` (see ``faulty_reward``).
-- ``ratio_drift``: at ``at_step`` the weights are perturbed between generation and training, so the buffered
-  behaviour log-probs come from another policy (needs ``steps_per_generation`` or ``num_iterations`` > 1).
+- ``ratio_drift``: at ``at_step`` every weight gets Gaussian noise of ``factor`` times its tensor's std, between
+  generation and training, so the buffered behaviour log-probs come from another policy (needs
+  ``steps_per_generation`` or ``num_iterations`` > 1).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import TrainerCallback
 from ..state import scale_lr
 
 FAULTS = ("none", "lr_blowup", "lr_ramp", "inf_grad", "nan_reward", "ratio_drift")
+DEFAULT_FACTOR = {"lr_blowup": 100.0, "lr_ramp": 2.0, "ratio_drift": float(__import__("os").environ.get("RD", 3))}
 
 
 class FaultInjector(TrainerCallback):
@@ -27,7 +29,7 @@ class FaultInjector(TrainerCallback):
         if fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}; allowed: {', '.join(FAULTS)}")
         self.fault, self.at_step = fault, at_step
-        self.factor = factor if factor is not None else {"lr_blowup": 100.0, "lr_ramp": 2.0}.get(fault, 1.0)
+        self.factor = factor if factor is not None else DEFAULT_FACTOR.get(fault, 1.0)
         self.current_step = 0
         self.injected_at: list[int] = []
 
@@ -41,7 +43,7 @@ class FaultInjector(TrainerCallback):
             with torch.no_grad():
                 gen = torch.Generator().manual_seed(1234)
                 for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.5 * p.detach().float().std().clamp(min=1e-3))
+                    p.add_(torch.randn(p.shape, generator=gen).to(p) * self.factor * p.detach().float().std().clamp(min=1e-3))
             self.injected_at.append(step)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kw):

@@ -15,15 +15,17 @@ import yaml
 PRESET = Path(__file__).resolve().parent.parent / "presets" / "grpo.yaml"
 
 
-def demo_config(action: str = "rollback", console_every: int = 5, preset: Path = PRESET) -> str:
-    """The GRPO preset with its rollback rules set to ``action`` (``rollback`` or ``halt``), plus a console sink."""
+def demo_config(action: str = "rollback", console_every: int | None = 5, preset: Path = PRESET, **sections) -> str:
+    """The GRPO preset with its rollback rules set to ``action`` (``rollback`` or ``halt``), plus a console sink
+    (none when ``console_every`` is None); ``sections`` replace top-level keys (e.g. ``rollback={...}``)."""
     data = yaml.safe_load(preset.read_text(encoding="utf-8"))
     if action == "halt":
         for rule in data["rules"]:
             if rule["action"] == "rollback":
                 rule["action"] = "checkpoint_and_halt"
-    data["sinks"] = ["jsonl", {"console": {"every": console_every}}]
+    data["sinks"] = ["jsonl"] + ([{"console": {"every": console_every}}] if console_every else [])
     data["snapshots"] = {"healthy_steps": 2, "every": 3, "keep": 2, "where": "memory"}
+    data.update(sections)
     return yaml.safe_dump(data, sort_keys=False)
 
 

@@ -1,0 +1,308 @@
+"""Cost of rl_guard's per-step statistics on CPU, against a floor and against the usual way of computing them.
+
+For each size (tokens in one padded ``[64, T]`` micro-batch with logprobs, old/ref logprobs, entropy, per-token
+advantages and versions, and a mask keeping ~75% of the tokens) it times, interleaved in the same run:
+
+* ``full``:  ``probe_batch`` + ``StepAccumulator.finish`` (the one host transfer) + ``summarize``;
+* ``floor``: one pass over the same inputs, a masked sum per tensor (``torch.where(mask, x, 0).sum()``);
+* ``naive``: what trainers do today: ``x[mask]`` selections, ``torch.quantile`` per quantile family (ratio,
+  sequence ratio, entropy, p50/p99 per lag bucket) and one ``.item()`` per statistic. ``torch.quantile`` refuses
+  inputs above 2^24 elements; that is reported as ``fails``.
+
+Times are the minimum over repeats (the machine may be shared; the minimum is the least disturbed run).
+Peak extra memory: each size runs once more in a fresh interpreter that builds the inputs, releases the allocator's
+free memory (``malloc_trim``), resets the kernel's resident-set high-water mark (``/proc/self/clear_refs``) and
+reads ``VmHWM - VmRSS`` after one full step. It counts everything the step touches (the allocator's slack
+included), so it over- rather than under-states; the ratio divides it by one fp32 per-token tensor (4 bytes/token).
+Host transfers: ``.cpu()`` calls during a 4-micro-batch step (plus any other host read, reported separately).
+
+Usage: ``python benchmarks/stats.py [--quick] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from rl_guard.accumulate import StepAccumulator  # noqa: E402
+from rl_guard.batch import TokenBatch  # noqa: E402
+from rl_guard.probe_batch import probe_batch  # noqa: E402
+from rl_guard.probes import DEFAULT_LAG_EDGES  # noqa: E402
+from rl_guard.sketch import QUANTILE_NAMES, QUANTILES  # noqa: E402
+from rl_guard.summarize import summarize  # noqa: E402
+
+ROWS = 64
+CURRENT_VERSION = 8
+SIZES = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24, "64M": 1 << 26}
+QUICK_SIZES = ("1M", "4M")
+
+
+def make_inputs(tokens: int, rows: int = ROWS, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    cols = max(1, tokens // rows)
+    shape = (rows, cols)
+    lp = -torch.rand(shape, generator=g) * 2
+    lengths = torch.randint(cols // 2, cols + 1, (rows,), generator=g)
+    return dict(
+        logprobs=lp,
+        mask=torch.arange(cols)[None, :] < lengths[:, None],
+        old_logprobs=lp + 0.05 * torch.randn(shape, generator=g),
+        ref_logprobs=lp + 0.1 * torch.randn(shape, generator=g),
+        entropy=torch.rand(shape, generator=g) * 3,
+        advantages=torch.randn(shape, generator=g),
+        versions=torch.randint(0, CURRENT_VERSION + 1, shape, generator=g).float(),
+    )
+
+
+def full_step(d: dict, micro_batches: int = 1) -> dict:
+    """The measured path: probes per micro-batch, one transfer, host formulas."""
+    acc = StepAccumulator()
+    rows = d["logprobs"].shape[0]
+    step = max(1, rows // micro_batches)
+    for r0 in range(0, rows, step):
+        part = {k: v[r0 : r0 + step] for k, v in d.items()}
+        acc.add(probe_batch(TokenBatch(**part, current_version=CURRENT_VERSION)))
+    metrics, _ = summarize(acc.finish())
+    return metrics
+
+
+def floor_pass(d: dict) -> float:
+    mask = d["mask"]
+    total = mask.sum()
+    for name, x in d.items():
+        if name != "mask":
+            total = total + torch.where(mask, x, 0.0).sum()
+    return float(total)
+
+
+def naive_step(d: dict, eps_low: float = 0.2, eps_high: float = 0.2, edges=DEFAULT_LAG_EDGES) -> dict:
+    """The usual trainer code: boolean selection, torch.quantile, one .item() per statistic."""
+    out: dict = {}
+    qs = torch.tensor(QUANTILES)
+    m = d["mask"]
+
+    def family(name, x, quantiles=True):
+        out[f"{name}/mean"] = x.mean().item()
+        out[f"{name}/min"] = x.min().item()
+        out[f"{name}/max"] = x.max().item()
+        if quantiles:
+            values = torch.quantile(x, qs)
+            for i, qn in enumerate(QUANTILE_NAMES):
+                out[f"{name}/{qn}"] = values[i].item()
+
+    for name in ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages"):
+        out[f"input/{name}/nonfinite"] = (~torch.isfinite(d[name][m])).sum().item()
+    lp, old, ref = d["logprobs"][m], d["old_logprobs"][m], d["ref_logprobs"][m]
+    ent, adv, ver = d["entropy"][m], d["advantages"][m], d["versions"][m]
+    log_r = lp - old
+    r = torch.exp(log_r)
+    family("ratio", r)
+    n_seq = m.sum(1)
+    seq_lr = torch.where(m, d["logprobs"] - d["old_logprobs"], 0.0).sum(1) / n_seq.clamp(min=1)
+    family("seq_ratio", torch.exp(seq_lr[n_seq > 0]))
+    for name, lr_tok, lr_full in (("kl_old", log_r, d["logprobs"] - d["old_logprobs"]),
+                                  ("kl_ref", ref - lp, d["ref_logprobs"] - d["logprobs"])):
+        for k, f in (("k1", lambda x: -x), ("k2", lambda x: 0.5 * x * x), ("k3", lambda x: torch.expm1(x) - x)):
+            out[f"{name}/{k}_mean"] = f(lr_tok).mean().item()
+            per_seq = torch.where(m, f(lr_full), 0.0).sum(1)[n_seq > 0]
+            out[f"{name}/{k}_seq_mean"] = per_seq.mean().item()
+            out[f"{name}/{k}_seq_max"] = per_seq.max().item()
+    family("entropy", ent)
+    low = (r < 1 - eps_low) & (adv < 0)
+    high = (r > 1 + eps_high) & (adv > 0)
+    out["clip/low_frac"] = low.float().mean().item()
+    out["clip/high_frac"] = high.float().mean().item()
+    out["clip/region_frac"] = (low | high).float().mean().item()
+    family("adv", adv, quantiles=False)
+    out["adv/std"] = adv.std().item()
+    out["adv/zero_frac"] = (adv == 0).float().mean().item()
+    lengths = n_seq.float()
+    out["length/mean"], out["length/max"] = lengths.mean().item(), lengths.max().item()
+    lag = CURRENT_VERSION - ver
+    out["lag/mean"], out["lag/max"] = lag.mean().item(), lag.max().item()
+    k3 = torch.expm1(log_r) - log_r
+    for i, lo in enumerate(edges):
+        hi = edges[i + 1] if i + 1 < len(edges) else math.inf
+        sel = (lag >= lo) & (lag < hi)
+        out[f"lag/{lo}/token_frac"] = sel.float().mean().item()
+        rb = r[sel]
+        if rb.numel():
+            p50, p99 = torch.quantile(rb, torch.tensor([0.5, 0.99])).tolist()
+            out[f"lag/{lo}/ratio_p50"], out[f"lag/{lo}/ratio_p99"] = p50, p99
+            out[f"lag/{lo}/clip_frac"] = (low | high)[sel].float().mean().item()
+            out[f"lag/{lo}/k3_mean"] = k3[sel].mean().item()
+    return out
+
+
+def best_time(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@contextmanager
+def count_host_reads():
+    """Counts ``.cpu()`` transfers and every other way a tensor value reaches the host (``.item()``,
+    ``.tolist()``, ``.numpy()`` of a tensor that was not just transferred, ``bool/float/int(tensor)``, ``.to(cpu)``
+    from another device). On CPU nothing is really transferred, but the same calls would sync a GPU."""
+    counts = {"transfers": 0, "other": 0}
+    transferred: set = set()
+    orig = {n: getattr(torch.Tensor, n) for n in ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "to")}
+
+    def cpu(self, *a, **k):
+        counts["transfers"] += 1
+        out = orig["cpu"](self, *a, **k)
+        transferred.add(id(out))
+        return out
+
+    def numpy(self, *a, **k):
+        if id(self) not in transferred:
+            counts["other"] += 1
+        return orig["numpy"](self, *a, **k)
+
+    def to(self, *a, **k):
+        out = orig["to"](self, *a, **k)
+        if self.device.type != "cpu" and out.device.type == "cpu":
+            counts["other"] += 1
+        return out
+
+    def other(name):
+        def wrapped(self, *a, **k):
+            counts["other"] += 1
+            return orig[name](self, *a, **k)
+        return wrapped
+
+    patches = {"cpu": cpu, "numpy": numpy, "to": to}
+    patches.update({n: other(n) for n in ("item", "tolist", "__bool__", "__float__", "__int__")})
+    try:
+        for n, f in patches.items():
+            setattr(torch.Tensor, n, f)
+        yield counts
+    finally:
+        for n, f in orig.items():
+            setattr(torch.Tensor, n, f)
+
+
+def transfers_per_step(tokens: int = 1 << 16) -> dict:
+    d = make_inputs(tokens, rows=8)
+    with count_host_reads() as counts:
+        acc = StepAccumulator()
+        for r0 in range(0, 8, 2):
+            acc.add(probe_batch(TokenBatch(**{k: v[r0 : r0 + 2] for k, v in d.items()}, current_version=CURRENT_VERSION)))
+        raw = acc.finish()
+    summarize(raw)
+    return dict(counts)
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _peak_child(tokens: int) -> None:
+    """Runs in a fresh interpreter: prints the extra resident memory (bytes) of one full step."""
+    import ctypes
+
+    d = make_inputs(tokens)
+    full_step(make_inputs(1 << 14))  # lazy initialisation of torch kernels is not the step's memory
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = _status_kb("VmRSS")
+    full_step(d)
+    print(json.dumps({"extra_bytes": (_status_kb("VmHWM") - base) * 1024}))
+
+
+def peak_extra_memory(tokens: int) -> float | None:
+    """Extra peak memory of a full step in units of one fp32 per-token tensor (None where unmeasurable)."""
+    if not Path("/proc/self/clear_refs").exists():
+        return None
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--peak-child", str(tokens)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode != 0:
+        return None
+    extra = json.loads(res.stdout.strip().splitlines()[-1])["extra_bytes"]
+    return extra / (4 * tokens)
+
+
+def run(sizes: dict, repeats: int, naive_repeats: int, measure_memory: bool = True) -> dict:
+    rows, result = [], {}
+    for label, tokens in sizes.items():
+        d = make_inputs(tokens)
+        full_step(d), floor_pass(d)  # warm-up
+        t_full = t_floor = math.inf
+        for _ in range(repeats):  # interleaved so both see the same machine load
+            t_full = min(t_full, best_time(lambda: full_step(d), 1))
+            t_floor = min(t_floor, best_time(lambda: floor_pass(d), 1))
+        try:
+            t_naive = best_time(lambda: naive_step(d), naive_repeats)
+        except RuntimeError as exc:  # torch.quantile: "input tensor is too large"
+            t_naive, result[f"naive_error_{label}"] = None, str(exc).splitlines()[0]
+        mem = peak_extra_memory(tokens) if measure_memory else None
+        row = dict(size=label, tokens=tokens, full_s=t_full, floor_s=t_floor, naive_s=t_naive,
+                   speedup_vs_naive=(t_naive / t_full) if t_naive else None, floor_ratio=t_full / t_floor,
+                   peak_extra_mem_ratio=mem)
+        rows.append(row)
+        for key in ("speedup_vs_naive", "floor_ratio", "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
+            result[f"{key}_{label}"] = row[key]
+        result["max_tokens_ok"] = tokens
+        del d
+    result["rows"] = rows
+    result["transfers_per_step"] = (counts := transfers_per_step())["transfers"]
+    result["other_host_reads_per_step"] = counts["other"]
+    result["torch_threads"] = torch.get_num_threads()
+    return result
+
+
+def print_table(result: dict) -> None:
+    def f(v, fmt):
+        return "fails" if v is None else format(v, fmt)
+
+    print(f"{'tokens':>7} {'full ms':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
+    for r in result["rows"]:
+        mem = "n/a" if r["peak_extra_mem_ratio"] is None else f"{r['peak_extra_mem_ratio']:.2f}"
+        naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
+        print(f"{r['size']:>7} {r['full_s'] * 1e3:>9.1f} {r['floor_s'] * 1e3:>9.1f} {naive:>10} "
+              f"{f(r['speedup_vs_naive'], '.1f'):>17} {r['floor_ratio']:>12.2f} {mem:>16}")
+    print(f"host transfers per step: {result['transfers_per_step']} (other host reads: {result['other_host_reads_per_step']}); "
+          f"torch threads: {result['torch_threads']}")
+
+
+def main(argv=None, sizes: dict | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1M and 4M tokens only, fewer repeats (< 1 minute)")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--peak-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.peak_child:
+        _peak_child(args.peak_child)
+        return {}
+    if sizes is None:
+        sizes = {k: SIZES[k] for k in QUICK_SIZES} if args.quick else SIZES
+    result = run(sizes, repeats=3 if args.quick else 5, naive_repeats=1)
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

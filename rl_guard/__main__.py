@@ -1,0 +1,5 @@
+"""``python -m rl_guard ...`` is the ``rl-guard`` command."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""``rl-guard`` command line: one argparse subcommand per entry of ``COMMANDS``.
+
+A subcommand is a pair of functions: ``add_arguments(parser)`` declares its options and ``run(args) -> int``
+does the work and returns the exit status. To add one, write the two functions and register them in
+``COMMANDS``; ``main`` needs no change.
+
+    rl-guard validate configs/grpo.yaml       # exit 0: "OK: configs/grpo.yaml (10 rules)"; 1: every error listed
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from .errors import ConfigError
+
+
+def _validate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="guard YAML config(s) to check")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Load each file with the same validation ``Guard.from_yaml`` uses; report, never raise."""
+    from .config import load_config
+
+    status = 0
+    for path in args.files:
+        try:
+            config = load_config(path)
+        except ConfigError as exc:
+            print(f"ERROR: {path}\n{exc}", file=sys.stderr)
+            status = 1
+        else:
+            print(f"OK: {path} ({len(config.rules)} rules)")
+    return status
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "validate": ("check guard YAML files: key paths, line numbers, allowed values", _validate_arguments, _validate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rl-guard", description="rl_guard: guardrails inside RL training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_arguments, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""Shared pieces of the TRL adapter tests: one tiny model per session, a GRPO runner, a finiteness checker.
+
+Every run is a real ``GRPOTrainer`` on CPU (tiny Llama, word-level tokenizer, built locally: no downloads).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A tiny model gains nothing from intra-op threads, and on a shared machine they spin against other processes
+# (a 4-step run took 10x longer with 2 threads under load).
+torch.set_num_threads(1)
+
+# Settings that run on CPU in well under a second per step; beta > 0 so the reference KL exists.
+GRPO_BASE = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
+                 bf16=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+                 learning_rate=3e-3, beta=0.04, max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
+
+
+class FiniteCheck(TrainerCallback):
+    """Checks the update the optimizer is about to apply (gradients, after every earlier callback, the guard
+    included) and the weights after every step. ``strict``: assert; otherwise record the first non-finite
+    step (an unguarded twin) and, with ``stop``, end training there."""
+
+    def __init__(self, strict: bool = True, stop: bool = False):
+        self.strict, self.stop = strict, stop
+        self.first_nonfinite: tuple[int, str] | None = None
+        self.steps_checked = 0
+
+    def _flag(self, step: int, what: str, control) -> None:
+        assert not self.strict, f"non-finite {what} at step {step}"
+        if self.first_nonfinite is None:
+            self.first_nonfinite = (step, what)
+        if self.stop:
+            control.should_training_stop = True
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, 2.0))).all()):
+            self._flag(state.global_step, "gradient", control)
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.steps_checked += 1
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            self._flag(state.global_step - 1, "weights", control)  # global_step already counts this step
+
+
+@dataclass
+class Run:
+    trainer: object
+    injector: object
+    checker: FiniteCheck
+    callback: object | None
+    run_dir: Path
+
+    @property
+    def guard(self):
+        return self.callback.guard
+
+    def incidents(self) -> list[dict]:
+        from rl_guard.sinks.jsonl import read_jsonl
+
+        path = self.run_dir / "incidents.jsonl"
+        return read_jsonl(path) if path.exists() else []
+
+    def metrics(self) -> list[dict]:
+        from rl_guard.sinks.jsonl import read_jsonl
+
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from rl_guard.demo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def grpo_run(tiny_model):
+    """``grpo_run(tmp, steps, guard_yaml=None, fault="none", at_step=0, factor=None, checker=None, **grpo)``."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rl_guard.adapters.trl import RLGuardCallback
+    from rl_guard.demo.faults import FaultInjector
+    from rl_guard.demo.tiny import length_penalty_reward, prompt_dataset, repeat_last_digit_reward
+
+    dataset = prompt_dataset(64, seed=0)
+
+    def run(tmp: Path, steps: int, guard_yaml: str | None = None, fault: str = "none", at_step: int = 0,
+            factor: float | None = None, checker: FiniteCheck | None = None, extra_callbacks=(), **grpo) -> Run:
+        injector = FaultInjector(fault, at_step=at_step, factor=factor)
+        checker = checker or FiniteCheck()
+        run_dir = Path(tmp) / "guard"
+        callback = RLGuardCallback(guard_yaml, run_dir=str(run_dir)) if guard_yaml is not None else None
+        callbacks = [injector] + ([callback] if callback else []) + [checker, *extra_callbacks]
+        args = GRPOConfig(output_dir=str(Path(tmp) / "trainer"), max_steps=steps, **{**GRPO_BASE, **grpo})
+        trainer = GRPOTrainer(model=str(tiny_model), args=args, train_dataset=dataset, callbacks=callbacks,
+                              reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
+        trainer.train()
+        return Run(trainer, injector, checker, callback, run_dir)
+
+    return run
+
+
+def state_copy(obj):
+    """Deep host copy of a (nested) state dict, so later training cannot alias it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: state_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_copy(v) for v in obj)
+    return obj
+
+
+def assert_same_state(a, b, where: str = "") -> None:
+    """Bitwise equality of nested state dicts (``torch.equal`` on tensors, ``==`` elsewhere)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+class StepStates(TrainerCallback):
+    """Host copies of model / optimizer / scheduler state at the start and end of chosen steps."""
+
+    def __init__(self, steps=()):
+        self.steps = set(steps)
+        self.begin: dict[int, dict] = {}
+        self.end: dict[int, dict] = {}
+
+    @staticmethod
+    def capture(model, optimizer, lr_scheduler) -> dict:
+        return {"model": state_copy(model.state_dict()), "optimizer": state_copy(optimizer.state_dict()),
+                "scheduler": state_copy(lr_scheduler.state_dict())}
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        if state.global_step in self.steps:
+            self.begin[state.global_step] = self.capture(model, optimizer, lr_scheduler)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        if state.global_step - 1 in self.steps:
+            self.end[state.global_step - 1] = self.capture(model, optimizer, lr_scheduler)
+
+
+@pytest.fixture
+def step_states():
+    return StepStates
+
+
+@pytest.fixture
+def finite_check():
+    return FiniteCheck

@@ -1,0 +1,50 @@
+"""The TRL callback under a real ``torchrun --nproc_per_node 2`` CPU launch (accelerate picks gloo).
+
+Rank 1 alone gets an inf gradient entry after backward (after DDP's all-reduce); both ranks must halt at the same
+optimizer step with finite, identical weights and one checkpoint file each.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import HERE, REPO, child_env
+
+pytest.importorskip("trl")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trl_grpo_two_ranks_halt_together(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(HERE / "trl_ddp_run.py"), str(tmp_path)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 170
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    FAULT_STEP = r0["fault_step"]  # noqa: N806 - the script's constant (importing it here would import trl)
+    assert FAULT_STEP >= 1
+    for r, res in enumerate((r0, r1)):
+        assert (res["world"], res["guard_rank"], res["guard_world"], res["backend"]) == (2, r, 2, "gloo")
+        assert res["decisions"][-1] == [FAULT_STEP, "checkpoint_and_halt", True]
+        assert [d[1] for d in res["decisions"][:-1]] == [None] * FAULT_STEP
+        assert res["global_step"] == FAULT_STEP + 1  # the trainer stopped right after the halted step
+        assert res["finite"]
+        assert res["checkpoint"].endswith(f"step_{FAULT_STEP:08d}/rank{r}.pt")
+        # guard collectives per step: MAX (header + maxima) and SUM; the halted step adds the save flag
+        assert [len(c) for c in res["check_calls"]] == [2] * FAULT_STEP + [3]
+    assert r0["check_calls"] == r1["check_calls"]
+    assert r0["decisions"] == r1["decisions"] and r0["digest"] == r1["digest"]
+    incidents = (tmp_path / "guard" / "incidents.jsonl").read_text().splitlines()
+    assert len(incidents) == 1 and json.loads(incidents[0])["rule"] == "nonfinite_grad"

@@ -1,0 +1,235 @@
+"""Actions on a real (small) model through ``Guard``: skip, rollback, checkpoint_and_halt, atomic saves."""
+
+import copy
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rl_guard import Guard
+from rl_guard.checkpoint import atomic_save
+from rl_guard.sinks import read_jsonl
+from rl_guard.state import rng_state
+
+BUILTINS_NO_LOGPROBS = "builtin_rules: {nonfinite_logprobs: false}\n"  # no token batch is observed here
+
+
+def assert_same(a, b, path="state"):
+    """Recursive bitwise equality: tensors with torch.equal (and dtype), everything else with ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def full_state(model, opt, sched):
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                          "numpy_rng": np.random.get_state()})
+
+
+def setup(tmp_path, yaml_text, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** (s // 2))  # recomputes lr from base_lrs
+    guard = Guard.from_yaml(BUILTINS_NO_LOGPROBS + yaml_text, run_dir=tmp_path / "run").attach(model, opt, sched)
+    return guard, model, opt, sched
+
+
+def train_step(guard, model, opt, sched, scale=1.0, poison=None, always_step=False):
+    """One step (``scale`` multiplies the loss, hence every gradient). Draws from all three global RNGs, as data
+    loaders and dropout do."""
+    x = torch.randn(16, 6)
+    _ = random.random(), np.random.rand()
+    loss = model(x).pow(2).mean() * scale
+    guard.observe(loss=loss)
+    loss.backward()
+    if poison is not None:
+        model[0].weight.grad[0, 0] = poison
+    d = guard.check()
+    if d.apply_step:
+        opt.step()
+        sched.step()
+    elif always_step:  # a loop that cannot skip (the optimizer steps anyway): dropped grads make it a no-op
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    guard.step_done()
+    return d
+
+
+SKIP = """
+rules:
+  - {name: big_grad, metric: rl_guard/grad/norm, op: ">", threshold: 100, action: skip_step}
+"""
+
+
+@pytest.mark.parametrize("poison, scale, rule", [(float("inf"), 1.0, "nonfinite_grad"),
+                                                 (float("nan"), 1.0, "nonfinite_grad"),
+                                                 (None, 1e4, "big_grad")])
+def test_skip_step_leaves_weights_and_moments_bitwise_unchanged(tmp_path, poison, scale, rule):
+    guard, model, opt, sched = setup(tmp_path, SKIP)
+    for _ in range(3):  # non-zero Adam moments first
+        assert train_step(guard, model, opt, sched).action is None
+    before = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    d = train_step(guard, model, opt, sched, scale=scale, poison=poison, always_step=True)
+    assert d.action == "skip_step" and rule in [f.rule.name for f in d.firings]
+    assert_same(before["model"], model.state_dict(), "model")
+    assert_same(before["optimizer"], opt.state_dict(), "optimizer")  # exp_avg, exp_avg_sq and step untouched
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert train_step(guard, model, opt, sched).action is None  # and training goes on
+    assert guard.controller.skipped_steps == 1
+    guard.close()
+
+
+ROLLBACK = """
+snapshots: {healthy_steps: 2, every: 2, keep: 2, where: %s}
+rollback: {max_rollbacks: 2, lr_scale: %s}
+rules:
+  - {name: big_grad, metric: rl_guard/grad/norm, op: ">", threshold: 100, action: rollback}
+"""
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_rollback_restores_model_optimizer_scheduler_and_rng_bitwise(tmp_path, where):
+    guard, model, opt, sched = setup(tmp_path, ROLLBACK % (where, 1.0))
+    references, seen = {}, []
+    for _ in range(7):
+        assert train_step(guard, model, opt, sched).action is None
+        steps = guard.actions.snapshots.steps()
+        if steps and steps[-1] not in references:
+            references[steps[-1]] = full_state(model, opt, sched)  # what a restore must give back
+        seen.append(steps[-1] if steps else None)
+    assert seen == [None, 2, 2, 4, 4, 6, 6] and guard.actions.snapshots.steps() == [4, 6]
+    diverged = full_state(model, opt, sched)
+    d = train_step(guard, model, opt, sched, scale=1e4)
+    assert d.action == "rollback" and d.firings[0].rule.name == "big_grad"
+    assert_same(references[6], full_state(model, opt, sched))
+    with pytest.raises(AssertionError):  # the check can fail: training really moved on since the snapshot
+        assert_same(references[6], diverged)
+    # Once more (budget 2), then the budget is spent and rollback escalates to checkpoint_and_halt.
+    assert train_step(guard, model, opt, sched, scale=1e4).action == "rollback"
+    assert_same(references[6], full_state(model, opt, sched))
+    d = train_step(guard, model, opt, sched, scale=1e4)
+    assert d.action == "checkpoint_and_halt" and d.escalated_from == "rollback" and d.stop
+    guard.close()
+    incidents = read_jsonl(tmp_path / "run" / "incidents.jsonl")
+    assert [i["action"] for i in incidents] == ["rollback", "rollback", "checkpoint_and_halt"]
+
+
+def test_rollback_lr_scale_persists_through_the_schedule(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, ROLLBACK % ("memory", 0.5))
+    for _ in range(3):
+        train_step(guard, model, opt, sched)
+    snap_lr = guard.actions.snapshots.latest()["optimizer"]["param_groups"][0]["lr"]
+    assert train_step(guard, model, opt, sched, scale=1e4).action == "rollback"
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * snap_lr, rel=1e-12)
+    base = list(sched.base_lrs)
+    for _ in range(4):  # LambdaLR recomputes lr from base_lrs: the halved rate must stick
+        train_step(guard, model, opt, sched)
+    assert base == [0.5 * 1e-2] * len(base)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2 * 0.9 ** (sched.last_epoch // 2), rel=1e-12)
+    guard.close()
+
+
+HALT = """
+checkpoint: {keep: 2}
+rules:
+  - {name: loss_high, metric: rl_guard/loss/value, op: ">", threshold: 50, action: checkpoint_and_halt}
+  - {name: loss_watch, metric: rl_guard/loss/value, op: ">", threshold: 1000000, action: warn}
+"""
+
+
+def test_checkpoint_and_halt_writes_a_loadable_checkpoint_and_an_incident(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, HALT)
+    for _ in range(5):
+        assert train_step(guard, model, opt, sched).action is None
+    before = full_state(model, opt, sched)
+    d = train_step(guard, model, opt, sched, scale=1e4)
+    assert d.action == "checkpoint_and_halt" and d.stop and not d.apply_step
+    guard.close()
+    path = tmp_path / "run" / "checkpoints" / "step_00000005" / "rank0.pt"
+    assert guard.actions.last_checkpoint == str(path)
+    ckpt = torch.load(path, weights_only=True)
+    assert {"model", "optimizer", "scheduler", "rng", "step", "guard", "extra"} <= set(ckpt)
+    assert ckpt["step"] == 5 and ckpt["reason"] == "checkpoint_and_halt"
+    assert_same(before["model"], ckpt["model"])  # the halting step's update never reached the weights
+    assert_same(before["optimizer"], ckpt["optimizer"])
+    assert_same(before["scheduler"], ckpt["scheduler"])
+    assert_same(rng_state()["torch"], ckpt["rng"]["torch"])
+    assert ckpt["guard"]["controller"]["step"] == 5 and ckpt["guard"]["controller"]["rollbacks"] == 0
+    # A fresh model loads it strictly.
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    fresh.load_state_dict(ckpt["model"], strict=True)
+
+    (incident,) = read_jsonl(tmp_path / "run" / "incidents.jsonl")
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    losses = [m["rl_guard/loss/value"] for m in metrics]
+    assert incident["rule"] == "loss_high" and incident["action"] == "checkpoint_and_halt"
+    assert incident["step"] == 5 and incident["checkpoint"] == str(path)
+    assert incident["value"] == losses[5] > 50
+    assert incident["message"] == (f"[rule loss_high] rl_guard/loss/value = {losses[5]:.4g} > 50 at step 5 (rank 0)"
+                                   " -> checkpoint_and_halt")
+    assert incident["window"] == {"rl_guard/loss/value": losses[:5]}  # values BEFORE the trigger only
+    assert {"severity", "metric", "op", "threshold", "time", "rank"} <= set(incident)
+
+
+def test_checkpoints_beyond_keep_are_pruned(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, HALT)
+    for _ in range(4):
+        train_step(guard, model, opt, sched)
+        guard.actions.save_checkpoint(reason="test")
+    guard.close()
+    kept = sorted(p.parent.name for p in (tmp_path / "run" / "checkpoints").glob("step_*/rank0.pt"))
+    assert kept == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == kept
+
+
+def test_atomic_save_survives_a_crash_mid_write(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt" / "rank0.pt"
+    good = {"w": torch.arange(1000, dtype=torch.float32), "step": 7}
+    atomic_save(good, path)
+    real_save = torch.save
+
+    def crash_halfway(obj, f, *args, **kwargs):
+        import io
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])  # half a file reaches the disk...
+        f.flush()
+        raise OSError("simulated crash mid-save")  # ...then the process dies
+
+    monkeypatch.setattr(torch, "save", crash_halfway)
+    with pytest.raises(OSError, match="simulated crash"):
+        atomic_save({"w": torch.zeros(1000), "step": 8}, path)
+    monkeypatch.undo()
+    assert os.listdir(path.parent) == ["rank0.pt"]  # no temp file left behind
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["step"] == 7 and torch.equal(loaded["w"], good["w"])
+
+
+def test_failed_checkpoint_save_fails_the_action_loudly(tmp_path, monkeypatch):
+    guard, model, opt, sched = setup(tmp_path, HALT)
+    train_step(guard, model, opt, sched)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(RuntimeError, match="checkpoint save to .* failed on this rank"):
+        guard.actions.save_checkpoint(reason="test")
+    ckpt_dir = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert not any(ckpt_dir.iterdir())
+    guard.close()
