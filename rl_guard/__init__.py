@@ -4,11 +4,22 @@ Device-side health statistics every optimizer step, YAML guardrail rules, and ac
 ``optimizer.step()`` (warn, skip the step, stop early, checkpoint and halt, roll back).
 """
 
-from .batch import BatchError, EmptyMaskError, TokenBatch
-from .config import ConfigError, GuardConfig, load_config
-from .controller import Decision
-from .guard import Guard
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "ConfigError", "TokenBatch", "Decision", "GuardConfig", "load_config", "BatchError",
-           "EmptyMaskError", "__version__"]
+
+# Imported on first use, so light entry points (``rl-guard validate``) do not pay for torch.
+_EXPORTS = {
+    "Guard": ".guard", "TokenBatch": ".batch", "BatchError": ".batch", "EmptyMaskError": ".batch",
+    "ConfigError": ".errors", "GuardConfig": ".config", "load_config": ".config", "Decision": ".controller",
+    "SampleBatch": ".diagnostics",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'rl_guard' has no attribute {name!r}")

@@ -19,11 +19,12 @@ MIN_CHUNK = 1 << 16
 
 
 def chunk_size(b: TokenBatch, size: int | None = None) -> int:
-    """Tokens per chunk: at most ~1/16 of the batch (so temporaries stay well below one per-token tensor)."""
+    """Tokens per chunk: at most ~1/8 of the batch, so the dozen chunk-sized temporaries stay around one per-token
+    tensor, and at least 64K tokens so per-operation overhead stays small."""
     if size is not None:
         return max(1, int(size))
     cap = CPU_CHUNK if b.device.type == "cpu" else GPU_CHUNK
-    return max(MIN_CHUNK, min(cap, b.logprobs.numel() // 16))
+    return max(MIN_CHUNK, min(cap, b.logprobs.numel() // 8))
 
 
 class Chunk:
@@ -80,10 +81,11 @@ class Chunk:
             acc.index_add_(0, self.seq_ids(), values.to(acc.dtype))
         elif self.rows is not None:
             r0, r1 = self.rows
-            acc[r0:r1] += values.view(r1 - r0, self.b.logprobs.shape[1]).sum(1)
+            rows = values.view(r1 - r0, self.b.logprobs.shape[1])
+            acc[r0:r1] += rows.sum(1, dtype=torch.int32) if rows.dtype == torch.bool else rows.sum(1)
         else:
             row = self.start // self.b.logprobs.shape[1]
-            acc[row : row + 1] += values.sum()
+            acc[row : row + 1] += values.count_nonzero() if values.dtype == torch.bool else values.sum()
 
 
 def chunks(b: TokenBatch, size: int | None = None):

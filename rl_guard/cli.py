@@ -36,8 +36,34 @@ def _validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from .demo.run import add_arguments
+
+    add_arguments(parser)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo.run import main as demo_main
+
+    return demo_main(args)
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    from .report import add_arguments
+
+    add_arguments(parser)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import main as report_main
+
+    return report_main(args)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check guard YAML files: key paths, line numbers, allowed values", _validate_arguments, _validate),
+    "demo": ("train a tiny GRPO model on CPU, inject a fault, watch the guard act before NaN", _demo_arguments, _demo),
+    "report": ("render a run directory as PNG plots and a Markdown incident summary", _report_arguments, _report),
 }
 
 

@@ -35,7 +35,7 @@ def probe_grads(param_groups: list[list[torch.nn.Parameter]], pre_clip_norm=None
         if not grads:
             add(f"grad.group{i}.sq", torch.zeros((), dtype=torch.float64))
             continue
-        l2 = torch.stack(torch._foreach_norm(grads, 2.0)).double()
+        l2 = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
         linf = torch.stack(torch._foreach_norm(grads, math.inf)).double()
         sq = (l2 * l2).sum()
         add(f"grad.group{i}.sq", sq)

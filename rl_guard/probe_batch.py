@@ -8,6 +8,8 @@ whole sequence's log-ratio first, so it takes a second, lighter pass.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .batch import TokenBatch
@@ -20,7 +22,7 @@ from .probes import (
     clip_stats,
     count,
     entropy_stats,
-    finite,
+    gated,
     kl_finish,
     kl_stats,
     lag_buckets,
@@ -30,6 +32,7 @@ from .probes import (
     nonfinite,
     ratio_stats,
     seq_log_ratio,
+    validate_,
     value_stats,
 )
 
@@ -60,74 +63,72 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     return p
 
 
-def _mask(b: TokenBatch, ch: Chunk) -> torch.Tensor:
+def _mask(b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's mask (bool) and its gate: 0.0 where a token reaches the loss, NaN where it does not."""
     m = ch.raw(b.mask)
-    return m if m.dtype == torch.bool else m != 0
+    m = m if m.dtype == torch.bool else m != 0
+    return m, torch.where(m, 0.0, math.nan)
 
 
 def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_clip: bool) -> None:
-    m = _mask(b, ch)
+    m, gate = _mask(b, ch)
     n_mask = count(m)
     acc.sum("tokens.count", n_mask)
-    lp = ch.token(b.logprobs)
-    ok = nonfinite(acc, "logprobs", lp, m, n_mask)
-    old = log_r = rv = k3 = clip_lr = clip_valid = None
+    lp, v_lp = gated(ch.token(b.logprobs), gate)
+    n_lp = v_lp.sum()
+    nonfinite(acc, "logprobs", n_mask, n_lp)
+    lr = v = k3 = clip_lr = clip_v = None
     if b.old_logprobs is not None:
-        old = ch.token(b.old_logprobs)
-        nonfinite(acc, "old_logprobs", old, m, n_mask)
-        log_r = lp - old
-        rv = finite(log_r).logical_and_(m)  # finite difference <=> both inputs finite
-        lr, e = log_ratio_terms(log_r, rv)
-        ratio_stats(acc, "ratio", log_r, rv, lr, e, hist=b.versions is None)
-        k3 = kl_stats(acc, ch, "kl_old", lr, e, rv)
-        clip_lr, clip_valid = lr, rv
+        lr = lp - ch.token(b.old_logprobs)  # NaN wherever logprobs is invalid
+        v = validate_(lr)
+        z, e = log_ratio_terms(lr)
+        n = ratio_stats(acc, "ratio", lr, v, z, e, hist=b.versions is None)  # with versions: in lag.hist
+        nonfinite(acc, "old_logprobs", n_lp, n)
+        k3 = kl_stats(acc, ch, "kl_old", z, e, v, n)
+        clip_lr, clip_v = lr, v
     if b.prox_logprobs is not None:
         prox = ch.token(b.prox_logprobs)
-        nonfinite(acc, "prox_logprobs", prox, m, n_mask)
-        log_iw = lp - prox
-        iv = finite(log_iw).logical_and_(m)
-        lr_iw, e_iw = log_ratio_terms(log_iw, iv)
-        ratio_stats(acc, "importance_weight", log_iw, iv, lr_iw, e_iw)
-        clip_lr, clip_valid = lr_iw, iv
-        if old is not None:
-            log_bw = prox - old
-            ratio_stats(acc, "behave_imp_weight", log_bw, finite(log_bw).logical_and_(ok))
+        lr_iw = lp - prox
+        v_iw = validate_(lr_iw)
+        nonfinite(acc, "prox_logprobs", n_lp, ratio_stats(acc, "importance_weight", lr_iw, v_iw))
+        if lr is not None:
+            lr_bw = (prox - ch.token(b.old_logprobs)).add_(lr_iw * 0.0).add_(lr * 0.0)
+            ratio_stats(acc, "behave_imp_weight", lr_bw, validate_(lr_bw))
+        clip_lr, clip_v = lr_iw, v_iw
     if b.ref_logprobs is not None:
-        ref = ch.token(b.ref_logprobs)
-        nonfinite(acc, "ref_logprobs", ref, m, n_mask)
-        log_rr = ref - lp
-        rr = finite(log_rr).logical_and_(m)
-        kl_stats(acc, ch, "kl_ref", *log_ratio_terms(log_rr, rr), rr)
+        lr_ref = ch.token(b.ref_logprobs) - lp
+        v_ref = validate_(lr_ref)
+        n_ref = v_ref.sum()
+        nonfinite(acc, "ref_logprobs", n_lp, n_ref)
+        kl_stats(acc, ch, "kl_ref", *log_ratio_terms(lr_ref), v_ref, n_ref)
     if b.entropy is not None:
-        ent = ch.token(b.entropy)
-        entropy_stats(acc, ent, nonfinite(acc, "entropy", ent, m, n_mask))
+        ent, v_ent = gated(ch.token(b.entropy), gate)
+        nonfinite(acc, "entropy", n_mask, entropy_stats(acc, ent, v_ent))
     clipped = None
     if b.advantages is not None:
-        adv = ch.token(b.advantages)
-        av = nonfinite(acc, "advantages", adv, m, n_mask)
-        advm, n_adv = value_stats(acc, "adv", adv, av, squares=True)
-        acc.sum("adv.zero", (advm == 0).sum() - (ch.n - n_adv))  # invalid entries are 0 in advm
+        adv, v_adv = gated(ch.token(b.advantages), gate)
+        _, n_adv = value_stats(acc, "adv", adv, v_adv, squares=True)
+        nonfinite(acc, "advantages", n_mask, n_adv)
+        acc.sum("adv.zero", count(adv == 0))  # NaN (invalid) never equals 0
         if clip_lr is not None and token_clip:
-            clipped = clip_stats(acc, clip_lr, clip_valid & av, advm, b.eps_low, b.eps_high)
+            clipped = clip_stats(acc, clip_lr, adv, torch.dot(clip_v, v_adv), b.eps_low, b.eps_high)
     if b.versions is not None:
-        lag, bucket = lag_buckets(ch.token(b.versions), b.current_version, edges, lut)
-        lag_stats(acc, lag, bucket, m, len(edges), log_r, rv, k3)
-        if clipped is not None:
-            clip_by_lag(acc, bucket, clipped, len(edges))
+        lag, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
+        lag_stats(acc, lag, bucket, len(edges), (lr, v, k3) if lr is not None else None, clipped)
     if b.lengths is None:
         ch.seq_add(acc.seq("length"), m)
 
 
 def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut) -> None:
     """GSPO: every valid token of a sequence is clipped by the sequence ratio (token advantage sign)."""
-    m = _mask(b, ch)
-    rv = finite(ch.token(b.logprobs) - ch.token(b.old_logprobs)).logical_and_(m)
-    adv = ch.token(b.advantages)
-    av = finite(adv).logical_and_(m)
-    clip_lr = torch.where(rv, ch.seq_gather(s_lr).float(), 0.0)
-    clipped = clip_stats(acc, clip_lr, rv & av, torch.where(av, adv, 0.0), b.eps_low, b.eps_high)
+    m, gate = _mask(b, ch)
+    lr = ch.token(b.logprobs) + gate - ch.token(b.old_logprobs)
+    v = validate_(lr)
+    adv, v_adv = gated(ch.token(b.advantages), gate)
+    clip_lr = ch.seq_gather(s_lr).float().add_(lr * 0.0)  # NaN where the token (or its sequence) is invalid
+    clipped = clip_stats(acc, clip_lr, adv, torch.dot(v, v_adv), b.eps_low, b.eps_high)
     if b.versions is not None:
-        _, bucket = lag_buckets(ch.token(b.versions), b.current_version, edges, lut)
+        _, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
         clip_by_lag(acc, bucket, clipped, len(edges))
 
 
@@ -146,10 +147,10 @@ def sequence_stats(p: Partial, lengths=None, truncated=None, rewards=None) -> No
 def _sequence_stats(acc: ChunkStats, lengths, truncated, rewards) -> None:
     if lengths is not None:
         lengths = lengths.reshape(-1).to(torch.float64)
-        value_stats(acc, "length", lengths, torch.ones_like(lengths, dtype=torch.bool))
+        value_stats(acc, "length", lengths, torch.ones_like(lengths))
     if truncated is not None:
         acc.sum("length.truncated", truncated.bool().sum())
     if rewards is not None:
-        rewards = rewards.reshape(-1).to(torch.float64)
-        all_seqs = torch.ones_like(rewards, dtype=torch.bool)
-        value_stats(acc, "reward", rewards, nonfinite(acc, "rewards", rewards, all_seqs, rewards.numel()), squares=True)
+        rewards, v = gated(rewards.reshape(-1).to(torch.float64), None)
+        _, n = value_stats(acc, "reward", rewards, v, squares=True)
+        nonfinite(acc, "rewards", rewards.numel(), n)

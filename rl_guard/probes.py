@@ -5,6 +5,12 @@ A micro-batch is probed chunk by chunk (``chunks.py``); every probe appends its 
 histogram cells) and entries reduced by max (maxima, and minima stored negated), so micro-batches and ranks merge
 exactly. Nothing here reads a device value on the host. Statistics use finite values only; non-finite inputs are
 counted under ``input/<field>/nonfinite``. The host formulas that turn these into metrics live in ``summarize.py``.
+
+Validity travels inside the values: a per-token tensor is NaN wherever the token is masked out or an input is
+non-finite (``validate_``), next to a 0/1 float validity ``v``. Float arithmetic, ``nan_to_num`` and ``nansum``
+are several times cheaper per element than boolean masks and ``torch.where`` on CPU, and NaN never survives into a
+sum, extreme or histogram: sums use the zero-filled copy, extremes fill NaN with -inf/+inf, and histograms count
+the zero-filled copy and take the invalid tokens back out of the zero cell (``ChunkStats.hist``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sketch import ENTROPY, LOG_RATIO, cell_index, count_cells
+from .sketch import ENTROPY, LOG_RATIO, SketchSpec, cell_index, count_cells
 
 DEFAULT_LAG_EDGES = (0, 1, 2, 3, 5, 9)  # buckets 0, 1, 2, 3-4, 5-8, 9+
 EXP_CLAMP = 80.0  # exp() argument clamp so a finite but huge log-ratio gives a huge finite ratio, not inf
@@ -49,9 +55,10 @@ class ChunkStats:
         self._max: dict = {}
         self._min: dict = {}
         self._seq: dict = {}
+        self._zero_cell: dict = {}
 
     def sum(self, name: str, t: torch.Tensor) -> None:
-        if t.numel() == 1 and t.dim() == 0:
+        if t.dim() == 0:
             self._sum.setdefault(name, []).append(t)
         elif name in self._sum:
             self._sum[name].add_(t)
@@ -64,18 +71,24 @@ class ChunkStats:
     def min(self, name: str, t: torch.Tensor) -> None:
         self._min.setdefault(name, []).append(t)
 
+    def hist(self, name: str, counts: torch.Tensor, zero_cell: int, n_invalid) -> None:
+        """Cell counts of a zero-filled chunk; its ``n_invalid`` zero fills are taken out of ``zero_cell``."""
+        self.sum(name, counts)
+        self.sum(f"{name}.fill", n_invalid)
+        self._zero_cell[name] = zero_cell
+
     def seq(self, name: str) -> torch.Tensor:
         if name not in self._seq:
             self._seq[name] = torch.zeros(self.num_seqs, dtype=F64, device=self.device)
         return self._seq[name]
 
-    def has_seq(self, name: str) -> bool:
-        return name in self._seq
-
     def partial(self) -> Partial:
+        sums = {k: (torch.stack(v).sum(0, dtype=F64) if isinstance(v, list) else v.to(F64)) for k, v in self._sum.items()}
+        for name, cell in self._zero_cell.items():
+            sums[name][cell] -= sums.pop(f"{name}.fill")
         p = Partial()
-        for k, v in self._sum.items():
-            p.add_sum(k, torch.stack(v).sum(0, dtype=F64) if isinstance(v, list) else v)
+        for k, v in sums.items():
+            p.add_sum(k, v)
         for k, v in self._max.items():
             p.add_max(k, torch.stack(v).amax(0))
         for k, v in self._min.items():
@@ -83,77 +96,99 @@ class ChunkStats:
         return p
 
 
-def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return torch.where(valid, x, -math.inf).amax() if x.numel() else x.new_full((), -math.inf)
-
-
-def masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    return torch.where(valid, x, math.inf).amin() if x.numel() else x.new_full((), math.inf)
-
-
 def count(mask: torch.Tensor) -> torch.Tensor:
     """Number of true entries (``count_nonzero`` is ~2x faster than ``sum`` on bool tensors)."""
     return mask.count_nonzero()
 
 
-def finite(x: torch.Tensor) -> torch.Tensor:
-    """Finite-value mask; ``|x| < inf`` is false for NaN and +-inf and is cheaper than ``isfinite`` on CPU."""
-    return x.abs() < math.inf
+def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, x, -math.inf).amax() if x.numel() else x.new_full((), -math.inf)
 
 
-def nonfinite(acc: ChunkStats, name: str, x: torch.Tensor, mask: torch.Tensor, mask_count) -> torch.Tensor:
-    """Counts masked non-finite entries under ``input/<name>/nonfinite``; returns ``mask & finite(x)``."""
-    ok = finite(x).logical_and_(mask)
-    acc.sum(f"input.{name}.nonfinite", mask_count - count(ok))
-    return ok
+def validate_(y: torch.Tensor) -> torch.Tensor:
+    """In place: non-finite entries of ``y`` become NaN (``y * 0`` is NaN exactly there); returns the validity
+    ``v`` (1.0 where ``y`` is finite, 0.0 elsewhere) in the same dtype."""
+    t = y * 0.0
+    y.add_(t)
+    return t.add_(1.0).nan_to_num_(0.0)
 
 
-def value_stats(acc: ChunkStats, name: str, x, valid, squares: bool = False):
-    """count, sum, (sum of squares), min, max of ``x`` over ``valid``; returns (``x`` with invalid entries 0, count)."""
-    xv = torch.where(valid, x, 0.0)
-    n = count(valid)
+def gated(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, v)``: a fresh copy of ``x`` that is NaN where ``gate`` is NaN (masked out) or ``x`` is non-finite."""
+    y = x + gate if gate is not None else x.clone()
+    return y, validate_(y)
+
+
+def nonfinite(acc: ChunkStats, name: str, n_before, n_after) -> None:
+    """``input/<name>/nonfinite``: tokens valid before this field was taken into account and not after it (a
+    token whose logprobs is already non-finite is counted under logprobs only)."""
+    acc.sum(f"input.{name}.nonfinite", n_before - n_after)
+
+
+def value_stats(acc: ChunkStats, name: str, y, v, squares: bool = False):
+    """count, sum, (sum of squares), min, max of the valid entries of ``y`` (NaN elsewhere, validity ``v``);
+    returns (zero-filled ``y``, count)."""
+    z = torch.nan_to_num(y, nan=0.0)
+    n = v.sum()
     acc.sum(f"{name}.count", n)
-    acc.sum(f"{name}.sum", xv.sum())
     if squares:
-        acc.sum(f"{name}.sumsq", torch.dot(xv, xv) if xv.dim() == 1 else (xv * xv).sum())
-    acc.max(f"{name}.max", masked_max(x, valid))
-    acc.min(f"{name}.min", masked_min(x, valid))
-    return xv, n
+        # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
+        zd = z.to(F64)
+        acc.sum(f"{name}.sum", zd.sum())
+        acc.sum(f"{name}.sumsq", torch.dot(zd, zd))
+    else:
+        acc.sum(f"{name}.sum", z.sum())
+    acc.max(f"{name}.max", nan_max(y))
+    acc.min(f"{name}.min", nan_min(y))
+    return z, n
 
 
-def log_ratio_terms(log_ratio: torch.Tensor, valid: torch.Tensor):
-    """``(lr, e)``: the log-ratio with invalid entries 0 and ``e = expm1(min(lr, EXP_CLAMP)) = r - 1`` (0 there).
+def nan_max(y: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(y, nan=-math.inf).amax() if y.numel() else y.new_full((), -math.inf)
+
+
+def nan_min(y: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(y, nan=math.inf).amin() if y.numel() else y.new_full((), math.inf)
+
+
+def log_ratio_terms(lr: torch.Tensor):
+    """``(z, e)`` of a NaN-marked log-ratio: ``z`` zero-filled and ``e = expm1(min(z, EXP_CLAMP)) = r - 1``.
 
     ``expm1`` keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32.
     """
-    lr = torch.where(valid, log_ratio, 0.0)
-    return lr, lr.clamp(max=EXP_CLAMP).expm1_()
+    z = torch.nan_to_num(lr, nan=0.0)
+    return z, z.clamp(max=EXP_CLAMP).expm1_()
 
 
-def ratio_stats(acc: ChunkStats, name: str, log_ratio, valid, lr=None, e=None, hist: bool = True) -> None:
-    """Ratio r = exp(log_ratio): count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
-    if lr is None:
-        lr, e = log_ratio_terms(log_ratio, valid)
-    n = count(valid)
+def ratio_stats(acc: ChunkStats, name: str, lr, v, z=None, e=None, hist: bool = True) -> None:
+    """Ratio r = exp(lr) over valid tokens: count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
+    if z is None:
+        z, e = log_ratio_terms(lr)
+    n = v.sum()
     acc.sum(f"{name}.count", n)
-    acc.sum(f"{name}.sum", e.sum() + n)  # sum r = sum (r - 1) + count, exact for r ~ 1
-    acc.max(f"{name}.logmax", masked_max(log_ratio, valid))
-    acc.min(f"{name}.logmin", masked_min(log_ratio, valid))
+    acc.sum(f"{name}.sum", e.sum() + n)  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
+    acc.max(f"{name}.logmax", nan_max(lr))
+    acc.min(f"{name}.logmin", nan_min(lr))
     if hist:
-        acc.sum(f"{name}.hist", count_cells(cell_index(log_ratio, LOG_RATIO, valid), LOG_RATIO.bins + 1)[:-1])
+        zero_filled_hist(acc, f"{name}.hist", z, LOG_RATIO, z.numel() - n)
+    return n
 
 
-def kl_stats(acc: ChunkStats, chunk, name: str, lr, e, valid) -> torch.Tensor:
+def zero_filled_hist(acc: ChunkStats, name: str, z, spec: SketchSpec, n_invalid) -> None:
+    acc.hist(name, count_cells(cell_index(z, spec), spec.bins), spec.bins // 2, n_invalid)
+
+
+def kl_stats(acc: ChunkStats, chunk, name: str, z, e, v, n=None) -> torch.Tensor:
     """k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r: token sums here, per-sequence sums into ``[S]``
     accumulators (``kl_finish`` takes their mean and max). Returns the per-token k3 (0 where invalid)."""
-    k3 = e - lr
-    acc.sum(f"{name}.count", count(valid))
-    acc.sum(f"{name}.k1.sum", -lr.sum())
-    acc.sum(f"{name}.k2.sum", 0.5 * torch.dot(lr, lr))
+    k3 = e - z
+    acc.sum(f"{name}.count", v.sum() if n is None else n)
+    acc.sum(f"{name}.k1.sum", -z.sum())
+    acc.sum(f"{name}.k2.sum", 0.5 * torch.dot(z, z))
     acc.sum(f"{name}.k3.sum", k3.sum())
-    chunk.seq_add(acc.seq(f"{name}.tokens"), valid)
-    chunk.seq_add(acc.seq(f"{name}.lr"), lr)
-    chunk.seq_add(acc.seq(f"{name}.lr2"), lr * lr)
+    chunk.seq_add(acc.seq(f"{name}.tokens"), v)
+    chunk.seq_add(acc.seq(f"{name}.lr"), z)
+    chunk.seq_add(acc.seq(f"{name}.lr2"), z * z)
     chunk.seq_add(acc.seq(f"{name}.k3"), k3)
     return k3
 
@@ -169,56 +204,74 @@ def kl_finish(acc: ChunkStats, name: str) -> None:
 
 
 def seq_log_ratio(acc: ChunkStats, name: str = "kl_old"):
-    """GSPO sequence log-ratio: mean token log-ratio per sequence; returns (values [S], valid [S])."""
+    """GSPO sequence log-ratio: mean token log-ratio per sequence, NaN for sequences without a valid token;
+    returns (values [S], validity [S] as 0/1)."""
     tokens = acc.seq(f"{name}.tokens")
-    return acc.seq(f"{name}.lr") / tokens.clamp(min=1.0), tokens > 0
+    return acc.seq(f"{name}.lr") / tokens, (tokens > 0).to(F64)  # 0 / 0 = NaN marks the empty sequences
 
 
-def clip_stats(acc: ChunkStats, clip_lr, valid, adv, eps_low: float, eps_high: float) -> torch.Tensor:
+def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high: float) -> torch.Tensor:
     """PPO clip fractions: low (r < 1 - eps_low and A < 0), high (r > 1 + eps_high and A > 0); returns region.
 
-    ``clip_lr`` and ``adv`` must be 0 where not ``valid`` (so they never count as clipped)."""
+    ``clip_lr`` and ``adv`` are NaN where invalid, so those tokens never compare as clipped; ``n_valid`` is the
+    number of tokens where both are valid."""
     low = (clip_lr < math.log1p(-eps_low)).logical_and_(adv < 0)
     high = (clip_lr > math.log1p(eps_high)).logical_and_(adv > 0)
-    acc.sum("clip.count", count(valid))
+    acc.sum("clip.count", n_valid)
     acc.sum("clip.low", count(low))
     acc.sum("clip.high", count(high))
     return low.logical_or_(high)
 
 
 def lag_lut(edges, device) -> torch.Tensor:
-    """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]``: bucket b holds ``edges[b] <= lag <
-    edges[b+1]``; lags outside the range are clamped into it (below ``edges[0]`` -> bucket 0)."""
+    """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
+    masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
+    (below ``edges[0]`` -> bucket 0)."""
     lags = torch.arange(edges[0], edges[-1] + 1, device=device)
-    return torch.bucketize(lags, torch.tensor(edges[1:], device=device), right=True).to(torch.int32)
+    lut = torch.bucketize(lags, torch.tensor(edges[1:], device=device), right=True)
+    return torch.cat([lut, lut.new_full((1,), len(edges))]).to(torch.int32)
 
 
-def lag_buckets(versions: torch.Tensor, current_version: int, edges, lut) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy lag ``current_version - round(versions)`` (fp32: exact for versions below 2^24) and its bucket."""
-    lag = versions.round().neg_().add_(current_version)
-    idx = lag.clamp(edges[0], edges[-1]).sub_(edges[0]).to(torch.int64)
+def lag_buckets(versions: torch.Tensor, current_version: int, gate, edges, lut) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy lag ``current_version - round(versions)`` (fp32: exact below 2^24; NaN where masked out or the
+    version is non-finite) and its bucket (int32; ``len(edges)`` where the lag is NaN)."""
+    lag, _ = gated(versions.round().neg_().add_(current_version), gate)
+    idx = lag.clamp(edges[0], edges[-1]).nan_to_num_(nan=edges[-1] + 1).sub_(edges[0]).to(torch.int32)
     return lag, lut.index_select(0, idx)  # index_select: several times faster than lut[idx] on CPU
 
 
-def lag_stats(acc: ChunkStats, lag, bucket, mask, nb: int, log_ratio=None, ratio_valid=None, k3=None) -> None:
-    """Per-bucket token counts, ratio histograms and k3 sums (``clip_by_lag`` adds the clip counts)."""
-    acc.sum("lag.tokens", count_cells(torch.where(mask, bucket, nb), nb + 1)[:-1])
-    acc.sum("lag.sum", torch.where(mask, lag, 0.0).sum(dtype=F64))
-    acc.max("lag.max", masked_max(lag, mask))
-    if log_ratio is None:
+def lag_stats(acc: ChunkStats, lag, bucket, nb: int, ratio=None, clipped=None) -> None:
+    """Per-bucket token counts, clip counts, ratio histograms and k3 sums; ``ratio = (log r, validity, k3)``
+    (NaN-marked, 0/1, zero-filled). Bucket ``nb`` collects the masked-out tokens and is dropped."""
+    if clipped is None:
+        acc.sum("lag.tokens", count_cells(bucket, nb + 1)[:nb])
+    else:  # one count for both: the clipped tokens of bucket b land in nb + 1 + b
+        both = count_cells(torch.add(bucket, clipped, alpha=nb + 1), 2 * nb + 2)
+        acc.sum("lag.tokens", both[:nb] + both[nb + 1 : 2 * nb + 1])
+        acc.sum("lag.clip", both[nb + 1 : 2 * nb + 1])
+    acc.sum("lag.sum", torch.nansum(lag, dtype=F64))
+    acc.max("lag.max", nan_max(lag))
+    if ratio is None:
         return
+    lr, v, k3 = ratio
     cells = nb * LOG_RATIO.bins
-    acc.sum("lag.hist", count_cells(cell_index(log_ratio, LOG_RATIO, ratio_valid, bucket, nb), cells + 1)[:-1])
-    acc.sum("lag.k3", torch.zeros(nb, dtype=F64, device=lag.device).index_add_(0, bucket, k3.to(F64)))
+    # Offset of every token's cell: its bucket's block, and past every block (dropped) when the ratio is invalid.
+    offset = bucket.float().mul_(LOG_RATIO.bins).add_(v, alpha=-(cells + LOG_RATIO.bins)).add_(cells + LOG_RATIO.bins)
+    index = cell_index(torch.nan_to_num(lr, nan=0.0), LOG_RATIO, offset)
+    acc.sum("lag.hist", count_cells(index, 2 * cells + 2 * LOG_RATIO.bins)[:cells])
+    acc.sum("lag.k3", torch.zeros(nb + 1, dtype=F64, device=lag.device).index_add_(0, bucket, k3.to(F64))[:nb])
 
 
 def clip_by_lag(acc: ChunkStats, bucket, clipped, nb: int) -> None:
-    acc.sum("lag.clip", count_cells(torch.where(clipped, bucket, nb), nb + 1)[:-1])
+    """Clipped tokens per lag bucket (GSPO's second pass; the token-level path counts them in ``lag_stats``)."""
+    acc.sum("lag.clip", count_cells(torch.where(clipped, bucket, nb), nb + 1)[:nb])
 
 
-def entropy_stats(acc: ChunkStats, ent: torch.Tensor, valid: torch.Tensor) -> None:
-    value_stats(acc, "entropy", ent, valid)
-    acc.sum("entropy.hist", count_cells(cell_index(ent, ENTROPY, valid), ENTROPY.bins + 1)[:-1])
+def entropy_stats(acc: ChunkStats, ent: torch.Tensor, v: torch.Tensor):
+    """Entropy (NaN-marked, validity ``v``): value statistics and histogram; returns the valid count."""
+    z, n = value_stats(acc, "entropy", ent, v)
+    zero_filled_hist(acc, "entropy.hist", z, ENTROPY, z.numel() - n)
+    return n
 
 
 def loss_stats(p: Partial, loss: torch.Tensor) -> None:

@@ -70,7 +70,8 @@ class History:
 
     def state_dict(self) -> dict:
         # Copies: a state dict must not change when training goes on after it was taken.
-        return {"recent": {k: list(v) for k, v in self.recent.items()}, "first": {k: list(v) for k, v in self.first.items()}}
+        return {"recent": {k: list(v) for k, v in self.recent.items()},
+                "first": {k: list(v) for k, v in self.first.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.recent = {k: deque(v, maxlen=self.maxlen) for k, v in state["recent"].items()}
@@ -92,7 +93,8 @@ class Condition:
             return Verdict(False, f"{self.metric} not reported this step", self.metric, missing=True)
         x = float(metrics[self.metric])
         if not math.isfinite(x):
-            return Verdict(True, f"{self.metric} = {x} is non-finite", self.metric, x, "is", "non-finite", nonfinite=True)
+            v = verdict(True, self.metric, x, "is", "non-finite")
+            return Verdict(True, v.reason, self.metric, x, "is", "non-finite", nonfinite=True)
         if self.op == "nonfinite":
             return verdict(False, self.metric, x, "is", "non-finite")
         if self.spike is not None:

@@ -57,22 +57,18 @@ LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, bins=2048)
 ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, bins=4096)
 
 
-def cell_index(x: torch.Tensor, spec: SketchSpec, valid=None, bucket=None, buckets: int = 1) -> torch.Tensor:
-    """Cell index (int32) of every element, plus ``bucket * bins`` when per-element buckets are given.
-
-    Elements that are not ``valid`` get the spare index ``buckets * bins`` (count ``buckets * bins + 1`` cells and
-    drop the last). Values beyond ``max_abs`` (and +-inf) land in the edge cells; without ``valid``, NaN -> cell 0.
-    """
+def cell_index(x: torch.Tensor, spec: SketchSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor, plus a per-element ``offset``
+    (integer-valued float: several sketches counted in one vector). Values beyond ``max_abs`` (and +-inf) land in
+    the edge cells."""
     xf = x.float()
     u = xf.abs()
     u.mul_(1.0 / spec.scale).log1p_().mul_(1.0 / spec.width).copysign_(xf)
     u.add_(spec.bins // 2).clamp_(0, spec.bins - 1)
-    if bucket is not None:
+    if offset is not None:
         # floor first: integer-valued floats below 2^24 add exactly, so the offset never moves a value's cell
-        u.floor_().add_(bucket * spec.bins)
-    if valid is None:
-        return u.nan_to_num_(nan=0.0).to(torch.int32)
-    return torch.where(valid, u, float(buckets * spec.bins)).to(torch.int32)
+        u.floor_().add_(offset)
+    return u.to(torch.int32)
 
 
 def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -99,7 +95,8 @@ def quantiles_from_counts(
     edges_u = np.linspace(-spec.half_range, spec.half_range, spec.bins + 1)
     out = []
     for q in qs:
-        rank = max(1.0, math.ceil(q * n - 1e-9))
+        # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank
+        rank = max(1.0, math.ceil(q * n * (1.0 - 1e-12)))
         cell = int(np.searchsorted(cum, rank - 0.5))
         u = 0.5 * (edges_u[cell] + edges_u[cell + 1])
         value = math.copysign(math.expm1(abs(u)) * spec.scale, u)

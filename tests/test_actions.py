@@ -233,3 +233,15 @@ def test_failed_checkpoint_save_fails_the_action_loudly(tmp_path, monkeypatch):
     ckpt_dir = tmp_path / "run" / "checkpoints" / "step_00000001"
     assert not any(ckpt_dir.iterdir())
     guard.close()
+
+
+def test_warn_only_steps_are_healthy_for_snapshots(tmp_path):
+    """A noisy warn-level rule must not disable rollback: its steps applied their update, so they are healthy."""
+    noisy = ROLLBACK % ("memory", 1.0) + '  - {name: noisy, metric: rl_guard/loss/value, op: ">", threshold: 0, action: warn}\n'
+    guard, model, opt, sched = setup(tmp_path, noisy)
+    for _ in range(3):
+        assert train_step(guard, model, opt, sched).action == "warn"
+    assert guard.actions.snapshots.steps() == [2]
+    d = train_step(guard, model, opt, sched, scale=1e4)
+    assert d.action == "rollback" and d.escalated_from is None
+    guard.close()

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from rl_guard import cli
+from rl_guard.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+PRESET_OK = f"OK: configs/grpo.yaml ({len(load_config(ROOT / 'configs' / 'grpo.yaml').rules)} rules)\n"
 BAD = "version: 1\nsinks: jsonl\nrules:\n  - name: a\n    metric: rl_guard/kl_ref/k3_maen\n    op: '>'\n    threshold: 1\n"
 
 
@@ -25,7 +27,7 @@ def test_validate_command_line(bad):
     proc = subprocess.run([sys.executable, "-m", "rl_guard.cli", "validate", "configs/grpo.yaml", str(bad)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stdout == "OK: configs/grpo.yaml (10 rules)\n"
+    assert proc.stdout == PRESET_OK
     assert f"ERROR: {bad}\n3 configuration error(s):" in proc.stderr
     assert "sinks (line 2): sinks must be a list" in proc.stderr
     assert "rules[0].action (line 4): rule needs an 'action'" in proc.stderr
@@ -38,7 +40,7 @@ def test_python_dash_m_rl_guard(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         runpy.run_module("rl_guard", run_name="__main__")
     assert info.value.code == 0
-    assert capsys.readouterr().out.endswith("(10 rules)\n")
+    assert capsys.readouterr().out.endswith(PRESET_OK.split(" ", 2)[2])
 
 
 def test_validate_in_process(bad, tmp_path, capsys):

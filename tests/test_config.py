@@ -144,7 +144,7 @@ def test_config_loading_uses_safe_loader_only():
 def test_preset_and_defaults():
     cfg = load_config(ROOT / "configs" / "grpo.yaml")
     assert (ROOT / "configs" / "grpo.yaml").resolve() == (ROOT / "rl_guard" / "presets" / "grpo.yaml").resolve()
-    assert len(cfg.rules) == 10 and len({r["name"] for r in cfg.rules}) == 10
+    assert cfg.rules and len({r["name"] for r in cfg.rules}) == len(cfg.rules)
     assert cfg.builtin_rules == {n: {"action": "skip_step"} for n in ("nonfinite_loss", "nonfinite_grad",
                                                                       "nonfinite_logprobs")}
     empty = load_config("version: 1\n")

@@ -23,7 +23,7 @@ from rl_guard.sinks.jsonl import JsonlSink  # noqa: E402
 N = 40
 BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
 QS = {"p01": 0.80, "p05": 0.85, "p25": 0.95, "p50": 1.0, "p75": 1.05, "p95": 1.15, "p99": 1.25}
-CKPT = "/runs/x/checkpoints/step-25"
+CKPT = "checkpoints/step_00000025/rank0.pt"  # relative to the run dir
 # (step, rule, metric, value, action)
 INCIDENTS = [
     (5, "clip_fraction_high", "rl_guard/clip/region_frac", 0.45, "warn"),
@@ -76,8 +76,12 @@ def write_run(run_dir, steps=range(N), incidents=INCIDENTS, metrics=metrics_at) 
         sink.incident({"step": step, "rule": rule, "metric": metric, "value": value, "op": op, "threshold": 0.4,
                        "action": action, "severity": "error", "rank": 0, "window": {metric: [1.0]},
                        "message": f"[rule {rule}] {metric} = {value} {op} 0.4 at step {step} (rank 0) -> {action}",
-                       "checkpoint": CKPT if action == "checkpoint_and_halt" else None, "time": 1.0e9 + step})
+                       "checkpoint": str(run_dir / CKPT) if action == "checkpoint_and_halt" else None,
+                       "time": 1.0e9 + step})
     sink.finish()
+    for path in (CKPT, "checkpoints/step_00000010/rank0.pt"):  # the second one no incident refers to
+        (run_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / path).write_bytes(b"")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +127,10 @@ def test_markdown_summary(report):
     assert "incidents: 9 (first at step 5, last at step 39)" in md
     assert "> [rule clip_fraction_high] rl_guard/clip/region_frac = 0.45 > 0.4 at step 5 (rank 0) -> warn" in md
     assert "step 20 (rank 0) -> rollback" in md  # the first incident that changed the run is quoted too
-    assert f"`{CKPT}` (step 25, rule kl_ref_nonfinite" in md
+    run_dir = report["run_dir"]
+    assert f"`{run_dir}/{CKPT}` (step 25, rule kl_ref_nonfinite" in md
+    assert f"`{run_dir}/checkpoints/step_00000010` (in checkpoints/, not referenced" in md
+    assert "step_00000025` (in checkpoints/" not in md
     assert "`rl_guard/grad/norm` at step 30;" in md and "`rl_guard/ratio/max` at step 20;" in md
     for name in report["plots"]:
         assert f"]({name}.png)" in md
@@ -211,7 +218,7 @@ def test_missing_metrics_are_skipped_and_cli(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["grad.png", "overview.png", "report.md"]
     md = (out / "report.md").read_text()
     assert "| skip_step | 1 | 15 |" in md and "`rl_guard/grad/norm` at steps 1, 3" in md
-    assert "No checkpoint was written" in md and "ratio.png" not in md
+    assert "step_00000010` (in checkpoints/, not referenced" in md and "ratio.png" not in md
 
 
 def test_errors(tmp_path, monkeypatch, capsys):

@@ -193,7 +193,7 @@ class RunResult:
 
 
 def run(staleness: int = 0, steps: int = 20, max_head_offpolicyness: int = 2, config: str | None = None,
-        run_dir: str = "runs/areal_async", seed: int = 0, lr: float = 1e-2, prompts: int = 8, group: int = 4,
+        run_dir: str = "runs/areal_async", seed: int = 0, lr: float = 3e-3, prompts: int = 8, group: int = 4,
         n_minibatches: int = 2, queue_size: int = 2) -> RunResult:
     torch.manual_seed(seed)
     engine = Engine(Policy(), lr)
@@ -210,6 +210,7 @@ def run(staleness: int = 0, steps: int = 20, max_head_offpolicyness: int = 2, co
             k, batch = batches.get(timeout=60)
             assert k == step, "batches arrive in order"
             batch["prox_logp"] = engine.compute_logp(batch)   # proximal: this version, before any update
+            guard.observe_sequences(rewards=batch["rewards"])  # task reward, counted with the first mini-batch
             batch = compute_advantages(batch, group)
             loss_fn = functools.partial(decoupled_ppo_loss, eps_clip=0.2, current_version=engine.get_version())
             rows = torch.arange(prompts * group).chunk(n_minibatches)

@@ -210,10 +210,16 @@ def install(trainer, guard, ckpt_dir: str | None = None):
         status.update(guard.last_logged)  # reaches wandb / tensorboard as train/rl_guard/...
         return status
 
-    def save_ckpt(original, model, *args, client_state=None, **kwargs):
+    def save_ckpt(original, model, *args, **kwargs):
         if _engine(model) is _engine(actor):  # OpenRLHF's own periodic saves carry the guard's state too
-            client_state = {**(client_state or {}), "rl_guard": guard.state_dict()}
-        return original(model, *args, client_state=client_state, **kwargs)
+            args = list(args)  # save_ckpt(model, save_dir, tag, max_num, max_mem, client_state, ...)
+            given = args[4] if len(args) > 4 else kwargs.get("client_state")
+            state = {**(given or {}), "rl_guard": guard.state_dict()}
+            if len(args) > 4:
+                args[4] = state
+            else:
+                kwargs["client_state"] = state
+        return original(model, *args, **kwargs)
 
     for obj, name, wrapper in ((actor, "forward", forward), (trainer, "actor_loss_fn", loss_fn),
                                (trainer, "training_step", training_step), (trainer, "ppo_train", ppo_train),

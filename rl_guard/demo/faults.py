@@ -21,7 +21,8 @@ from transformers import TrainerCallback
 from ..state import scale_lr
 
 FAULTS = ("none", "lr_blowup", "lr_ramp", "inf_grad", "nan_reward", "ratio_drift")
-DEFAULT_FACTOR = {"lr_blowup": 100.0, "lr_ramp": 2.0, "ratio_drift": float(__import__("os").environ.get("RD", 3))}
+# The tiny demo model starts near-uniform, so it takes noise of a few stds to move its log-probs visibly.
+DEFAULT_FACTOR = {"lr_blowup": 100.0, "lr_ramp": 2.0, "ratio_drift": 6.0}
 
 
 class FaultInjector(TrainerCallback):

@@ -109,13 +109,23 @@ def _checkpoints(run: RunData) -> list[str]:
             lines.append(f"- `{path}` (step {_step(r)}, rule {r.get('rule')}, action {r.get('action')})")
     ckdir = run.run_dir / "checkpoints"
     if ckdir.is_dir():
+        refs = [pathlib.Path(p) for p in seen]
         for p in sorted(ckdir.iterdir()):
-            if str(p) not in seen and p.name not in {pathlib.Path(s).name for s in seen}:
+            # An incident usually names a file inside the step directory (step_00000015/rank0.pt).
+            if not any(_same_or_parent(p, r) for r in refs):
                 lines.append(f"- `{p}` (in checkpoints/, not referenced by an incident)")
                 seen.add(str(p))
     if not seen:
         lines.append("No checkpoint was written by an incident.")
     return lines
+
+
+def _same_or_parent(entry: pathlib.Path, ref: pathlib.Path) -> bool:
+    try:
+        entry, ref = entry.resolve(), ref.resolve()
+    except OSError:
+        pass
+    return entry == ref or entry in ref.parents
 
 
 def write_markdown(run: RunData, path: pathlib.Path, plots: dict[str, str]) -> pathlib.Path:

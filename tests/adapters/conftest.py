@@ -6,9 +6,11 @@ Every run is a real ``GRPOTrainer`` on CPU (tiny Llama, word-level tokenizer, bu
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -85,7 +87,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def grpo_run(tiny_model):
-    """``grpo_run(tmp, steps, guard_yaml=None, fault="none", at_step=0, factor=None, checker=None, **grpo)``."""
+    """``grpo_run(tmp, steps, guard=None, fault="none", at_step=0, factor=None, checker=None, **grpo)``;
+    ``guard``: YAML text (an ``RLGuardCallback`` writing to ``tmp/guard``), a ready callback, or None (unguarded)."""
     from trl import GRPOConfig, GRPOTrainer
 
     from rl_guard.adapters.trl import RLGuardCallback
@@ -94,18 +97,17 @@ def grpo_run(tiny_model):
 
     dataset = prompt_dataset(64, seed=0)
 
-    def run(tmp: Path, steps: int, guard_yaml: str | None = None, fault: str = "none", at_step: int = 0,
+    def run(tmp: Path, steps: int, guard=None, fault: str = "none", at_step: int = 0,
             factor: float | None = None, checker: FiniteCheck | None = None, extra_callbacks=(), **grpo) -> Run:
         injector = FaultInjector(fault, at_step=at_step, factor=factor)
         checker = checker or FiniteCheck()
-        run_dir = Path(tmp) / "guard"
-        callback = RLGuardCallback(guard_yaml, run_dir=str(run_dir)) if guard_yaml is not None else None
+        callback = RLGuardCallback(guard, run_dir=str(Path(tmp) / "guard")) if isinstance(guard, str) else guard
         callbacks = [injector] + ([callback] if callback else []) + [checker, *extra_callbacks]
         args = GRPOConfig(output_dir=str(Path(tmp) / "trainer"), max_steps=steps, **{**GRPO_BASE, **grpo})
         trainer = GRPOTrainer(model=str(tiny_model), args=args, train_dataset=dataset, callbacks=callbacks,
                               reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
         trainer.train()
-        return Run(trainer, injector, checker, callback, run_dir)
+        return Run(trainer, injector, checker, callback, callback.guard.run_dir if callback else None)
 
     return run
 
@@ -138,32 +140,53 @@ def assert_same_state(a, b, where: str = "") -> None:
 
 
 class StepStates(TrainerCallback):
-    """Host copies of model / optimizer / scheduler state at the start and end of chosen steps."""
+    """Host copies of model / optimizer / scheduler state (and RNG) at the start and end of chosen steps (all
+    when ``steps`` is None). Put it after the guard: ``end`` then sees the state the guard left (snapshot taken,
+    rollback restored); with ``guard`` it also records the guard's snapshot ring at every step end."""
 
-    def __init__(self, steps=()):
-        self.steps = set(steps)
+    def __init__(self, steps=None, guard=None):
+        self.steps = None if steps is None else set(steps)
+        self.guard_callback = guard
         self.begin: dict[int, dict] = {}
         self.end: dict[int, dict] = {}
+        self.snapshot_steps: dict[int, list[int]] = {}
+        self.latest_snapshot: dict[int, dict] = {}
 
     @staticmethod
     def capture(model, optimizer, lr_scheduler) -> dict:
         return {"model": state_copy(model.state_dict()), "optimizer": state_copy(optimizer.state_dict()),
-                "scheduler": state_copy(lr_scheduler.state_dict())}
+                "scheduler": state_copy(lr_scheduler.state_dict()),
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].copy(),
+                        "python": random.getstate()}}
+
+    def _wanted(self, step: int) -> bool:
+        return self.steps is None or step in self.steps
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
-        if state.global_step in self.steps:
+        if self._wanted(state.global_step):
             self.begin[state.global_step] = self.capture(model, optimizer, lr_scheduler)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
-        if state.global_step - 1 in self.steps:
-            self.end[state.global_step - 1] = self.capture(model, optimizer, lr_scheduler)
+        step = state.global_step - 1  # global_step already counts this step
+        if self._wanted(step):
+            self.end[step] = self.capture(model, optimizer, lr_scheduler)
+        if self.guard_callback is not None:
+            ring = self.guard_callback.guard.actions.snapshots
+            self.snapshot_steps[step] = ring.steps()
+            if len(ring):
+                self.latest_snapshot[step] = ring.latest()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def step_states():
     return StepStates
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def finite_check():
     return FiniteCheck
+
+
+@pytest.fixture(scope="session")
+def same_state():
+    return assert_same_state

@@ -34,7 +34,7 @@ def assert_update_applied(states, step: int) -> None:
 
 def test_inf_grad_skips_the_step(grpo_run, step_states, tmp_path):
     states = step_states(steps=(3, 4))
-    run = grpo_run(tmp_path, 6, guard_yaml=PRESET, fault="inf_grad", at_step=3, extra_callbacks=[states])
+    run = grpo_run(tmp_path, 6, guard=PRESET, fault="inf_grad", at_step=3, extra_callbacks=[states])
     assert run.injector.injected_at == [3]
     fired = fired_at(run, 3)
     assert fired["nonfinite_grad"] == "skip_step"
@@ -48,7 +48,7 @@ def test_inf_grad_skips_the_step(grpo_run, step_states, tmp_path):
 
 def test_nan_reward_skips_the_step_although_trl_logs_a_finite_reward(grpo_run, step_states, tmp_path):
     states = step_states(steps=(2, 3))
-    run = grpo_run(tmp_path, 4, guard_yaml=PRESET, fault="nan_reward", at_step=2, extra_callbacks=[states],
+    run = grpo_run(tmp_path, 4, guard=PRESET, fault="nan_reward", at_step=2, extra_callbacks=[states],
                    num_iterations=1, steps_per_generation=1)  # a generation (and rewards) every step
     assert run.injector.injected_at == [2]
     assert {r: a for r, a in fired_at(run, 2).items() if a != "warn"} == {"nonfinite_rewards": "skip_step"}
@@ -66,7 +66,7 @@ def test_ratio_drift_halts_with_a_loadable_checkpoint(grpo_run, step_states, tmp
     states = step_states(steps=(3,))
     # steps_per_generation=2: step 3 trains on rollouts (and behaviour log-probs) buffered at step 2, before
     # the injector perturbs the weights at the start of step 3.
-    run = grpo_run(tmp_path, 8, guard_yaml=demo_config("halt", console_every=None), fault="ratio_drift", at_step=3,
+    run = grpo_run(tmp_path, 8, guard=demo_config("halt", console_every=None), fault="ratio_drift", at_step=3,
                    extra_callbacks=[states], num_iterations=1, steps_per_generation=2)
     assert run.injector.injected_at == [3]
     acted = {i["rule"]: i for i in run.incidents() if i["action"] != "warn"}

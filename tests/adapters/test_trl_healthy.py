@@ -64,7 +64,7 @@ def healthy(grpo_run, tmp_path_factory):
     StepAccumulator.finish = finish
     try:
         with host_reads_from_guard() as calls:
-            run = grpo_run(tmp_path_factory.mktemp("healthy"), STEPS, guard_yaml=demo_config("rollback", console_every=None))
+            run = grpo_run(tmp_path_factory.mktemp("healthy"), STEPS, guard=demo_config("rollback", console_every=None))
     finally:
         StepAccumulator.finish = original_finish
     return run, dict(calls), len(finishes)
@@ -138,7 +138,7 @@ def test_ratio_is_not_one_with_two_iterations(healthy):
 
 
 def test_ratio_exactly_one_on_policy(grpo_run, tmp_path):
-    run = grpo_run(tmp_path, 4, guard_yaml=demo_config("rollback", console_every=None), num_iterations=1, steps_per_generation=1)
+    run = grpo_run(tmp_path, 4, guard=demo_config("rollback", console_every=None), num_iterations=1, steps_per_generation=1)
     records = run.metrics()
     assert len(records) == 4
     for r in records:

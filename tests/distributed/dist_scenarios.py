@@ -20,7 +20,7 @@ from rl_guard import distributed as rg_dist
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
                "all_to_all_single", "barrier", "gather", "scatter", "send", "recv", "isend", "irecv")
-MERGE_CFG = "version: 1\nsinks: [jsonl]\n"
+MERGE_CFG = "version: 1\nsinks: [jsonl]\nbuiltin_rules: {nonfinite_grad: false}\n"
 FAULT_STEP = 3
 
 

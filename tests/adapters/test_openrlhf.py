@@ -1,0 +1,279 @@
+"""OpenRLHF adapter against the real openrlhf 0.11.2: ``Experience``, ``PolicyLoss`` (loaded by path on CPU, as
+OpenRLHF's own tests do) and, with Ray / vLLM / DeepSpeed stubbed, the real ``ActorPPOTrainer.ppo_train``."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import MagicMock
+
+import numpy as np
+import pytest
+import torch
+
+from rl_guard import Guard
+from rl_guard.adapters import openrlhf as adapter
+from rl_guard.errors import GuardHalted
+
+pytest.importorskip("openrlhf")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+R = _load("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")  # stand-ins + the real classes
+OR = R.OR
+
+SKIP_ON_MISMATCH = """
+version: 1
+sinks: [jsonl]
+rules:
+  - name: train_rollout_mismatch
+    metric: rl_guard/behave_imp_weight/min
+    op: "<"
+    threshold: 0.5            # OpenRLHF's own ICEPOP band starts at 0.5 (is_correction_threshold default)
+    action: {action}
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend on shared cores
+    yield
+    torch.set_num_threads(prev)
+
+
+def _yaml(action="skip_step", extra=""):
+    return SKIP_ON_MISMATCH.format(action=action) + extra
+
+
+def _random_experience(B=4, A=6, rollout=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, A, dtype=torch.bool)
+    mask[:, 0] = False
+    mask[1, 4:] = False
+    old = (-torch.rand(B, A, generator=g) * 2) * mask
+    exp = OR.Experience(
+        sequences=torch.randint(0, 5, (B, A + 1), generator=g), attention_mask=torch.ones(B, A + 1, dtype=torch.long),
+        action_mask=mask, action_log_probs=old,
+        base_action_log_probs=(old + 0.3 * torch.randn(B, A, generator=g)) * mask,
+        rollout_log_probs=(old + 0.2 * torch.randn(B, A, generator=g)) * mask if rollout else None,
+        advantages=torch.randn(B, A, generator=g) * mask, rewards=torch.rand(B, generator=g),
+        response_length=mask.sum(1).float(), truncated=torch.tensor([False, True, False, False]),
+        info={"reward": torch.rand(B, generator=g)})
+    current = (old + 0.25 * torch.randn(B, A, generator=g)) * mask
+    entropy = torch.rand(B, A + 3, generator=g)  # Actor.forward gives (B, T-1); the adapter keeps the last A
+    return exp, current, entropy
+
+
+def _masked_mean(x, mask):
+    x, m = np.asarray(x, dtype=np.float64), np.asarray(mask, dtype=bool)
+    return float(x[m].mean())
+
+
+def test_field_list_matches_the_real_experience_dataclass():
+    names = tuple(f.name for f in dataclasses.fields(OR.Experience))
+    assert names == adapter.EXPERIENCE_FIELDS
+    assert set(adapter.FIELDS_READ) <= set(names)
+    for name in ("action_mask", "action_log_probs", "rollout_log_probs", "base_action_log_probs", "advantages"):
+        assert OR.Experience.is_step_tensor_field(name)
+    for name in ("rewards", "response_length", "truncated"):
+        assert OR.Experience.is_episode_tensor_field(name)
+
+
+def test_token_batch_from_real_experience_matches_policy_loss_and_float64(tmp_path):
+    exp, current, entropy = _random_experience()
+    loss_fn = OR.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token")
+    guard = Guard.from_yaml("version: 1\nsinks: [jsonl]\n", run_dir=tmp_path)
+    out = adapter.guard_policy_loss(guard, loss_fn, exp, current, entropy=entropy)
+    direct = loss_fn(current, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
+                     rollout_log_probs=exp.rollout_log_probs)
+    for a, b in zip(out, direct):
+        assert torch.equal(a, b)  # PolicyLoss's own 5-tuple, unchanged
+    guard.check()
+    m, mask = guard.last_metrics, exp.action_mask.numpy()
+    lp, old, roll = (t.double().numpy() for t in (current, exp.action_log_probs, exp.rollout_log_probs))
+    ref = exp.base_action_log_probs.double().numpy()
+    assert m["rl_guard/importance_weight/mean"] == pytest.approx(_masked_mean(np.exp(lp - old), mask), rel=1e-6)
+    assert m["rl_guard/behave_imp_weight/mean"] == pytest.approx(_masked_mean(np.exp(old - roll), mask), rel=1e-6)
+    assert m["rl_guard/ratio/mean"] == pytest.approx(_masked_mean(np.exp(lp - roll), mask), rel=1e-6)
+    d = ref - lp
+    assert m["rl_guard/kl_ref/k3_mean"] == pytest.approx(_masked_mean(np.exp(d) - d - 1, mask), rel=1e-5)
+    assert m["rl_guard/clip/region_frac"] == pytest.approx(float(direct[1]), abs=1e-7)  # PolicyLoss clip_ratio
+    assert m["rl_guard/entropy/mean"] == pytest.approx(_masked_mean(entropy[:, -6:].numpy(), mask), rel=1e-6)
+    assert m["rl_guard/tokens/count"] == mask.sum()
+    assert m["rl_guard/reward/mean"] == pytest.approx(float(exp.rewards.double().mean()), rel=1e-6)
+    assert m["rl_guard/length/truncated_frac"] == 0.25
+
+
+def test_without_rollout_logprobs_kl_old_k1_is_policy_loss_ppo_kl(tmp_path):
+    exp, current, _ = _random_experience(rollout=False)
+    loss_fn = OR.PolicyLoss()
+    guard = Guard.from_yaml("version: 1\nsinks: [jsonl]\n", run_dir=tmp_path)
+    _, clip_ratio, ppo_kl, vllm_kl, _ = adapter.guard_policy_loss(guard, loss_fn, exp, current)
+    guard.check()
+    assert vllm_kl is None and "rl_guard/behave_imp_weight/mean" not in guard.last_metrics
+    assert guard.last_metrics["rl_guard/kl_old/k1_mean"] == pytest.approx(float(ppo_kl), rel=1e-5)
+    assert guard.last_metrics["rl_guard/clip/region_frac"] == pytest.approx(float(clip_ratio), abs=1e-7)
+
+
+def _other_policy():
+    """A sampler that is not the trained policy (peaked logits), as vLLM serving the wrong weights would be."""
+    other = R.TinyActor()
+    with torch.no_grad():
+        other.mlp[-1].weight.mul_(20.0)
+    return other
+
+
+def _stand_in(tmp_path, config, gas=2, seed=0):
+    """Tiny actor + DeepSpeed-shaped engine/strategy from the recipe, the real PolicyLoss, the adapter's gate."""
+    torch.manual_seed(seed)
+    actor, other = R.TinyActor(), _other_policy()
+    actor.model = R.Engine(actor, 3e-2, gas)
+    strategy = R.TorchStrategy(SimpleNamespace(), accumulated_gradient=gas)
+    guard = Guard.from_yaml(config, run_dir=tmp_path / "run")
+    adapter.attach_checkpoints(guard, strategy, actor, actor.model.optimizer, actor.model.lr_scheduler,
+                               str(tmp_path / "ckpt"))
+    adapter.gate_optimizer_step(strategy, actor, guard)
+    loss_fn = OR.PolicyLoss(is_correction_level="token")
+    return actor, other, strategy, guard, loss_fn
+
+
+def _micro_step(actor, strategy, guard, loss_fn, sampler, gen):
+    exp = R.make_experience(actor, actor, sampler, 2, 2, gen)
+    info = OR.get_loss_batch_info(strategy, exp.action_mask)
+    return R.training_step(actor, strategy, guard, loss_fn, exp, info)
+
+
+def _weights(actor):
+    return {k: v.clone() for k, v in actor.state_dict().items()}
+
+
+def test_gate_decides_only_at_the_boundary_and_a_bad_rollout_batch_is_skipped(tmp_path):
+    actor, other, strategy, guard, loss_fn = _stand_in(tmp_path, _yaml("skip_step"))
+    gen = torch.Generator().manual_seed(0)
+    before = _weights(actor)
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)           # accumulating: no decision yet
+    assert guard.step == 0 and actor.model.micro_steps == 1
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)           # boundary: healthy, applied
+    assert guard.step == 1 and actor.model.global_steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())
+    applied = _weights(actor)
+    _micro_step(actor, strategy, guard, loss_fn, other, gen)           # rollout log-probs of another policy
+    _micro_step(actor, strategy, guard, loss_fn, other, gen)
+    assert guard.step == 2 and actor.model.micro_steps == 4            # the engine's window still closed
+    assert guard.controller.skipped_steps == 1 and guard.last_logged["rl_guard/guard/fired"] == 1.0
+    assert guard.last_logged["rl_guard/behave_imp_weight/min"] < 0.5
+    assert all(torch.equal(applied[k], v) for k, v in actor.state_dict().items())
+    incidents = (tmp_path / "run" / "incidents.jsonl").read_text()
+    assert '"rule": "train_rollout_mismatch"' in incidents and '"action": "skip_step"' in incidents
+
+
+def test_rollback_restores_through_strategy_load_ckpt(tmp_path):
+    config = _yaml("rollback", "snapshots: {healthy_steps: 1, every: 1, keep: 2, where: memory}\n")
+    actor, other, strategy, guard, loss_fn = _stand_in(tmp_path, config, gas=1)
+    gen = torch.Generator().manual_seed(1)
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)
+    saved = tmp_path / "ckpt" / "rl_guard_step1" / "state.pt"
+    assert saved.exists()  # the healthy snapshot is an OpenRLHF checkpoint (save_ckpt), guard state inside
+    assert "rl_guard" in torch.load(saved, weights_only=False)["client_state"]
+    snapshot = _weights(actor)
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)           # healthy: applied, weights move
+    assert any(not torch.equal(snapshot[k], v) for k, v in actor.state_dict().items())
+    _micro_step(actor, strategy, guard, loss_fn, other, gen)           # bad batch: rollback via load_ckpt
+    assert guard.controller.rollbacks == 1
+    newest = torch.load(tmp_path / "ckpt" / "rl_guard_step2" / "state.pt", weights_only=False)["module"]
+    assert all(torch.equal(newest[k], v) for k, v in actor.state_dict().items())
+
+
+def test_halt_saves_through_save_ckpt_and_raises(tmp_path):
+    actor, other, strategy, guard, loss_fn = _stand_in(tmp_path, _yaml("checkpoint_and_halt"), gas=1)
+    gen = torch.Generator().manual_seed(2)
+    with pytest.raises(GuardHalted, match="train_rollout_mismatch"):
+        _micro_step(actor, strategy, guard, loss_fn, other, gen)
+    state = torch.load(tmp_path / "ckpt" / "rl_guard_step0" / "state.pt", weights_only=False)
+    fresh = Guard.from_yaml(_yaml("checkpoint_and_halt"), run_dir=tmp_path / "resumed")
+    assert adapter.load_guard_state(fresh, state["client_state"])
+
+
+STUBS = ["pylatexenc", "pylatexenc.latex2text", "ray", "ray.util", "ray.util.placement_group",
+         "ray.util.scheduling_strategies", "vllm", "vllm.inputs", "vllm.utils", "aiohttp", "deepspeed",
+         "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters", "peft",
+         "peft.tuners", "peft.tuners.lora", "flash_attn", "flash_attn.bert_padding", "flash_attn.utils",
+         "flash_attn.utils.distributed", "torchdata", "torchdata.stateful_dataloader"]
+
+
+@pytest.fixture
+def ppo_actor_module(monkeypatch):
+    """The real ``openrlhf.trainer.ray.ppo_actor`` with the heavy stack stubbed (the notes' stub list); every
+    module imported here is removed afterwards so nothing mocked leaks into other tests."""
+    before = set(sys.modules)
+    missing = {n.split(".")[0] for n in STUBS if importlib.util.find_spec(n.split(".")[0]) is None}
+    for name in STUBS:
+        if name.split(".")[0] in missing:
+            stub = MagicMock()
+            stub.__spec__, stub.__path__ = importlib.machinery.ModuleSpec(name, None), []
+            monkeypatch.setitem(sys.modules, name, stub)
+    module = importlib.import_module("openrlhf.trainer.ray.ppo_actor")
+    monkeypatch.setattr(module, "torch_dist_barrier_and_cuda_sync", lambda: None)
+    yield module
+    for name in set(sys.modules) - before:
+        if name.startswith("openrlhf"):
+            del sys.modules[name]
+
+
+def test_install_on_the_real_actor_ppo_trainer(tmp_path, ppo_actor_module, monkeypatch):
+    pa = ppo_actor_module
+    args = SimpleNamespace(
+        train=SimpleNamespace(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False),
+        actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.28), dual_clip=None, loss_agg_mode="token-mean",
+                              policy_loss_type="ppo", aux_loss_coef=0.0, entropy_coef=0.0),
+        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="token", is_correction_mode="mask",
+                                                       is_correction_gating="ratio", is_correction_threshold=[0.5, 5.0]),
+                             kl=SimpleNamespace(use_loss=False)),
+        ds=SimpleNamespace(packing_samples=False, tensor_parallel_size=1), vllm=SimpleNamespace(sync_backend="nccl"),
+        ckpt=SimpleNamespace(path=str(tmp_path / "ckpt")))
+    strategy = R.TorchStrategy(args, accumulated_gradient=2)
+    strategy.is_rank_0 = lambda: True
+    torch.manual_seed(0)
+    actor, other = R.TinyActor(), _other_policy()
+    actor.model = R.Engine(actor, 3e-2, gas=2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # NaiveReplayBuffer builds a cuda:0 device spec
+    trainer = pa.ActorPPOTrainer(strategy, actor, None, actor.model.optimizer, actor.model.lr_scheduler,
+                                 micro_train_batch_size=2, dataloader_pin_memory=False)
+    guard = adapter.install(trainer, Guard.from_yaml(_yaml("skip_step"), run_dir=tmp_path / "run"))
+    gen = torch.Generator().manual_seed(0)
+
+    def ppo_train(sampler):
+        exp = R.make_experience(actor, actor, sampler, 2, 4, gen)
+        trainer.replay_buffer.clear()
+        trainer.replay_buffer.append(pa.Experience(**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        return trainer.ppo_train(0.0)
+
+    status = ppo_train(actor)  # 8 samples / micro-batch 2 = 4 training_steps, gas 2 -> 2 optimizer steps
+    assert guard.step == 2 and actor.model.micro_steps == 4 and actor.model.global_steps == 2
+    assert status["rl_guard/tokens/count"] == 2 * 2 * (R.A - 1)  # last optimizer step: 2 micro-batches x 2 x 4
+    assert "rl_guard/entropy/mean" in status and "policy_loss" in status  # entropy from Actor.forward's output
+    assert status["rl_guard/guard/fired"] == 0.0 and guard.controller.skipped_steps == 0
+    healthy = _weights(actor)
+    status = ppo_train(other)  # the vLLM side served another policy's log-probs
+    assert guard.controller.skipped_steps == 2 and status["rl_guard/guard/fired"] == 1.0
+    assert status["rl_guard/behave_imp_weight/min"] < 0.5 and status["is_filter_ratio"] > 0
+    assert all(torch.equal(healthy[k], v) for k, v in actor.state_dict().items())
+    strategy.save_ckpt(actor.model, str(tmp_path / "ckpt" / "_actor"), "global_step2", 3, 1000, {"episode": 1})
+    saved = torch.load(tmp_path / "ckpt" / "_actor" / "global_step2" / "state.pt", weights_only=False)
+    assert saved["client_state"]["episode"] == 1 and saved["client_state"]["rl_guard"]["controller"]["step"] == 4
