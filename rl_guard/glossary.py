@@ -111,3 +111,20 @@ def example_names() -> list[str]:
 def closest(name: str) -> str | None:
     match = difflib.get_close_matches(name if name.startswith("rl_guard/") else "rl_guard/" + name, example_names(), n=1, cutoff=0.5)
     return match[0] if match else None
+
+
+def markdown() -> str:
+    """The glossary as Markdown (``docs/glossary.md`` is generated from this; a test keeps them equal)."""
+    from . import diagnostics  # noqa: F401 - registers the run-level diagnostics' names
+
+    lines = ["# rl_guard metric glossary", "", __doc__.strip(), "", "| metric | meaning |", "| --- | --- |"]
+    for pattern, doc in all_patterns().items():
+        cell = doc.replace("|", r"\|")
+        lines.append(f"| `rl_guard/{pattern}` | {cell} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from rl_guard.glossary import markdown as package_markdown  # the registry lives in the package module
+
+    print(package_markdown(), end="")

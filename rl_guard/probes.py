@@ -144,7 +144,7 @@ def value_stats(acc: ChunkStats, name: str, y, v, squares: bool = False):
 
 
 def nan_max(y: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(y, nan=-math.inf).amax() if y.numel() else y.new_full((), -math.inf)
+    return torch.nan_to_num(y, nan=0.0).amax() if y.numel() else y.new_full((), -math.inf)
 
 
 def nan_min(y: torch.Tensor) -> torch.Tensor:
