@@ -9,14 +9,18 @@ advantages and versions, and a mask keeping ~75% of the tokens) it times, interl
   sequence ratio, entropy, p50/p99 per lag bucket) and one ``.item()`` per statistic. ``torch.quantile`` refuses
   inputs above 2^24 elements; that is reported as ``fails``.
 
-Times are the minimum over repeats (the machine may be shared; the minimum is the least disturbed run).
-Peak extra memory: each size runs once more in a fresh interpreter that builds the inputs, releases the allocator's
-free memory (``malloc_trim``), resets the kernel's resident-set high-water mark (``/proc/self/clear_refs``) and
-reads ``VmHWM - VmRSS`` after one full step. It counts everything the step touches (the allocator's slack
-included), so it over- rather than under-states; the ratio divides it by one fp32 per-token tensor (4 bytes/token).
+Time is process CPU time, the minimum over repeats, with one intra-op thread by default (``--threads``): on a shared
+machine wall time mostly measures the neighbours, and spinning worker threads make multi-threaded wall time
+meaningless there. Wall times are kept in the JSON output.
+
+Peak extra memory: the largest total size of live tensors allocated during one full step, replayed from
+``torch.profiler`` memory events (every allocation and free of the CPU allocator, in time order; transient buffers
+inside a single operator are not seen). Reported in units of one fp32 per-token tensor (4 bytes per token). The
+process RSS can grow more than this (the C allocator keeps freed chunk-sized blocks for reuse); this measures what
+the statistics hold, not the allocator's cache.
 Host transfers: ``.cpu()`` calls during a 4-micro-batch step (plus any other host read, reported separately).
 
-Usage: ``python benchmarks/stats.py [--quick] [--json FILE]``.
+Usage: ``python benchmarks/stats.py [--quick] [--json FILE] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -67,16 +69,11 @@ def make_inputs(tokens: int, rows: int = ROWS, seed: int = 0) -> dict:
     )
 
 
-def full_step(d: dict, micro_batches: int = 1) -> dict:
-    """The measured path: probes per micro-batch, one transfer, host formulas."""
+def full_step(d: dict) -> dict:
+    """The measured path: the probes, the one transfer, the host formulas."""
     acc = StepAccumulator()
-    rows = d["logprobs"].shape[0]
-    step = max(1, rows // micro_batches)
-    for r0 in range(0, rows, step):
-        part = {k: v[r0 : r0 + step] for k, v in d.items()}
-        acc.add(probe_batch(TokenBatch(**part, current_version=CURRENT_VERSION)))
-    metrics, _ = summarize(acc.finish())
-    return metrics
+    acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION)))
+    return summarize(acc.finish())[0]
 
 
 def floor_pass(d: dict) -> float:
@@ -147,15 +144,6 @@ def naive_step(d: dict, eps_low: float = 0.2, eps_high: float = 0.2, edges=DEFAU
     return out
 
 
-def best_time(fn, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 @contextmanager
 def count_host_reads():
     """Counts ``.cpu()`` transfers and every other way a tensor value reaches the host (``.item()``,
@@ -210,64 +198,61 @@ def transfers_per_step(tokens: int = 1 << 16) -> dict:
     return dict(counts)
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def peak_live_bytes(fn) -> int:
+    """Peak of the live tensor bytes allocated while ``fn`` runs (profiler memory events, replayed in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = []
+    for e in prof.events():  # an operator's allocations are its self memory; frees outside operators are events
+        delta = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if delta:
+            deltas.append((e.time_range.start, delta))
+    live = peak = 0
+    for _, delta in sorted(deltas, key=lambda t: t[0]):
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
-def _peak_child(tokens: int) -> None:
-    """Runs in a fresh interpreter: prints the extra resident memory (bytes) of one full step."""
-    import ctypes
-
-    d = make_inputs(tokens)
-    full_step(make_inputs(1 << 14))  # lazy initialisation of torch kernels is not the step's memory
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    base = _status_kb("VmRSS")
-    full_step(d)
-    print(json.dumps({"extra_bytes": (_status_kb("VmHWM") - base) * 1024}))
+def _cpu_and_wall(fn) -> tuple[float, float]:
+    c0, w0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - w0
 
 
-def peak_extra_memory(tokens: int) -> float | None:
-    """Extra peak memory of a full step in units of one fp32 per-token tensor (None where unmeasurable)."""
-    if not Path("/proc/self/clear_refs").exists():
-        return None
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--peak-child", str(tokens)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    if res.returncode != 0:
-        return None
-    extra = json.loads(res.stdout.strip().splitlines()[-1])["extra_bytes"]
-    return extra / (4 * tokens)
-
-
-def run(sizes: dict, repeats: int, naive_repeats: int, measure_memory: bool = True) -> dict:
+def run(sizes: dict, repeats: int, naive_repeats: int) -> dict:
     rows, result = [], {}
     for label, tokens in sizes.items():
         d = make_inputs(tokens)
         full_step(d), floor_pass(d)  # warm-up
-        t_full = t_floor = math.inf
+        best = {"full": (math.inf, math.inf), "floor": (math.inf, math.inf)}
         for _ in range(repeats):  # interleaved so both see the same machine load
-            t_full = min(t_full, best_time(lambda: full_step(d), 1))
-            t_floor = min(t_floor, best_time(lambda: floor_pass(d), 1))
+            for name, fn in (("full", lambda: full_step(d)), ("floor", lambda: floor_pass(d))):
+                cpu, wall = _cpu_and_wall(fn)
+                best[name] = (min(best[name][0], cpu), min(best[name][1], wall))
+        t_naive = w_naive = None
         try:
-            t_naive = best_time(lambda: naive_step(d), naive_repeats)
-        except RuntimeError as exc:  # torch.quantile: "input tensor is too large"
-            t_naive, result[f"naive_error_{label}"] = None, str(exc).splitlines()[0]
-        mem = peak_extra_memory(tokens) if measure_memory else None
+            for _ in range(naive_repeats):
+                cpu, wall = _cpu_and_wall(lambda: naive_step(d))
+                t_naive, w_naive = min(t_naive or math.inf, cpu), min(w_naive or math.inf, wall)
+        except RuntimeError as exc:  # torch.quantile: "quantile() input tensor is too large"
+            t_naive, w_naive, result[f"naive_error_{label}"] = None, None, str(exc).splitlines()[0]
+        mem = peak_live_bytes(lambda: full_step(d)) / (4 * tokens)
+        (t_full, w_full), (t_floor, w_floor) = best["full"], best["floor"]
         row = dict(size=label, tokens=tokens, full_s=t_full, floor_s=t_floor, naive_s=t_naive,
                    speedup_vs_naive=(t_naive / t_full) if t_naive else None, floor_ratio=t_full / t_floor,
-                   peak_extra_mem_ratio=mem)
+                   peak_extra_mem_ratio=mem, full_wall_s=w_full, floor_wall_s=w_floor, naive_wall_s=w_naive,
+                   full_ns_per_token=t_full / tokens * 1e9)
         rows.append(row)
         for key in ("speedup_vs_naive", "floor_ratio", "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
             result[f"{key}_{label}"] = row[key]
         result["max_tokens_ok"] = tokens
         del d
     result["rows"] = rows
-    result["transfers_per_step"] = (counts := transfers_per_step())["transfers"]
-    result["other_host_reads_per_step"] = counts["other"]
+    counts = transfers_per_step()
+    result["transfers_per_step"], result["other_host_reads_per_step"] = counts["transfers"], counts["other"]
     result["torch_threads"] = torch.get_num_threads()
     return result
 
@@ -276,28 +261,30 @@ def print_table(result: dict) -> None:
     def f(v, fmt):
         return "fails" if v is None else format(v, fmt)
 
-    print(f"{'tokens':>7} {'full ms':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
+    print(f"{'tokens':>7} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} "
+          f"{'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
     for r in result["rows"]:
-        mem = "n/a" if r["peak_extra_mem_ratio"] is None else f"{r['peak_extra_mem_ratio']:.2f}"
         naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
-        print(f"{r['size']:>7} {r['full_s'] * 1e3:>9.1f} {r['floor_s'] * 1e3:>9.1f} {naive:>10} "
-              f"{f(r['speedup_vs_naive'], '.1f'):>17} {r['floor_ratio']:>12.2f} {mem:>16}")
+        print(f"{r['size']:>7} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
+              f"{naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} {r['floor_ratio']:>12.2f} {r['peak_extra_mem_ratio']:>16.2f}")
     print(f"host transfers per step: {result['transfers_per_step']} (other host reads: {result['other_host_reads_per_step']}); "
-          f"torch threads: {result['torch_threads']}")
+          f"process CPU time, {result['torch_threads']} intra-op thread(s)")
 
 
 def main(argv=None, sizes: dict | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1M and 4M tokens only, fewer repeats (< 1 minute)")
     ap.add_argument("--json", help="write the results to this file")
-    ap.add_argument("--peak-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = ap.parse_args(argv)
-    if args.peak_child:
-        _peak_child(args.peak_child)
-        return {}
     if sizes is None:
         sizes = {k: SIZES[k] for k in QUICK_SIZES} if args.quick else SIZES
-    result = run(sizes, repeats=3 if args.quick else 5, naive_repeats=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        result = run(sizes, repeats=3 if args.quick else 5, naive_repeats=1)
+    finally:
+        torch.set_num_threads(threads)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -69,10 +71,12 @@ class StepAccumulator:
     def finish(self, reduce: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, np.ndarray]:
         """Reduce (optional), transfer once, reset; returns name -> float64 array with minima un-negated."""
         layouts, sums, maxes = self.pack()
-        # The layout size rides in the max vector as (+n, -n): after a MAX across ranks they disagree iff the
-        # ranks' layouts differ. It costs nothing extra: it travels in the same single transfer.
-        n = float(sums.numel() * 1_000_003 + maxes.numel())
-        maxes = torch.cat([maxes, torch.tensor([n, -n], dtype=torch.float64, device=maxes.device)])
+        # A checksum of the layout (names and sizes) rides in the max vector as (+n, -n): after a MAX across ranks
+        # they disagree iff the ranks' layouts differ. It costs nothing extra: it travels in the same transfer.
+        n = float(zlib.crc32(repr(layouts).encode()))
+        check = torch.full((2,), n, dtype=torch.float64, device=maxes.device)  # filled on the device: no copy
+        check[1] = -n
+        maxes = torch.cat([maxes, check])
         if reduce is not None:
             reduce(sums, maxes)
         host = torch.cat([sums, maxes]).cpu().numpy()

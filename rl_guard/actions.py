@@ -39,7 +39,12 @@ class Actions:
             drop_grads(params)
         ckpt = None
         if decision.save:
-            ckpt = self.save_checkpoint(reason=decision.action)
+            try:
+                ckpt = self.save_checkpoint(reason=decision.action)
+            except RuntimeError:
+                for firing in decision.firings:  # the incident must not be lost with the checkpoint
+                    self._incident(decision, firing, None)
+                raise
         if decision.rollback:
             self.pending_restore = self.snapshots.latest()
             if not defer_restore:

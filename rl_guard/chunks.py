@@ -1,4 +1,4 @@
-"""Fixed-size token chunks of a ``TokenBatch``: the unit the probes work on.
+"""Fixed-size token chunks of a ``TokenBatch`` (the unit the probes work on) and the accumulator of their statistics.
 
 Probing a micro-batch chunk by chunk bounds the temporaries to a few chunk-sized tensors (instead of a dozen
 full-size ones) and keeps them cache-resident on CPU. Chunk boundaries come from shapes only (never from device
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
+
+F64 = torch.float64
 
 CPU_CHUNK = 1 << 18  # 256K tokens: ~1 MiB per fp32 temporary, fits the last-level cache
 GPU_CHUNK = 1 << 23  # large enough that kernel launches stay negligible, small enough to bound memory
@@ -60,7 +62,7 @@ class Chunk:
         if self._ids is None:
             b = self.b
             pos = torch.arange(self.start, self.stop, device=b.device)
-            ends = b.cu_seqlens[1:].to(b.device)
+            ends = b.cu_seqlens[1:].to(b.device, non_blocking=True)
             self._ids = torch.searchsorted(ends, pos, right=True).clamp_(max=b.num_seqs - 1)
         return self._ids
 
@@ -110,3 +112,58 @@ def chunks(b: TokenBatch, size: int | None = None):
     for row in range(B):
         for c0 in range(0, T, size):
             yield Chunk(b, row * T + c0, row * T + min(T, c0 + size), None)
+
+
+class ChunkStats:
+    """Chunk contributions of one micro-batch. Scalars are kept in lists and reduced once at the end (one stack
+    per statistic instead of one add per chunk); vectors (histograms) are added in place (the caller hands over a
+    fresh tensor). ``seq(name)`` is a float64 ``[S]`` accumulator of per-sequence sums."""
+
+    def __init__(self, num_seqs: int, device: torch.device) -> None:
+        self.num_seqs, self.device = num_seqs, device
+        self._sum: dict = {}
+        self._max: dict = {}
+        self._min: dict = {}
+        self._seq: dict = {}
+        self._zero_cell: dict = {}
+
+    def sum(self, name: str, t: torch.Tensor) -> None:
+        if t.dim() == 0:
+            self._sum.setdefault(name, []).append(t)
+        elif name in self._sum:
+            self._sum[name].add_(t)
+        else:
+            self._sum[name] = t
+
+    def max(self, name: str, t: torch.Tensor) -> None:
+        self._max.setdefault(name, []).append(t)
+
+    def min(self, name: str, t: torch.Tensor) -> None:
+        self._min.setdefault(name, []).append(t)
+
+    def hist(self, name: str, counts: torch.Tensor, zero_cell: int, n_invalid) -> None:
+        """Cell counts of a zero-filled chunk; its ``n_invalid`` zero fills are taken out of ``zero_cell``."""
+        self.sum(name, counts)
+        self.sum(f"{name}.fill", n_invalid)
+        self._zero_cell[name] = zero_cell
+
+    def seq(self, name: str) -> torch.Tensor:
+        if name not in self._seq:
+            self._seq[name] = torch.zeros(self.num_seqs, dtype=F64, device=self.device)
+        return self._seq[name]
+
+    def partial(self):
+        """One ``Partial`` (float64 1-D tensors) of everything added."""
+        from .probes import Partial  # the probes build on this module
+
+        sums = {k: (torch.stack(v).sum(0, dtype=F64) if isinstance(v, list) else v.to(F64)) for k, v in self._sum.items()}
+        for name, cell in self._zero_cell.items():
+            sums[name][cell] -= sums.pop(f"{name}.fill")
+        p = Partial()
+        for k, v in sums.items():
+            p.add_sum(k, v)
+        for k, v in self._max.items():
+            p.add_max(k, torch.stack(v).amax(0))
+        for k, v in self._min.items():
+            p.add_min(k, torch.stack(v).amin(0))
+        return p

@@ -5,8 +5,8 @@ group, or with a group of one process):
 
 1. one MAX all-reduce of a fixed-size vector: a header (both statistics sizes as ``(+n, -n)`` pairs and a
    "this rank failed" flag) followed by the packed maxima (minima travel negated) padded with ``-inf`` to
-   ``MAX_SLOTS`` slots. Its size never depends on the data, so ranks that disagree cannot crash the collective
-   (gloo aborts the process on a size mismatch; NCCL would hang or read out of bounds);
+   ``MAX_SLOTS`` slots. Its size never depends on the data, so ranks that disagree cannot break the collective
+   (gloo aborts the process when ranks pass different sizes; with NCCL the result is undefined);
 2. one SUM all-reduce of the packed sums (counts, sums, histogram cells), entered only after every rank has
    read the merged header and seen that all sizes agree. Otherwise every rank raises ``RankMismatch`` (or
    ``RankFailed``) and none enters it.
@@ -18,8 +18,8 @@ the slots used), SUM 8239 float64 = 65912 bytes, 8192 of them histogram cells (l
 adds a third all-reduce for the rest, on every rank alike.
 
 Cost (``benchmarks/collectives.py``: 2 gloo processes on one host, 16 x 512 tokens per rank, medians of 50
-steps, on a shared 2-core machine under load, so noisy): the merge takes 2.8-3.9 ms per step (the two bare
-all-reduces 1.5-3.4 ms) against 21-36 ms for the rest of the guard's step, a ratio of 0.11-0.16. The merge is
+steps, four runs on a shared 2-core machine under load, so noisy): the merge takes 2.8-4.4 ms per step (the two
+bare all-reduces 1.1-3.4 ms) against 13-36 ms for the rest of the guard's step, a ratio of 0.10-0.33. The merge is
 also a synchronisation point: a rank that arrives late makes the others wait there (in DDP training the
 gradient all-reduce has already lined the ranks up).
 

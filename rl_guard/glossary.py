@@ -51,7 +51,8 @@ GLOSSARY: dict[str, str] = {
     "grad/max_abs": "max |g| over all gradient entries.",
     "grad/nonfinite": "Number of parameter tensors whose gradient holds a NaN or inf.",
     "grad/group<i>/norm": "L2 norm of parameter group i (only when the optimizer has several groups).",
-    "loss/value": "Sum of the micro-batch losses fed this step (NaN if any was non-finite).",
+    "loss/value": "Sum of the micro-batch losses fed this step, averaged over data-parallel ranks (NaN if any was "
+    "non-finite).",
     "loss/nonfinite": "Number of non-finite micro-batch losses this step.",
     "tokens/count": "Loss tokens (mask = 1) seen this step.",
     "tokens/microbatches": "Micro-batches fed this step.",

@@ -30,10 +30,12 @@ def probe_grads(param_groups: list[list[torch.nn.Parameter]], pre_clip_norm=None
     p = Partial()
     add = p.add_sum if sharded else p.add_max
     sq_total, max_abs, bad = [], [], []
+    # Constants are created on the gradients' device: a CPU tensor would need a blocking copy (a sync) later.
+    device = next((g.device for group in param_groups for g in _grads(group)), None)
     for i, group in enumerate(param_groups):
         grads = _grads(group)
         if not grads:
-            add(f"grad.group{i}.sq", torch.zeros((), dtype=torch.float64))
+            add(f"grad.group{i}.sq", torch.zeros((), dtype=torch.float64, device=device))
             continue
         l2 = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
         linf = torch.stack(torch._foreach_norm(grads, math.inf)).double()
@@ -48,7 +50,7 @@ def probe_grads(param_groups: list[list[torch.nn.Parameter]], pre_clip_norm=None
         p.add_max("grad.max_abs", torch.stack(max_abs).max())
         add("grad.nonfinite", torch.stack(bad).sum())
     if pre_clip_norm is not None:
-        norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64)
+        norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=None if torch.is_tensor(pre_clip_norm) else device)
         p.add_max("grad.preclip_sq", norm * norm)
     return p
 

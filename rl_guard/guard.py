@@ -42,7 +42,7 @@ from .controller import Controller, Decision
 from .diagnostics import RunDiagnostics, SampleBatch
 from .grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .probe_batch import probe_batch, sequence_stats
-from .probes import Partial, loss_stats
+from .probes import Partial, loss_stats, rank_count
 from .state import TrainState
 from .summarize import summarize
 
@@ -61,6 +61,8 @@ class Guard:
         self.last_decision: Decision | None = None
         self.last_logged: dict[str, float] = {}  # metrics of the last completed step (adapters merge these into logs)
         self.internal_failures = 0
+        self._incomplete_step = False  # an observe failed: this rank's statistics for the step are partial
+        self._saw_loss = False
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks = None
@@ -78,6 +80,12 @@ class Guard:
     def attach(self, model, optimizer=None, scheduler=None, **extra) -> "Guard":
         """Give the guard the state its actions work on (``extra``: objects with state_dict/load_state_dict)."""
         self.state = TrainState(model, optimizer, scheduler, extra)
+        if distributed.rank_and_world() != (self.rank, self.world_size):
+            # The process group may start after the guard was built (TRL's GRPOConfig starts it).
+            self.rank, self.world_size = distributed.rank_and_world()
+            self.controller.rank = self.rank
+            self.actions = Actions(self)
+            self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
         param = next(iter(model.parameters()), None) if model is not None else None
         if param is not None and self._acc.device is None:
             # A rank that saw no data this step still enters the collectives with tensors on the right device.
@@ -104,6 +112,7 @@ class Guard:
             if batch is not None:
                 self._acc.add(probe_batch(batch, self.config.lag_buckets))
             if loss is not None:
+                self._saw_loss = True
                 p = Partial()
                 loss_stats(p, loss)
                 self._acc.add(p)
@@ -134,22 +143,31 @@ class Guard:
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
         params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
+        reduce = distributed.reducer()
         try:
+            if self._incomplete_step:
+                raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
             if params is not None:
                 self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=self.config.sharded_grads))
-            raw = self._acc.finish(distributed.reducer())
+            if self._saw_loss:
+                self._acc.add(rank_count("loss.ranks", self._acc.device))
+            raw = self._acc.finish(reduce)
             if raw.get("tokens.empty_microbatches", [0])[0] > 0:
                 raise EmptyMaskError(
                     f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an all-zero "
                     "mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no data'.")
             metrics, hists = summarize(raw, self.config.lag_buckets)
             metrics.update(self._host_metrics)
-            self._host_metrics = {}
             decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
         except (BatchError, distributed.RankMismatch):
             raise
         except Exception as exc:  # noqa: BLE001
+            if reduce is not None and not reduce.entered:
+                distributed.abstain()  # the other ranks must not wait for statistics that will never come
             return self._fail(exc, params)
+        finally:
+            self._incomplete_step = self._saw_loss = False
+            self._host_metrics = {}
         metrics.update(self.controller.counters())
         metrics["rl_guard/guard/fired"] = float(len(decision.firings))
         self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
@@ -184,7 +202,10 @@ class Guard:
 
     def _internal_failure(self, where: str, exc: Exception) -> None:
         self.internal_failures += 1
-        self._acc = StepAccumulator()
+        device, self._acc = self._acc.device, StepAccumulator()
+        self._acc.device = device
+        if where.startswith("observe"):
+            self._incomplete_step = True
         warnings.warn(f"rl_guard internal failure in {where} at step {self.step} (fail_mode={self.config.fail_mode}): "
                       f"{exc!r}\n{traceback.format_exc()}", RuntimeWarning, stacklevel=3)
 

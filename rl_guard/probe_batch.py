@@ -71,52 +71,76 @@ def _mask(b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_clip: bool) -> None:
+    """All token probes of one chunk. Each field family lives in its own function so that its chunk-sized
+    temporaries are freed as soon as it returns (peak memory is a handful of chunk-sized tensors)."""
     m, gate = _mask(b, ch)
     n_mask = count(m)
     acc.sum("tokens.count", n_mask)
+    if b.lengths is None:
+        ch.seq_add(acc.seq("length"), m)
     lp, v_lp = gated(ch.token(b.logprobs), gate)
     n_lp = v_lp.sum()
+    del v_lp
     nonfinite(acc, "logprobs", n_mask, n_lp)
-    lr = v = k3 = clip_lr = clip_v = None
-    if b.old_logprobs is not None:
-        lr = lp - ch.token(b.old_logprobs)  # NaN wherever logprobs is invalid
-        v = validate_(lr)
-        z, e = log_ratio_terms(lr)
-        n = ratio_stats(acc, "ratio", lr, v, z, e, hist=b.versions is None)  # with versions: in lag.hist
-        nonfinite(acc, "old_logprobs", n_lp, n)
-        k3 = kl_stats(acc, ch, "kl_old", z, e, v, n)
-        clip_lr, clip_v = lr, v
+    # (log r zero-filled, validity, k3): a zero log-ratio never counts as clipped, so clipping needs no mask
+    ratio = _old_family(acc, b, ch, lp, n_lp) if b.old_logprobs is not None else None
+    clip = ratio[:2] if ratio is not None else None
     if b.prox_logprobs is not None:
-        prox = ch.token(b.prox_logprobs)
-        lr_iw = lp - prox
-        v_iw = validate_(lr_iw)
-        nonfinite(acc, "prox_logprobs", n_lp, ratio_stats(acc, "importance_weight", lr_iw, v_iw))
-        if lr is not None:
-            lr_bw = (prox - ch.token(b.old_logprobs)).add_(lr_iw * 0.0).add_(lr * 0.0)
-            ratio_stats(acc, "behave_imp_weight", lr_bw, validate_(lr_bw))
-        clip_lr, clip_v = lr_iw, v_iw
+        clip = _prox_family(acc, b, ch, lp, n_lp, ratio)
     if b.ref_logprobs is not None:
-        lr_ref = ch.token(b.ref_logprobs) - lp
-        v_ref = validate_(lr_ref)
-        n_ref = v_ref.sum()
-        nonfinite(acc, "ref_logprobs", n_lp, n_ref)
-        kl_stats(acc, ch, "kl_ref", *log_ratio_terms(lr_ref), v_ref, n_ref)
+        _ref_family(acc, ch, b, lp, n_lp)
+    del lp
     if b.entropy is not None:
         ent, v_ent = gated(ch.token(b.entropy), gate)
         nonfinite(acc, "entropy", n_mask, entropy_stats(acc, ent, v_ent))
+        del ent, v_ent
     clipped = None
     if b.advantages is not None:
-        adv, v_adv = gated(ch.token(b.advantages), gate)
-        _, n_adv = value_stats(acc, "adv", adv, v_adv, squares=True)
-        nonfinite(acc, "advantages", n_mask, n_adv)
-        acc.sum("adv.zero", count(adv == 0))  # NaN (invalid) never equals 0
-        if clip_lr is not None and token_clip:
-            clipped = clip_stats(acc, clip_lr, adv, torch.dot(clip_v, v_adv), b.eps_low, b.eps_high)
+        clipped = _adv_family(acc, b, ch, gate, n_mask, clip if token_clip else None)
     if b.versions is not None:
         lag, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
-        lag_stats(acc, lag, bucket, len(edges), (lr, v, k3) if lr is not None else None, clipped)
-    if b.lengths is None:
-        ch.seq_add(acc.seq("length"), m)
+        lag_stats(acc, lag, bucket, len(edges), ratio, clipped)
+
+
+def _old_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp):
+    lr = lp - ch.token(b.old_logprobs)  # NaN wherever logprobs is invalid
+    v = validate_(lr)
+    z, e = log_ratio_terms(lr)
+    n = ratio_stats(acc, "ratio", lr, v, z, e, hist=b.versions is None)  # with versions: inside lag.hist
+    nonfinite(acc, "old_logprobs", n_lp, n)
+    return z, v, kl_stats(acc, ch, "kl_old", z, e, v, n)
+
+
+def _prox_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
+    """Decoupled PPO: pi/pi_prox (the ratio that is clipped) and pi_prox/pi_behave."""
+    prox = ch.token(b.prox_logprobs)
+    lr_iw = lp - prox
+    v_iw = validate_(lr_iw)
+    z_iw, e_iw = log_ratio_terms(lr_iw)
+    nonfinite(acc, "prox_logprobs", n_lp, ratio_stats(acc, "importance_weight", lr_iw, v_iw, z_iw, e_iw))
+    if ratio is not None:
+        lr_bw = (prox - ch.token(b.old_logprobs)).add_(lr_iw * 0.0).add_(ratio[1].log())  # log(0) = -inf: invalid
+        ratio_stats(acc, "behave_imp_weight", lr_bw, validate_(lr_bw))
+    return z_iw, v_iw
+
+
+def _ref_family(acc, ch: Chunk, b: TokenBatch, lp, n_lp) -> None:
+    lr_ref = ch.token(b.ref_logprobs) - lp
+    v_ref = validate_(lr_ref)
+    n_ref = v_ref.sum()
+    nonfinite(acc, "ref_logprobs", n_lp, n_ref)
+    kl_stats(acc, ch, "kl_ref", *log_ratio_terms(lr_ref), v_ref, n_ref)
+
+
+def _adv_family(acc, b: TokenBatch, ch: Chunk, gate, n_mask, clip):
+    """Advantage statistics; with ``clip = (clipped log-ratio, its validity)`` also the clip fractions."""
+    adv, v_adv = gated(ch.token(b.advantages), gate)
+    z, n_adv = value_stats(acc, "adv", adv, v_adv, squares=True)
+    nonfinite(acc, "advantages", n_mask, n_adv)
+    acc.sum("adv.zero", n_adv - z.count_nonzero())  # invalid entries are 0 in z
+    if clip is None:
+        return None
+    return clip_stats(acc, clip[0], adv, torch.dot(clip[1], v_adv), b.eps_low, b.eps_high)
 
 
 def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut) -> None:

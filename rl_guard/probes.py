@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .chunks import ChunkStats
 from .sketch import ENTROPY, LOG_RATIO, SketchSpec, cell_index, count_cells
 
 DEFAULT_LAG_EDGES = (0, 1, 2, 3, 5, 9)  # buckets 0, 1, 2, 3-4, 5-8, 9+
@@ -44,64 +45,12 @@ class Partial:
         self.max["-" + name] = -t.reshape(-1).to(F64)
 
 
-class ChunkStats:
-    """Chunk contributions of one micro-batch. Scalars are kept in lists and reduced once at the end (one stack
-    per statistic instead of one add per chunk); vectors (histograms) are added in place (the caller hands over a
-    fresh tensor). ``seq(name)`` is a float64 ``[S]`` accumulator of per-sequence sums."""
-
-    def __init__(self, num_seqs: int, device: torch.device) -> None:
-        self.num_seqs, self.device = num_seqs, device
-        self._sum: dict = {}
-        self._max: dict = {}
-        self._min: dict = {}
-        self._seq: dict = {}
-        self._zero_cell: dict = {}
-
-    def sum(self, name: str, t: torch.Tensor) -> None:
-        if t.dim() == 0:
-            self._sum.setdefault(name, []).append(t)
-        elif name in self._sum:
-            self._sum[name].add_(t)
-        else:
-            self._sum[name] = t
-
-    def max(self, name: str, t: torch.Tensor) -> None:
-        self._max.setdefault(name, []).append(t)
-
-    def min(self, name: str, t: torch.Tensor) -> None:
-        self._min.setdefault(name, []).append(t)
-
-    def hist(self, name: str, counts: torch.Tensor, zero_cell: int, n_invalid) -> None:
-        """Cell counts of a zero-filled chunk; its ``n_invalid`` zero fills are taken out of ``zero_cell``."""
-        self.sum(name, counts)
-        self.sum(f"{name}.fill", n_invalid)
-        self._zero_cell[name] = zero_cell
-
-    def seq(self, name: str) -> torch.Tensor:
-        if name not in self._seq:
-            self._seq[name] = torch.zeros(self.num_seqs, dtype=F64, device=self.device)
-        return self._seq[name]
-
-    def partial(self) -> Partial:
-        sums = {k: (torch.stack(v).sum(0, dtype=F64) if isinstance(v, list) else v.to(F64)) for k, v in self._sum.items()}
-        for name, cell in self._zero_cell.items():
-            sums[name][cell] -= sums.pop(f"{name}.fill")
-        p = Partial()
-        for k, v in sums.items():
-            p.add_sum(k, v)
-        for k, v in self._max.items():
-            p.add_max(k, torch.stack(v).amax(0))
-        for k, v in self._min.items():
-            p.add_min(k, torch.stack(v).amin(0))
-        return p
-
-
 def count(mask: torch.Tensor) -> torch.Tensor:
     """Number of true entries (``count_nonzero`` is ~2x faster than ``sum`` on bool tensors)."""
     return mask.count_nonzero()
 
 
-def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # for [S] vectors (cheap there)
     return torch.where(valid, x, -math.inf).amax() if x.numel() else x.new_full((), -math.inf)
 
 
@@ -143,11 +92,11 @@ def value_stats(acc: ChunkStats, name: str, y, v, squares: bool = False):
     return z, n
 
 
-def nan_max(y: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(y, nan=0.0).amax() if y.numel() else y.new_full((), -math.inf)
+def nan_max(y: torch.Tensor) -> torch.Tensor:  # max of the non-NaN entries (-inf if none)
+    return torch.nan_to_num(y, nan=-math.inf).amax() if y.numel() else y.new_full((), -math.inf)
 
 
-def nan_min(y: torch.Tensor) -> torch.Tensor:
+def nan_min(y: torch.Tensor) -> torch.Tensor:  # min of the non-NaN entries (+inf if none)
     return torch.nan_to_num(y, nan=math.inf).amin() if y.numel() else y.new_full((), math.inf)
 
 
@@ -174,7 +123,7 @@ def ratio_stats(acc: ChunkStats, name: str, lr, v, z=None, e=None, hist: bool = 
     return n
 
 
-def zero_filled_hist(acc: ChunkStats, name: str, z, spec: SketchSpec, n_invalid) -> None:
+def zero_filled_hist(acc: ChunkStats, name: str, z, spec: SketchSpec, n_invalid) -> None:  # see ChunkStats.hist
     acc.hist(name, count_cells(cell_index(z, spec), spec.bins), spec.bins // 2, n_invalid)
 
 
@@ -213,23 +162,31 @@ def seq_log_ratio(acc: ChunkStats, name: str = "kl_old"):
 def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high: float) -> torch.Tensor:
     """PPO clip fractions: low (r < 1 - eps_low and A < 0), high (r > 1 + eps_high and A > 0); returns region.
 
-    ``clip_lr`` and ``adv`` are NaN where invalid, so those tokens never compare as clipped; ``n_valid`` is the
-    number of tokens where both are valid."""
-    low = (clip_lr < math.log1p(-eps_low)).logical_and_(adv < 0)
-    high = (clip_lr > math.log1p(eps_high)).logical_and_(adv > 0)
+    ``clip_lr`` is the log-ratio, 0 or NaN where invalid (never clipped); ``adv`` is NaN where invalid;
+    ``n_valid`` counts the tokens where both are valid. With s = sign(A) both conditions are one float comparison,
+    s * (lr - b) > a, where a -+ b are the two log thresholds (a >= 0, so A = 0 never clips)."""
+    lo, hi = math.log1p(-eps_low), math.log1p(eps_high)
+    a, b = (hi - lo) / 2, (hi + lo) / 2
+    s = adv.sign()
+    clipped = (clip_lr - b).mul_(s) > a
+    n_low = count(clipped & (s < 0))
+    n_clipped = count(clipped)
     acc.sum("clip.count", n_valid)
-    acc.sum("clip.low", count(low))
-    acc.sum("clip.high", count(high))
-    return low.logical_or_(high)
+    acc.sum("clip.low", n_low)
+    acc.sum("clip.high", n_clipped - n_low)
+    return clipped
 
 
 def lag_lut(edges, device) -> torch.Tensor:
     """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
     masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
     (below ``edges[0]`` -> bucket 0)."""
-    lags = torch.arange(edges[0], edges[-1] + 1, device=device)
-    lut = torch.bucketize(lags, torch.tensor(edges[1:], device=device), right=True)
-    return torch.cat([lut, lut.new_full((1,), len(edges))]).to(torch.int32)
+    lags = torch.arange(edges[0], edges[-1] + 2, device=device)  # built on the device: no host->device copy
+    lut = torch.zeros_like(lags, dtype=torch.int32)
+    for e in edges[1:]:
+        lut += lags >= e
+    lut[-1] = len(edges)
+    return lut
 
 
 def lag_buckets(versions: torch.Tensor, current_version: int, gate, edges, lut) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,14 +199,14 @@ def lag_buckets(versions: torch.Tensor, current_version: int, gate, edges, lut) 
 
 def lag_stats(acc: ChunkStats, lag, bucket, nb: int, ratio=None, clipped=None) -> None:
     """Per-bucket token counts, clip counts, ratio histograms and k3 sums; ``ratio = (log r, validity, k3)``
-    (NaN-marked, 0/1, zero-filled). Bucket ``nb`` collects the masked-out tokens and is dropped."""
+    (zero-filled, 0/1, zero-filled). Bucket ``nb`` collects the masked-out tokens and is dropped."""
     if clipped is None:
         acc.sum("lag.tokens", count_cells(bucket, nb + 1)[:nb])
     else:  # one count for both: the clipped tokens of bucket b land in nb + 1 + b
         both = count_cells(torch.add(bucket, clipped, alpha=nb + 1), 2 * nb + 2)
         acc.sum("lag.tokens", both[:nb] + both[nb + 1 : 2 * nb + 1])
         acc.sum("lag.clip", both[nb + 1 : 2 * nb + 1])
-    acc.sum("lag.sum", torch.nansum(lag, dtype=F64))
+    acc.sum("lag.sum", torch.nansum(lag))  # fp32 per chunk: relative error ~1e-7 even for huge lags
     acc.max("lag.max", nan_max(lag))
     if ratio is None:
         return
@@ -257,7 +214,7 @@ def lag_stats(acc: ChunkStats, lag, bucket, nb: int, ratio=None, clipped=None) -
     cells = nb * LOG_RATIO.bins
     # Offset of every token's cell: its bucket's block, and past every block (dropped) when the ratio is invalid.
     offset = bucket.float().mul_(LOG_RATIO.bins).add_(v, alpha=-(cells + LOG_RATIO.bins)).add_(cells + LOG_RATIO.bins)
-    index = cell_index(torch.nan_to_num(lr, nan=0.0), LOG_RATIO, offset)
+    index = cell_index(lr, LOG_RATIO, offset)
     acc.sum("lag.hist", count_cells(index, 2 * cells + 2 * LOG_RATIO.bins)[:cells])
     acc.sum("lag.k3", torch.zeros(nb + 1, dtype=F64, device=lag.device).index_add_(0, bucket, k3.to(F64))[:nb])
 
@@ -281,3 +238,10 @@ def loss_stats(p: Partial, loss: torch.Tensor) -> None:
     p.add_sum("loss.count", torch.ones((), device=loss.device) * loss.numel())
     p.add_sum("loss.sum", torch.where(ok, loss, 0.0).sum())
     p.add_sum("loss.nonfinite", (~ok).sum())
+
+
+def rank_count(name: str, device) -> Partial:
+    """A count of 1 per rank per step (summed across ranks: the number of ranks that contributed)."""
+    p = Partial()
+    p.add_sum(name, torch.ones((), device=device if device is not None else "cpu"))
+    return p

@@ -81,7 +81,8 @@ def _lag(out: _Out, raw, edges) -> None:
     tokens = raw["lag.tokens"]
     total = tokens.sum()
     out.put("lag/mean", _div(_f(raw, "lag.sum"), total))
-    out.put("lag/max", _f(raw, "lag.max"))
+    if total > 0:
+        out.put("lag/max", _f(raw, "lag.max"))
     hist = raw.get("lag.hist")
     nb = len(edges)
     for i, bucket in enumerate(lag_bucket_names(edges)):
@@ -96,7 +97,8 @@ def _lag(out: _Out, raw, edges) -> None:
         p50, p99 = quantiles_from_counts(cells, LOG_RATIO, lo, hi, qs=(0.5, 0.99))
         out.put(f"lag/{bucket}/ratio_p50", math.exp(min(p50, 709.0)))
         out.put(f"lag/{bucket}/ratio_p99", math.exp(min(p99, 709.0)))
-        out.put(f"lag/{bucket}/clip_frac", raw["lag.clip"][i] / count)
+        if "lag.clip" in raw:  # absent without advantages (nothing is clipped)
+            out.put(f"lag/{bucket}/clip_frac", raw["lag.clip"][i] / count)
         out.put(f"lag/{bucket}/k3_mean", raw["lag.k3"][i] / count)
     if hist is not None and nb:
         raw.setdefault("ratio.hist", hist.reshape(nb, LOG_RATIO.bins).sum(0))
@@ -159,5 +161,6 @@ def _grad(out: _Out, raw) -> None:
 
 def _loss(out: _Out, raw) -> None:
     if "loss.count" in raw:
-        out.put("loss/value", _f(raw, "loss.sum") if _f(raw, "loss.nonfinite") == 0 else math.nan)
+        ranks = max(_f(raw, "loss.ranks", 1.0), 1.0)  # data-parallel ranks each add their own step loss
+        out.put("loss/value", _f(raw, "loss.sum") / ranks if _f(raw, "loss.nonfinite") == 0 else math.nan)
         out.put("loss/nonfinite", _f(raw, "loss.nonfinite"))

@@ -37,24 +37,15 @@ import torch
 
 from .. import TokenBatch
 from ..errors import GuardHalted
+from ..versions import require
 
 SUPPORTED = {"areal": ((1, 0), (1, 1))}
 PRESET = Path(__file__).resolve().parents[1] / "presets" / "async.yaml"
 
 
 def check_versions() -> None:
-    """Fail clearly outside the supported range; an engine with AReaL's API but no package is let through."""
-    import importlib.metadata as md
-
-    for pkg, (lo, hi) in SUPPORTED.items():
-        try:
-            version = md.version(pkg)
-        except md.PackageNotFoundError:
-            continue
-        parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-        if not lo <= parts < hi:
-            raise RuntimeError(f"rl_guard's AReaL adapter supports {pkg} >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}; "
-                               f"found {version}")
+    """An engine with AReaL's API but without the package installed is let through."""
+    require("AReaL", "areal", *SUPPORTED["areal"], optional=True)
 
 
 def align_versions(versions: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,22 @@
 """TRL / transformers adapter: ``GRPOTrainer(..., callbacks=[RLGuardCallback("configs/grpo.yaml")])``.
 
-Supported: trl >= 1.0, < 2 (matched against trl 1.16.0) and transformers >= 5.0, < 6 (matched against 5.24.0).
+Supported: trl >= 1.0, < 2 (matched against 1.16.0) and transformers >= 5.0, < 6 (matched against 5.24.0).
 
-A ``TrainerCallback`` receives no trainer object, so at ``on_train_begin`` the callback finds the trainer that is
-calling it (the caller's frame whose ``callback_handler`` holds this callback) and wraps, on that instance only,
-these methods. Each wrapper calls the original with the same arguments and returns its result unchanged; it only
-reads tensors (detached, under ``no_grad``) and never draws random numbers, so loss, gradients and the RNG stream
-are untouched. The wrappers are removed at ``on_train_end``.
+A ``TrainerCallback`` gets no trainer object, so ``on_train_begin`` finds the trainer calling it (the frame whose
+``callback_handler`` holds this callback) and wraps methods of that instance only. Each wrapper calls the
+original with the same arguments and returns its result unchanged; it only reads detached tensors and draws no
+random numbers, so losses, gradients and the RNG stream are untouched. The wrappers go at ``on_train_end``.
 
-TRL internals relied on (GRPOTrainer): ``_get_per_token_logps_and_entropies`` (returns per-token log-probs and
-entropies used by the loss), ``compute_loss(model, inputs)`` with ``inputs`` keys ``completion_ids``,
-``completion_mask``, ``tool_mask``, ``advantages``, ``old_per_token_logps`` (absent when fully on-policy: TRL then
-uses the detached current log-probs, so the guard reports the ratio as exactly 1), ``ref_per_token_logps``
-(``beta != 0``), ``sampling_per_token_logps`` / ``importance_sampling_ratio`` (vLLM), attributes ``epsilon_low``,
-``epsilon_high``, ``importance_sampling_level``, ``eos_token_ids``, ``mask_truncated_completions``,
-``num_generations``, ``reward_weights``, ``reward_func_names``, ``_buffered_inputs`` (cleared after a rollback
-so TRL regenerates instead of training on rollouts of the diverged policy); ``_calculate_rewards`` (per-function rewards
-gathered over processes, before TRL turns NaN into 0); ``log(logs)``. transformers ``Trainer``:
-``_clip_grad_norm`` (returns the pre-clip norm) and the ``on_pre_optimizer_step`` / ``on_step_end`` events.
-A plain transformers ``Trainer`` gets the gradient, loss and non-finite rules (no token statistics).
+TRL internals relied on (GRPOTrainer): ``_get_per_token_logps_and_entropies`` (log-probs and entropies of the
+loss), ``compute_loss(model, inputs)`` with ``inputs`` keys ``completion_ids``, ``completion_mask``, ``tool_mask``,
+``advantages``, ``old_per_token_logps`` (absent when fully on-policy: TRL then uses the detached current log-probs,
+so the ratio is reported as exactly 1), ``ref_per_token_logps`` (``beta != 0``), ``sampling_per_token_logps``
+(vLLM); attributes ``epsilon_low``, ``epsilon_high``, ``importance_sampling_level``, ``eos_token_ids``,
+``mask_truncated_completions``, ``reward_weights``, ``_buffered_inputs`` (cleared after a rollback so TRL
+regenerates rather than train on rollouts of the diverged policy); ``_calculate_rewards`` (per-function rewards,
+before TRL's nansum hides a NaN); ``log(logs)``. transformers ``Trainer``: ``_clip_grad_norm`` (pre-clip norm),
+events ``on_pre_optimizer_step`` / ``on_step_end``. A plain ``Trainer`` gets the gradient, loss and non-finite
+rules only. ``rollback.skip_batches`` is not applied: the trainer owns the data loader (TRL regenerates instead).
 """
 
 from __future__ import annotations
@@ -26,11 +24,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 
 import torch
+from transformers import TrainerCallback
 
 from .. import Guard, TokenBatch
-from ..errors import GuardHalted  # noqa: F401 - part of the adapter's public surface
 from .trl_samples import samples_from_rewards
 
 SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
@@ -38,40 +37,30 @@ logger = logging.getLogger("rl_guard")
 
 
 def check_versions() -> None:
-    """Fail clearly outside the supported range."""
+    """Fail clearly outside the supported range (trl may be absent: a plain transformers Trainer needs none)."""
     import importlib.metadata as md
 
     for pkg, (lo, hi) in SUPPORTED.items():
+        want = f"{pkg} >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}"
         try:
             version = md.version(pkg)
         except md.PackageNotFoundError:
             if pkg == "trl":
-                continue  # a plain transformers Trainer needs no trl
-            raise
-        parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-        if not lo <= parts < hi:
-            raise RuntimeError(f"rl_guard's TRL adapter supports {pkg} >= {'.'.join(map(str, lo))}, < "
-                               f"{'.'.join(map(str, hi))}; found {pkg} {version}")
+                continue
+            raise md.PackageNotFoundError(f"rl_guard's TRL adapter needs {want}; {pkg} is not installed") from None
+        found = re.match(r"(\d+)\.(\d+)", version)
+        if found is None or not lo <= (int(found[1]), int(found[2])) < hi:
+            raise RuntimeError(f"rl_guard's TRL adapter supports {want}; found {pkg} {version}")
 
 
-def _callback_base():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class RLGuardCallback(_callback_base()):
+class RLGuardCallback(TrainerCallback):
     """Guard a transformers / TRL trainer. ``guard``: a YAML path, YAML text, or a ``Guard``."""
 
     def __init__(self, guard="configs/grpo.yaml", run_dir: str | None = None):
         check_versions()
         self.guard = guard if isinstance(guard, Guard) else Guard.from_yaml(guard, run_dir=run_dir)
-        self.trainer = None
-        self._originals: dict[str, object] = {}
-        self._in_loss = False
-        self._captured = None
-        self._preclip = None
-        self._on_policy_noted = False
+        self.trainer, self._originals = None, {}
+        self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
     def _find_trainer(self):
@@ -86,10 +75,9 @@ class RLGuardCallback(_callback_base()):
 
     def _wrap(self, name: str, make) -> None:
         original = getattr(self.trainer, name, None)
-        if original is None:
-            return
-        self._originals[name] = original
-        setattr(self.trainer, name, functools.wraps(original)(make(original)))
+        if original is not None:  # absent on a plain transformers Trainer
+            self._originals[name] = original
+            setattr(self.trainer, name, functools.wraps(original)(make(original)))
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         self.trainer = self._find_trainer()
@@ -114,8 +102,7 @@ class RLGuardCallback(_callback_base()):
     def _wrap_logps(self, original):
         def wrapper(*args, **kwargs):
             out = original(*args, **kwargs)
-            if self._in_loss:
-                self._captured = out
+            self._captured = out if self._in_loss else self._captured
             return out
         return wrapper
 
@@ -139,7 +126,10 @@ class RLGuardCallback(_callback_base()):
                 weights = self.trainer.reward_weights.to(per_func.device)
                 # Unlike TRL's nansum, a NaN from any reward function stays visible to the guard.
                 total = (per_func * weights).sum(1)
-                self.guard.observe_sequences(rewards=total)
+                # per_func is gathered over processes: the merged statistics take this rank's slice only,
+                # the (host-side) diagnostics the whole batch, identically on every rank.
+                start = self.trainer.accelerator.process_index * len(prompts)
+                self.guard.observe_sequences(rewards=total[start:start + len(prompts)])
                 self.guard.observe_samples(
                     samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list))
             return per_func
@@ -147,9 +137,8 @@ class RLGuardCallback(_callback_base()):
 
     def _wrap_clip(self, original):
         def wrapper(*args, **kwargs):
-            norm = original(*args, **kwargs)
-            self._preclip = norm
-            return norm
+            self._preclip = original(*args, **kwargs)
+            return self._preclip
         return wrapper
 
     def _wrap_log(self, original):
@@ -172,9 +161,8 @@ class RLGuardCallback(_callback_base()):
         if old is None:
             old = logps.detach()
             if not self._on_policy_noted:
-                logger.info("rl_guard: TRL is fully on-policy here (no old_per_token_logps); the importance ratio "
-                            "is exactly 1 by construction and reported as such")
                 self._on_policy_noted = True
+                logger.info("rl_guard: TRL is fully on-policy here (no old_per_token_logps): the ratio is exactly 1")
         behaviour, prox = old, None
         if inputs.get("sampling_per_token_logps") is not None:
             behaviour, prox = inputs["sampling_per_token_logps"], old  # vLLM sampler vs trainer's old policy
@@ -195,9 +183,8 @@ class RLGuardCallback(_callback_base()):
         preclip, self._preclip = self._preclip, None
         decision = self.guard.check(params=optimizer if optimizer is not None else model, pre_clip_norm=preclip,
                                     defer_restore=True)
-        if decision.stop:
-            control.should_training_stop = True
-            control.should_save = True
+        if decision.stop:  # should_save: the trainer also writes its own checkpoint of the halted state
+            control.should_training_stop = control.should_save = True
         return control
 
     def on_step_end(self, args, state, control, **kw):

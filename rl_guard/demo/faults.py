@@ -44,7 +44,8 @@ class FaultInjector(TrainerCallback):
             with torch.no_grad():
                 gen = torch.Generator().manual_seed(1234)
                 for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen).to(p) * self.factor * p.detach().float().std().clamp(min=1e-3))
+                    scale = self.factor * p.detach().float().std().clamp(min=1e-3)
+                    p.add_(torch.randn(p.shape, generator=gen).to(p) * scale)
             self.injected_at.append(step)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kw):

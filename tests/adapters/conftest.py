@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # A tiny model gains nothing from intra-op threads, and on a shared machine they spin against other processes
@@ -106,6 +107,7 @@ def grpo_run(tiny_model):
         args = GRPOConfig(output_dir=str(Path(tmp) / "trainer"), max_steps=steps, **{**GRPO_BASE, **grpo})
         trainer = GRPOTrainer(model=str(tiny_model), args=args, train_dataset=dataset, callbacks=callbacks,
                               reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
+        trainer.pop_callback(PrinterCallback)  # every log line holds ~150 guard metrics: keep test output short
         trainer.train()
         return Run(trainer, injector, checker, callback, callback.guard.run_dir if callback else None)
 

@@ -7,6 +7,10 @@ import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
+import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -207,6 +211,27 @@ def test_halt_saves_through_save_ckpt_and_raises(tmp_path):
     state = torch.load(tmp_path / "ckpt" / "rl_guard_step0" / "state.pt", weights_only=False)
     fresh = Guard.from_yaml(_yaml("checkpoint_and_halt"), run_dir=tmp_path / "resumed")
     assert adapter.load_guard_state(fresh, state["client_state"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_real_deepspeed_zero_skip_and_rollback(tmp_path, stage):
+    """Where deepspeed is installed: OpenRLHF's DeepspeedStrategy methods on a real ZeRO engine (CPU, gloo)."""
+    pytest.importorskip("deepspeed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    worker = Path(__file__).with_name("openrlhf_deepspeed_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(stage), port, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # skip: DeepSpeed's own overflow path; weights, LR and moments untouched, nothing leaks into the next step
+    assert (out["guard_steps"], out["guard_skipped"], out["ds_skipped"], out["micro_steps"]) == (2, 1, 1, 4)
+    assert out["unchanged"] and out["lr_unchanged"] and out["overflow_reset"] and out["no_leak"]
+    # rollback: strategy.load_ckpt of the healthy snapshot saved by strategy.save_ckpt, guard state inside
+    assert out["rollbacks"] == 1 and out["moved"] and out["restored"] and out["client_state_has_guard"]
+    assert out["tags"] == ["rl_guard_step1"]
 
 
 STUBS = ["pylatexenc", "pylatexenc.latex2text", "ray", "ray.util", "ray.util.placement_group",

@@ -1,4 +1,4 @@
-"""Launching real multi-process gloo groups for the distributed tests, once per world size per test session."""
+"""Launching real multi-process gloo groups for the distributed tests, once per world size per pytest run."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SCENARIOS = {2: "merge,skip,halt,rollback,grad,save_fail,abstain,mismatch,recipe",
-             3: "merge,skip,halt,rollback,grad,save_fail,abstain,mismatch"}
+SCENARIOS = {2: "merge,skip,halt,rollback,grad,save_fail,abstain,many_groups,mismatch,recipe",
+             3: "merge,skip,halt,rollback,grad,save_fail,abstain,many_groups,mismatch"}
 LAUNCH_TIMEOUT = 150  # seconds for a whole bundle; one scenario hanging hits the 30 s collective timeout first
 
 
@@ -68,7 +68,7 @@ def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOU
 
 @pytest.fixture(scope="session")
 def launched(tmp_path_factory):
-    """``launched(world)``: the bundle of scenarios run by ``world`` real processes (cached for the session)."""
+    """``launched(world)``: the bundle of scenarios run by ``world`` real processes (cached for the whole pytest run)."""
     cache: dict = {}
 
     def get(world: int) -> Launch:

@@ -134,6 +134,28 @@ def scenario_abstain(rank, world, out: Path, log: CollectiveLog) -> dict:
     return {"first": first, "next_calls": log.take(), "next_tokens": guard.last_metrics["rl_guard/tokens/count"]}
 
 
+def scenario_many_groups(rank, world, out: Path, log: CollectiveLog, groups: int = 600) -> dict:
+    """More maxima than MAX_SLOTS (one per optimizer parameter group): the rest travels in one more MAX
+    all-reduce on every rank. Gradients are identical on every rank (as after DDP) except one NaN entry on the
+    last rank, in a group whose maximum lies beyond MAX_SLOTS."""
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(groups)]
+    for i, p in enumerate(params):
+        p.grad = torch.full((3,), 0.01 * (i + 1))
+    if rank == world - 1:
+        params[groups - 50].grad[0] = math.nan
+    opt = torch.optim.SGD([{"params": [p]} for p in params], lr=0.1)
+    guard = Guard.from_yaml("version: 1\nsinks: [jsonl]\n", run_dir=out / "many_groups")
+    guard.attach(nn.ParameterList(params), opt)
+    for batch, loss in rank_batches(9, 0, rank):
+        guard.observe(batch, loss=loss)
+    log.take()
+    decision = guard.check()
+    m = guard.last_metrics
+    return {"calls": log.take(), "action": decision.action, "groups": groups,
+            "norms": [m.get(f"rl_guard/grad/group{i}/norm") for i in range(groups)],
+            "nonfinite": m["rl_guard/grad/nonfinite"]}
+
+
 # -- decisions on a real (tiny) DDP model ---------------------------------------------------------------------------------
 class Cursor:
     """A per-rank data cursor: the extra state each rank checkpoints and restores on its own."""

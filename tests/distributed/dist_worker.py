@@ -21,6 +21,7 @@ RUNS = {
     "merge": sc.scenario_merge,
     "mismatch": sc.scenario_mismatch,
     "abstain": sc.scenario_abstain,
+    "many_groups": sc.scenario_many_groups,
     "skip": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "skip_step"),
     "halt": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "checkpoint_and_halt"),
     "rollback": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "rollback"),

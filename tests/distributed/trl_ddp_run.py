@@ -72,7 +72,8 @@ def main() -> int:
     model_path = build_tiny_model(out / f"model_rank{rank}", seed=0)  # same seed: identical start on every rank
     args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, max_steps=STEPS, use_cpu=True, bf16=False, report_to=[],
-                      learning_rate=1e-3, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1, beta=0.0)
+                      learning_rate=1e-3, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1, beta=0.0,
+                      ddp_timeout=60)  # a rank left waiting in a collective raises instead of hanging
     guard_cb = RLGuardCallback(GUARD_YAML, run_dir=str(out / "guard"))
     recorder = Recorder(guard_cb.guard)
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward], args=args,

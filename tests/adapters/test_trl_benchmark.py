@@ -1,0 +1,24 @@
+"""Smoke test of ``benchmarks/trl_overhead.py``: one pair of 2-step runs end to end, JSON written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_overhead.py"
+
+
+def test_overhead_benchmark_runs_and_writes_json(tmp_path):
+    spec = importlib.util.spec_from_file_location("trl_overhead", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out_file = tmp_path / "overhead.json"
+    out = bench.main(["--runs", "1", "--steps", "2", "--json", str(out_file)])
+    written = json.loads(out_file.read_text())
+    assert written == json.loads(json.dumps(out))
+    assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
+    assert 0 < written["guard_time_frac"] < 1  # the guard did run, and did not take the whole run
+    assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
+    assert len(written["wall_s"]["guarded"]) == len(written["wall_s"]["unguarded"]) == 1

@@ -1,0 +1,142 @@
+"""The histogram sketch's documented error bound on adversarial data.
+
+Bound (sketch.py): for an exact order statistic x (rank ceil(q n)) with |x| <= max_abs, the reported x_hat obeys
+|x_hat - x| <= eps * (|x| + scale), eps = expm1(w / 2), w the cell width in u = log1p(|x| / scale).
+
+Float32 slack: the device computes the cell coordinate u / w in float32. Near the top of the range u / w is ~bins / 2
+(~1000), where one float32 ulp is ~1e-4 of a cell and log1p/mul/add each round once, so a value within ~1e-3 of a
+cell edge may be counted in the neighbouring cell. Its reported midpoint is then up to (1/2 + 1e-3) cells away in u,
+so the tests use expm1(w * (1/2 + FLOAT32_SLACK)) with FLOAT32_SLACK = 2e-3 cells (a 0.4% wider eps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rl_guard.sketch import ENTROPY, LOG_RATIO, QUANTILES, SketchSpec, cell_index, count_cells, quantiles_from_counts
+
+FLOAT32_SLACK = 2e-3
+QS = (*QUANTILES, 0.001, 0.1, 0.333, 0.9, 0.999, 1.0)
+SPECS = (LOG_RATIO, ENTROPY, SketchSpec(scale=1.0, max_abs=10.0, bins=64))
+
+
+def exact_rank_stat(x: np.ndarray, q: float) -> float:
+    n = x.size
+    rank = max(1, math.ceil(round(q * n, 9)))  # q n without float noise (q has at most 3 decimals here)
+    return float(np.sort(x)[rank - 1])
+
+
+def sketch_quantiles(x32: np.ndarray, spec: SketchSpec, qs=QS) -> list[float]:
+    t = torch.from_numpy(x32)
+    counts = count_cells(cell_index(t, spec), spec.bins).numpy()
+    assert counts.sum() == x32.size
+    return quantiles_from_counts(counts, spec, float(x32.min()), float(x32.max()), qs=qs)
+
+
+def check_bound(x: np.ndarray, spec: SketchSpec, qs=QS) -> int:
+    """Asserts the documented guarantee for every q; returns how many quantiles were checked against the bound."""
+    x32 = x.astype(np.float32)
+    x64 = x32.astype(np.float64)  # the data the device sees
+    eps = math.expm1(spec.width * (0.5 + FLOAT32_SLACK))
+    edges = spec.edges()
+    outside_hi, outside_lo = x64.max() > spec.max_abs, x64.min() < -spec.max_abs
+    checked = 0
+    for q, hat in zip(qs, sketch_quantiles(x32, spec, qs)):
+        exact = exact_rank_stat(x64, q)
+        assert x64.min() <= hat <= x64.max(), (q, hat)
+        if exact > spec.max_abs or (outside_hi and exact >= edges[-2]):
+            assert hat == x64.max(), (q, hat, exact)  # beyond the range: the exact max, an upper bound
+        elif exact < -spec.max_abs or (outside_lo and exact <= edges[1]):
+            assert hat == x64.min(), (q, hat, exact)
+        else:
+            assert abs(hat - exact) <= eps * (abs(exact) + spec.scale), (q, hat, exact, eps)
+            checked += 1
+    return checked
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        ("normal_small", lambda r: r.normal(0, 1e-3, 20_000)),
+        ("normal_wide", lambda r: r.normal(0, 2.0, 20_000)),
+        ("cauchy", lambda r: r.standard_cauchy(20_000) * 0.01),
+        ("pareto", lambda r: r.pareto(1.1, 20_000) * 0.01),
+        ("mixed_signs_many_scales", lambda r: r.choice([-1, 1], 20_000) * 10 ** r.uniform(-9, 1.4, 20_000)),
+        ("tiny_near_zero", lambda r: r.normal(0, 1e-8, 5_000)),
+        ("uniform_positive", lambda r: r.uniform(0, 12, 9_999)),
+    ],
+)
+def test_error_bound_on_distributions(spec, name, make):
+    assert check_bound(make(rng()), spec) > 0
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
+def test_point_masses(spec):
+    for v in (0.0, 1e-7, -0.37, 2.5, 29.0):
+        x = np.full(1000, v)
+        assert sketch_quantiles(x.astype(np.float32), spec) == [np.float32(v)] * len(QS)  # exact: clamped to [min, max]
+    r = rng(1)
+    x = np.where(r.random(50_000) < 0.99, 0.125, r.normal(0, 3, 50_000))  # 99% at one value
+    check_bound(x, spec)
+    x = np.concatenate([np.zeros(990), r.normal(5, 1, 10)])  # the p99 sits exactly at the boundary of the mass
+    check_bound(x, spec)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
+def test_values_beyond_the_range_report_the_exact_extreme(spec):
+    r = rng(2)
+    big = spec.max_abs * 1e3
+    x = np.concatenate([r.normal(0, spec.scale, 900), np.full(60, big), np.linspace(-big, -2 * spec.max_abs, 40)])
+    qs = (0.001, 0.02, 0.5, 0.95, 0.99, 1.0)
+    hats = sketch_quantiles(x.astype(np.float32), spec, qs)
+    assert hats[0] == np.float32(-big) and hats[-1] == hats[-2] == hats[-3] == np.float32(big)
+    check_bound(x, spec, qs)
+    inf = np.array([np.inf, -np.inf, 1.0, 2.0])  # +-inf land in the edge cells; never out of bounds
+    counts = count_cells(cell_index(torch.from_numpy(inf.astype(np.float32)), spec), spec.bins)
+    assert counts[0] == 1 and counts[-1] == 1 and counts.sum() == 4
+
+
+def test_tiny_samples_and_every_rank():
+    for n in (1, 2, 3, 7, 100, 101):
+        x = rng(n).normal(0, 0.1, n)
+        check_bound(x, LOG_RATIO, qs=tuple(k / 1000 for k in range(1, 1001, 37)) + (1.0,))
+
+
+def test_empty_sketch_gives_nan():
+    assert all(math.isnan(v) for v in quantiles_from_counts(np.zeros(LOG_RATIO.bins), LOG_RATIO, math.inf, -math.inf))
+
+
+def test_rank_convention_is_numpy_inverted_cdf():
+    """rank ceil(q n) is numpy's method="inverted_cdf" (checked where numpy's own q * n has no float noise)."""
+    x = rng(3).normal(0, 1, 1000)
+    for q in QUANTILES:
+        assert exact_rank_stat(x, q) == np.quantile(x, q, method="inverted_cdf")
+    # q * n noise: 0.01 * 700 = 7.000000000000001 in float; rank must stay 7, as for the exact product
+    y = np.arange(1.0, 701.0)
+    counts = count_cells(cell_index(torch.from_numpy(y.astype(np.float32)), SketchSpec(1.0, 1000.0, 4096)), 4096)
+    (p01,) = quantiles_from_counts(counts.numpy(), SketchSpec(1.0, 1000.0, 4096), 1.0, 700.0, qs=(0.01,))
+    assert abs(p01 - 7.0) < 0.01
+
+
+def test_merging_sketches_adds_counts_exactly():
+    r = rng(4)
+    parts = [r.standard_cauchy(n).astype(np.float32) for n in (10, 1000, 5555)]
+    whole = count_cells(cell_index(torch.from_numpy(np.concatenate(parts)), LOG_RATIO), LOG_RATIO.bins)
+    merged = sum(count_cells(cell_index(torch.from_numpy(p), LOG_RATIO), LOG_RATIO.bins) for p in parts)
+    assert torch.equal(whole, merged)
+
+
+def test_offset_places_several_sketches_in_one_vector():
+    x = torch.tensor([-1.0, 0.0, 0.5, 3.0])
+    base = cell_index(x, LOG_RATIO)
+    off = torch.tensor([0.0, 1.0, 2.0, 1.0]) * LOG_RATIO.bins
+    assert torch.equal(cell_index(x, LOG_RATIO, off), base + off.to(torch.int32))
