@@ -4,21 +4,19 @@ For each size (tokens in one padded ``[64, T]`` micro-batch with logprobs, old/r
 advantages and versions, and a mask keeping ~75% of the tokens) it times, interleaved in the same run:
 
 * ``full``:  ``probe_batch`` + ``StepAccumulator.finish`` (the one host transfer) + ``summarize``;
-* ``floor``: one pass over the same inputs, a masked sum per tensor (``torch.where(mask, x, 0).sum()``);
+* ``floor``: one pass over the same inputs, a masked sum per tensor (``torch.where(mask, x, 0).sum()`` in
+  row blocks of 256K tokens, like the probes' chunks);
 * ``naive``: what trainers do today: ``x[mask]`` selections, ``torch.quantile`` per quantile family (ratio,
   sequence ratio, entropy, p50/p99 per lag bucket) and one ``.item()`` per statistic. ``torch.quantile`` refuses
   inputs above 2^24 elements; that is reported as ``fails``.
 
-Time is process CPU time, the minimum over repeats, with one intra-op thread by default (``--threads``): on a shared
-machine wall time mostly measures the neighbours, and spinning worker threads make multi-threaded wall time
-meaningless there. Wall times are kept in the JSON output.
-
-Peak extra memory: the largest total size of live tensors allocated during one full step, replayed from
-``torch.profiler`` memory events (every allocation and free of the CPU allocator, in time order; transient buffers
-inside a single operator are not seen). Reported in units of one fp32 per-token tensor (4 bytes per token). The
-process RSS can grow more than this (the C allocator keeps freed chunk-sized blocks for reuse); this measures what
-the statistics hold, not the allocator's cache.
-Host transfers: ``.cpu()`` calls during a 4-micro-batch step (plus any other host read, reported separately).
+Time is process CPU time, minimum over repeats, one intra-op thread by default (``--threads``): on a shared machine
+wall time mostly measures the neighbours, and waiting worker threads make multi-threaded timings meaningless there
+(wall times are in the JSON output). Peak extra memory: the largest total size of live tensors allocated during one
+full step, replayed from ``torch.profiler`` memory events (every allocation and free of the CPU allocator, in time
+order; transient buffers inside one operator are not seen), in units of one fp32 per-token tensor (4 bytes/token).
+The process RSS can grow more (the C allocator keeps freed blocks for reuse); this measures what the statistics
+hold. Host transfers: ``.cpu()`` calls during a 4-micro-batch step (any other host read is reported separately).
 
 Usage: ``python benchmarks/stats.py [--quick] [--json FILE] [--threads N]``.
 """
@@ -76,12 +74,17 @@ def full_step(d: dict) -> dict:
     return summarize(acc.finish())[0]
 
 
-def floor_pass(d: dict) -> float:
+def floor_pass(d: dict, chunk: int = 1 << 18) -> float:
+    """One pass over every input: a masked sum per tensor, in row blocks of ~``chunk`` tokens (so it pays no
+    page faults for full-size temporaries: a floor, not a strawman)."""
     mask = d["mask"]
+    rows = max(1, chunk // mask.shape[1])
     total = mask.sum()
-    for name, x in d.items():
-        if name != "mask":
-            total = total + torch.where(mask, x, 0.0).sum()
+    for r0 in range(0, mask.shape[0], rows):
+        m = mask[r0 : r0 + rows]
+        for name, x in d.items():
+            if name != "mask":
+                total = total + torch.where(m, x[r0 : r0 + rows], 0.0).sum()
     return float(total)
 
 
@@ -282,7 +285,7 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        result = run(sizes, repeats=3 if args.quick else 5, naive_repeats=1)
+        result = run(sizes, repeats=3 if args.quick else 7, naive_repeats=1)
     finally:
         torch.set_num_threads(threads)
     print_table(result)

@@ -32,7 +32,7 @@ class Actions:
         self.last_checkpoint: str | None = None
 
     def can_rollback(self) -> bool:
-        return self.guard.state is not None and len(self.snapshots) > 0
+        return self.guard.state is not None and any(s < self.guard.step for s in self.snapshots.steps())
 
     def apply(self, decision: Decision, params, defer_restore: bool) -> None:
         if decision.skip_step and params is not None:
@@ -46,7 +46,9 @@ class Actions:
                     self._incident(decision, firing, None)
                 raise
         if decision.rollback:
-            self.pending_restore = self.snapshots.latest()
+            # A snapshot labelled with the trigger step holds the update applied just before it, which is the
+            # usual suspect (a learning-rate blow-up shows only in the next step's numbers): take an older one.
+            self.pending_restore = self.snapshots.latest(before_step=decision.step)
             if not defer_restore:
                 self.restore_pending()
         for firing in decision.firings:

@@ -73,11 +73,12 @@ class SnapshotRing:
             if isinstance(old, Path):
                 old.unlink(missing_ok=True)
 
-    def latest(self) -> dict | None:
-        if not self._items:
+    def latest(self, before_step: int | None = None) -> dict | None:
+        """The newest snapshot, or the newest one whose step is below ``before_step``."""
+        items = [i for i, s in zip(self._items, self.steps()) if before_step is None or s < before_step]
+        if not items:
             return None
-        item = self._items[-1]
-        return load(item) if isinstance(item, Path) else item
+        return load(items[-1]) if isinstance(items[-1], Path) else items[-1]
 
     def steps(self) -> list[int]:
         return [int(i.stem.removeprefix("snapshot_step")) if isinstance(i, Path) else i["step"] for i in self._items]

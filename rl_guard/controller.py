@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from .config import GuardConfig
 from .rules import History, Rule, Verdict, builtin_rules
 
+MISSING_PATIENCE = 20  # steps a watched metric may be absent before the guard says so
 PRECEDENCE = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")
 
 
@@ -86,6 +87,9 @@ class Controller:
         self.rollbacks = 0
         self.skipped_steps = 0
         self.missing_warned: set[str] = set()
+        self.absent_for: dict[str, int] = {}
+        # Only metrics some rule watches need a history (spike windows, incident windows).
+        self.watched = {m for r in self.rules for m in r.metrics}
 
     def decide(self, metrics: dict[str, float], can_rollback: bool = True) -> Decision:
         """Evaluate all rules on this step's metrics; update history and counters; return the decision."""
@@ -107,13 +111,15 @@ class Controller:
             f.message = message(f.rule, f.verdict, self.step, self.rank, f.action)
         # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
         # regime change must become the new normal for the spike detectors, or it would be refused forever.
-        self.history.push(metrics)
+        self.history.push({k: v for k, v in metrics.items() if k in self.watched})
         return decision
 
     def _warn_missing(self, rule: Rule, metrics: dict) -> None:
-        """Once per metric: a rule whose metric is never reported can never fire, which must not stay silent."""
+        """Once per metric: a rule whose metric is never reported can never fire, which must not stay silent.
+        Some metrics arrive only on generation steps, so the warning waits for ``MISSING_PATIENCE`` steps."""
         for m in rule.metrics:
-            if m not in metrics and m not in self.missing_warned:
+            self.absent_for[m] = 0 if m in metrics else self.absent_for.get(m, 0) + 1
+            if self.absent_for[m] >= MISSING_PATIENCE and m not in self.missing_warned:
                 self.missing_warned.add(m)
                 warnings.warn(f"rl_guard: rule {rule.name!r} watches {m}, which was not reported at step {self.step}; "
                               "it cannot fire while the metric is absent (is the input that produces it passed?)",

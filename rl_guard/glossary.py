@@ -27,7 +27,8 @@ GLOSSARY: dict[str, str] = {
     "kl_old/<k>_seq_mean": "Mean over sequences of the per-sequence sum of the estimator (sequence-level KL).",
     "kl_old/<k>_seq_max": "Max over sequences of the per-sequence sum: a few prompts drifting far hide in the mean.",
     "kl_ref/<k>_mean": "KL(pi_theta || pi_ref), log r = logp_ref - logp, tokens from the sampling policy (taken as "
-    "pi_theta); k1/k2/k3 as for kl_old (k3 = TRL's per-token KL). Token mean. Up is trouble (target ~0.01-0.1).",
+    "pi_theta); k1/k2/k3 as for kl_old (k3 is TRL's per-token KL; TRL 1.16 also multiplies it by the ratio when "
+    "use_bias_correction_kl, so the two agree where r = 1). Token mean. Up is trouble (target ~0.01-0.1).",
     "kl_ref/<k>_seq_mean": "Mean over sequences of the per-sequence sum of the reference-KL estimator.",
     "kl_ref/<k>_seq_max": "Max over sequences of the per-sequence sum of the reference-KL estimator.",
     "entropy/<stat>": "Per-token entropy of pi_theta in nats; mean/min/max/<q>. Down toward 0 is collapse.",

@@ -1,16 +1,18 @@
 """Mergeable histogram sketch for quantiles on the device.
 
 Values are mapped through the odd, monotone transform ``u = sign(x) * log1p(|x| / c)`` and counted in ``bins``
-uniform cells over ``u in [-U, U]`` with ``U = log1p(max_abs / c)`` (0 is a cell edge). Counting is one
-exact integer count into a fixed-size tensor: no sort, no size limit, no host sync, and two sketches merge by adding
+uniform cells over ``u in [-U, U]`` with ``U = log1p(max_abs / c)`` (0 is a cell edge). Counting is one exact
+integer count into a fixed-size tensor: no sort, no size limit, no host sync, and two sketches merge by adding
 their counts (exact across micro-batches and ranks).
 
 Error bound: for ``|x| <= max_abs`` the value reported for a rank lies in the same cell as the exact order
 statistic of that rank, so ``|x_hat - x| <= eps * (|x| + c)`` with ``eps = exp(w / 2) - 1`` and ``w = 2U / bins``
-(relative accuracy ``eps`` for ``|x| >> c``, absolute accuracy ``eps * c`` near 0). The reported value is also
-clamped to the exact [min, max] of the data. Values beyond ``max_abs`` land in the edge cells; a quantile that
-falls in an edge cell holding such values is reported as the exact max (or min), a bound on the true quantile. Quantile rank convention: the q-quantile is the order statistic of rank ``ceil(q * n)`` (numpy
-``method="inverted_cdf"``).
+(relative accuracy ``eps`` for ``|x| >> c``, absolute accuracy ``eps * c`` near 0). The cell coordinate is computed
+in float32, so a value within ~1e-3 of a cell width from an edge may be counted in the neighbouring cell (the bound
+then holds with ``w * (1/2 + 2e-3)`` in place of ``w / 2``). The reported value is clamped to the exact [min, max]
+of the data. Values beyond ``max_abs`` land in the edge cells; a quantile that falls in an edge cell holding such
+values is reported as the exact max (or min), a bound on the true quantile. Rank convention: the q-quantile is the
+order statistic of rank ``ceil(q * n)`` (numpy ``method="inverted_cdf"``).
 """
 
 from __future__ import annotations

@@ -107,8 +107,9 @@ def _lag(out: _Out, raw, edges) -> None:
 def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[dict[str, float], dict]:
     """Metrics ``{rl_guard/<family>/<stat>: float}`` and histograms ``{name: (edges, counts)}`` of one step."""
     out = _Out()
-    out.put("tokens/count", _f(raw, "tokens.count"))
-    out.put("tokens/microbatches", _f(raw, "tokens.microbatches"))
+    if "tokens.count" in raw:  # absent when no token batch was fed (e.g. a plain supervised Trainer)
+        out.put("tokens/count", _f(raw, "tokens.count"))
+        out.put("tokens/microbatches", _f(raw, "tokens.microbatches"))
     for key, v in raw.items():
         if key.startswith("input.") and key.endswith(".nonfinite"):
             out.put(key.replace(".", "/"), float(v[0]))

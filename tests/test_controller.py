@@ -66,7 +66,14 @@ def test_every_rule_is_evaluated_every_step():
 
 
 def test_missing_metric_warns_once():
+    from rl_guard.controller import MISSING_PATIENCE
+
     ctl = ladder(["warn"])
+    import warnings as _w
+    with _w.catch_warnings():
+        _w.simplefilter("error")  # metrics that arrive only on generation steps are absent for a while: no noise
+        for _ in range(MISSING_PATIENCE - 1):
+            ctl.decide({"rl_guard/entropy/mean": 1.0})
     with pytest.warns(RuntimeWarning, match="r_warn.*not reported"):
         ctl.decide({"rl_guard/entropy/mean": 1.0})
     import warnings

@@ -21,10 +21,12 @@ AReaL internals relied on:
   ``ppo_actor_loss_fn``'s stats (before rejection sampling). With an approximated proximal (``loglinear`` etc.)
   AReaL builds it inside the loss, so both families are absent.
 - lag = ``current_version - version`` = AReaL's ``sample_staleness_theta``. ``max_head_offpolicyness`` bounds
-  it at admission (``StalenessManager``), so ``lag/max`` above it means the bound did not hold: ``lag_rule``.
+  it at admission (``StalenessManager``), so ``lag/max`` above it means the bound did not hold: ``lag_rule``, or
+  ``async_yaml(n)``, which sets the async preset's ``staleness_bound`` threshold to ``n``.
 - Skip: ``optimizer_zero_grad()`` and ``update_successful=0``, AReaL's own non-finite-norm path. Rollback restores
   the guard's snapshots of ``model`` / ``optimizer`` / ``lr_scheduler`` (``RecoverHandler`` has no hook for user
   state); the next ``update_weights`` ships them to inference. Halt raises ``GuardHalted`` (all ranks alike).
+  FSDP gradients are shards: set ``sharded_grads: true``. Exercised on CPU with a single-process engine only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Subprocess for test_openrlhf.py: the OpenRLHF gate on a real DeepSpeed ZeRO engine (one CPU rank, gloo).
+"""Subprocess for test_openrlhf_deepspeed.py: the OpenRLHF gate on a real DeepSpeed ZeRO engine (CPU, gloo).
 
-Usage: python openrlhf_deepspeed_worker.py <zero stage> <port> <out dir>; prints one JSON line. The strategy is
-OpenRLHF 0.11.2's own ``DeepspeedStrategy`` methods (backward / optimizer_step / save_ckpt / load_ckpt and the
-helpers they call), cut out of the installed ``openrlhf/utils/deepspeed/deepspeed.py``; its cuda-sync barrier is
-a plain barrier on CPU.
+Usage: python openrlhf_deepspeed_worker.py <zero stage> <port> <out dir> [fp32|bf16]; prints one JSON line.
+The strategy is OpenRLHF 0.11.2's own ``DeepspeedStrategy`` methods (backward / optimizer_step / save_ckpt /
+load_ckpt and what they call), cut out of the installed ``openrlhf/utils/deepspeed/deepspeed.py``; its
+cuda-sync barrier is a plain barrier on CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 STAGE, PORT, OUT = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+BF16 = sys.argv[4:] == ["bf16"]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
@@ -56,9 +57,11 @@ def engine(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": STAGE},
+           "bf16": {"enabled": BF16},
            "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
+           "scheduler": {"type": "WarmupLR",
+                         "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
     return deepspeed.initialize(model=model, config=cfg)[0]
 
 
@@ -67,7 +70,7 @@ def window(actor, strategy, guard, seeds, bad=False):
     for s in seeds:
         g = torch.Generator().manual_seed(s)
         x, y = torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
-        out = actor.model(x)
+        out = actor.model(x.bfloat16() if BF16 else x).float()
         loss = ((out - y) ** 2).mean()
         lp = torch.log_softmax(out.detach(), -1)
         guard.observe(TokenBatch(lp, torch.ones_like(lp, dtype=torch.bool), old_logprobs=lp + (3.0 if bad else 0.0)),

@@ -7,10 +7,6 @@ import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,6 +94,7 @@ def test_field_list_matches_the_real_experience_dataclass():
         assert OR.Experience.is_episode_tensor_field(name)
 
 
+@pytest.mark.filterwarnings("ignore:rl_guard.*cannot fire:RuntimeWarning")  # no optimizer: no grad/* metrics
 def test_token_batch_from_real_experience_matches_policy_loss_and_float64(tmp_path):
     exp, current, entropy = _random_experience()
     loss_fn = OR.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token")
@@ -123,6 +120,7 @@ def test_token_batch_from_real_experience_matches_policy_loss_and_float64(tmp_pa
     assert m["rl_guard/length/truncated_frac"] == 0.25
 
 
+@pytest.mark.filterwarnings("ignore:rl_guard.*cannot fire:RuntimeWarning")  # no optimizer: no grad/* metrics
 def test_without_rollout_logprobs_kl_old_k1_is_policy_loss_ppo_kl(tmp_path):
     exp, current, _ = _random_experience(rollout=False)
     loss_fn = OR.PolicyLoss()
@@ -187,7 +185,7 @@ def test_gate_decides_only_at_the_boundary_and_a_bad_rollout_batch_is_skipped(tm
 
 
 def test_rollback_restores_through_strategy_load_ckpt(tmp_path):
-    config = _yaml("rollback", "snapshots: {healthy_steps: 1, every: 1, keep: 2, where: memory}\n")
+    config = _yaml("rollback", "snapshots: {healthy_steps: 1, every: 100, keep: 2, where: memory}\n")  # one, at 1
     actor, other, strategy, guard, loss_fn = _stand_in(tmp_path, config, gas=1)
     gen = torch.Generator().manual_seed(1)
     _micro_step(actor, strategy, guard, loss_fn, actor, gen)
@@ -199,8 +197,8 @@ def test_rollback_restores_through_strategy_load_ckpt(tmp_path):
     assert any(not torch.equal(snapshot[k], v) for k, v in actor.state_dict().items())
     _micro_step(actor, strategy, guard, loss_fn, other, gen)           # bad batch: rollback via load_ckpt
     assert guard.controller.rollbacks == 1
-    newest = torch.load(tmp_path / "ckpt" / "rl_guard_step2" / "state.pt", weights_only=False)["module"]
-    assert all(torch.equal(newest[k], v) for k, v in actor.state_dict().items())
+    assert all(torch.equal(snapshot[k], v) for k, v in actor.state_dict().items())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["rl_guard_step1"]
 
 
 def test_halt_saves_through_save_ckpt_and_raises(tmp_path):
@@ -211,27 +209,6 @@ def test_halt_saves_through_save_ckpt_and_raises(tmp_path):
     state = torch.load(tmp_path / "ckpt" / "rl_guard_step0" / "state.pt", weights_only=False)
     fresh = Guard.from_yaml(_yaml("checkpoint_and_halt"), run_dir=tmp_path / "resumed")
     assert adapter.load_guard_state(fresh, state["client_state"])
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_real_deepspeed_zero_skip_and_rollback(tmp_path, stage):
-    """Where deepspeed is installed: OpenRLHF's DeepspeedStrategy methods on a real ZeRO engine (CPU, gloo)."""
-    pytest.importorskip("deepspeed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    worker = Path(__file__).with_name("openrlhf_deepspeed_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(stage), port, str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    # skip: DeepSpeed's own overflow path; weights, LR and moments untouched, nothing leaks into the next step
-    assert (out["guard_steps"], out["guard_skipped"], out["ds_skipped"], out["micro_steps"]) == (2, 1, 1, 4)
-    assert out["unchanged"] and out["lr_unchanged"] and out["overflow_reset"] and out["no_leak"]
-    # rollback: strategy.load_ckpt of the healthy snapshot saved by strategy.save_ckpt, guard state inside
-    assert out["rollbacks"] == 1 and out["moved"] and out["restored"] and out["client_state_has_guard"]
-    assert out["tags"] == ["rl_guard_step1"]
 
 
 STUBS = ["pylatexenc", "pylatexenc.latex2text", "ray", "ray.util", "ray.util.placement_group",
@@ -266,9 +243,9 @@ def test_install_on_the_real_actor_ppo_trainer(tmp_path, ppo_actor_module, monke
         train=SimpleNamespace(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False),
         actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.28), dual_clip=None, loss_agg_mode="token-mean",
                               policy_loss_type="ppo", aux_loss_coef=0.0, entropy_coef=0.0),
-        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="token", is_correction_mode="mask",
-                                                       is_correction_gating="ratio", is_correction_threshold=[0.5, 5.0]),
-                             kl=SimpleNamespace(use_loss=False)),
+        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False), advantage=SimpleNamespace(
+            is_correction_level="token", is_correction_mode="mask", is_correction_gating="ratio",
+            is_correction_threshold=[0.5, 5.0])),
         ds=SimpleNamespace(packing_samples=False, tensor_parallel_size=1), vllm=SimpleNamespace(sync_backend="nccl"),
         ckpt=SimpleNamespace(path=str(tmp_path / "ckpt")))
     strategy = R.TorchStrategy(args, accumulated_gradient=2)
