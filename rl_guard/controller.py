@@ -140,8 +140,11 @@ class Controller:
             self.rollbacks += 1
         self.step += 1
 
-    def counters(self) -> dict[str, float]:
-        return {"rl_guard/guard/skipped_steps": float(self.skipped_steps), "rl_guard/guard/rollbacks": float(self.rollbacks)}
+    def counters(self, decision: Decision | None = None) -> dict[str, float]:
+        """Cumulative counters, including ``decision`` (this step's, not yet counted by ``step_done``)."""
+        skipped = self.skipped_steps + int(decision is not None and decision.skip_step)
+        rollbacks = self.rollbacks + int(decision is not None and decision.rollback)
+        return {"rl_guard/guard/skipped_steps": float(skipped), "rl_guard/guard/rollbacks": float(rollbacks)}
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consecutive": dict(self.consecutive), "last_fired": dict(self.last_fired),

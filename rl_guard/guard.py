@@ -92,6 +92,12 @@ class Guard:
             self._acc.device = param.device
         return self
 
+    def attach_state(self, state) -> "Guard":
+        """Use a custom state object (``capture(step) -> dict`` and ``restore(snapshot, lr_scale)``), e.g. one that
+        checkpoints through a framework's own save/load path."""
+        self.state = state
+        return self
+
     @property
     def sinks(self):
         if self._sinks is None:
@@ -168,7 +174,7 @@ class Guard:
         finally:
             self._incomplete_step = self._saw_loss = False
             self._host_metrics = {}
-        metrics.update(self.controller.counters())
+        metrics.update(self.controller.counters(decision))
         metrics["rl_guard/guard/fired"] = float(len(decision.firings))
         self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
         self.actions.apply(decision, params, defer_restore=defer_restore)

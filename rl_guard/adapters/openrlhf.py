@@ -146,9 +146,8 @@ def gate_optimizer_step(strategy, actor, guard) -> None:
 def attach_checkpoints(guard, strategy, actor, optimizer, scheduler, ckpt_dir: str):
     """Give the guard OpenRLHF's checkpoint path as its state (snapshots, save-and-halt, rollback)."""
     guard.attach(actor, optimizer, scheduler)
-    guard.state = CheckpointState(guard, strategy, actor, optimizer, scheduler, ckpt_dir,
-                                  max_num=guard.config.snapshots["keep"] + 1)
-    return guard
+    return guard.attach_state(CheckpointState(guard, strategy, actor, optimizer, scheduler, ckpt_dir,
+                                              max_num=guard.config.snapshots["keep"] + 1))
 
 
 def install(trainer, guard, ckpt_dir: str | None = None):
