@@ -4,7 +4,8 @@
   optimizer moment (torch optimizers skip parameters without a gradient).
 - checkpoint: the full state (model, optimizer, scheduler, RNG, step, extra such as a data cursor, and the
   guard's own state) saved atomically per rank under ``run_dir/checkpoints/step_<N>/rank<r>.pt``.
-- rollback: restores the newest healthy snapshot bit for bit, optionally scales the LR, and asks the loop to skip
+- rollback: restores the newest healthy snapshot older than the suspect update bit for bit, scales the LR by
+  ``lr_scale ** n`` on the n-th rollback, and asks the loop to skip
   the next ``skip_batches`` batches (``Guard.batches_to_skip``).
 - snapshots: taken after ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps. A step
   is healthy when its update was applied (no rule fired, or only ``warn`` rules): a warn-level rule is by
@@ -60,7 +61,8 @@ class Actions:
         if snap is None:
             return None
         cfg = self.guard.config.rollback
-        self.guard.state.restore(snap, lr_scale=cfg["lr_scale"])
+        # Compounds: the n-th rollback of the run resumes at lr_scale ** n of the snapshot's learning rate.
+        self.guard.state.restore(snap, lr_scale=cfg["lr_scale"] ** (self.guard.controller.rollbacks + 1))
         self.batches_to_skip = cfg["skip_batches"]
         self.healthy_streak = 0
         return snap["step"]

@@ -64,10 +64,14 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
 
 
 def _mask(b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's mask (bool) and its gate: 0.0 where a token reaches the loss, NaN where it does not."""
+    """The chunk's mask (bool) and its gate: 0.0 where a token reaches the loss, -inf where it does not (every
+    gated value is then non-finite there, which ``validate_`` turns into NaN).
+
+    Arithmetic on the mask's 0/1 bytes is ~10x cheaper on CPU than ``torch.where``: (m - 1) * big * big is 0 or
+    -inf."""
     m = ch.raw(b.mask)
     m = m if m.dtype == torch.bool else m != 0
-    return m, torch.where(m, 0.0, math.nan)
+    return m, m.view(torch.uint8).float().sub_(1.0).mul_(3e38).mul_(3e38)
 
 
 def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_clip: bool) -> None:
@@ -98,8 +102,8 @@ def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_cl
     if b.advantages is not None:
         clipped = _adv_family(acc, b, ch, gate, n_mask, clip if token_clip else None)
     if b.versions is not None:
-        lag, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
-        lag_stats(acc, lag, bucket, len(edges), ratio, clipped)
+        lag, slot = lag_buckets(ch.token(b.versions), b.current_version, gate, edges)
+        lag_stats(acc, lag, slot, lut, len(edges), ratio, clipped)
 
 
 def _old_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp):
@@ -152,8 +156,8 @@ def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut)
     clip_lr = ch.seq_gather(s_lr).float().add_(lr * 0.0)  # NaN where the token (or its sequence) is invalid
     clipped = clip_stats(acc, clip_lr, adv, torch.dot(v, v_adv), b.eps_low, b.eps_high)
     if b.versions is not None:
-        _, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
-        clip_by_lag(acc, bucket, clipped, len(edges))
+        _, slot = lag_buckets(ch.token(b.versions), b.current_version, gate, edges)
+        clip_by_lag(acc, slot, clipped, lut, len(edges))
 
 
 def sequence_stats(p: Partial, lengths=None, truncated=None, rewards=None) -> None:

@@ -85,6 +85,13 @@ def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
 
 
+def sum_cells(index: torch.Tensor, weights: torch.Tensor, size: int) -> torch.Tensor:
+    """Sums of ``weights`` per cell (``[size]``, the weights' dtype); same device split as ``count_cells``."""
+    if index.device.type == "cpu":
+        return torch.bincount(index, weights, minlength=size)
+    return torch.zeros(size, dtype=weights.dtype, device=index.device).index_add_(0, index, weights)
+
+
 def quantiles_from_counts(
     counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES
 ) -> list[float]:

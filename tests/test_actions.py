@@ -12,26 +12,11 @@ from rl_guard import Guard
 from rl_guard.checkpoint import atomic_save
 from rl_guard.sinks import read_jsonl
 from rl_guard.state import rng_state
+from bitwise import assert_same
 
 BUILTINS_NO_LOGPROBS = "builtin_rules: {nonfinite_logprobs: false}\n"  # no token batch is observed here
 
 
-def assert_same(a, b, path="state"):
-    """Recursive bitwise equality: tensors with torch.equal (and dtype), everything else with ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), path
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def full_state(model, opt, sched):

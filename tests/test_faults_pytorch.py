@@ -15,6 +15,7 @@ import torch
 
 from rl_guard import Guard
 from rl_guard.sinks import read_jsonl
+from bitwise import assert_same
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "grpo.yaml")
@@ -36,21 +37,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{path}: keys differ"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), path
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def _without(d: dict, *keys) -> dict:
@@ -74,22 +60,23 @@ class Recorder:
         if decision.rollback:
             # the newest snapshot taken before the update that preceded the trigger
             snap = max(s for s in self.guard.actions.snapshots.steps() if s < decision.step)
-            self._assert_restored(self.refs[snap], now)
+            nth = 1 + sum(e[0] == "rollback" for e in self.events)  # the learning-rate scale compounds
+            self._assert_restored(self.refs[snap], now, self.lr_scale ** nth)
             self.events.append(("rollback", step, snap))
         steps = self.guard.actions.snapshots.steps()
         if steps and steps[-1] not in self.refs:  # a snapshot was just taken: remember what it must restore
             self.refs[steps[-1]] = now
         self.prev = now
 
-    def _assert_restored(self, ref, now):
+    def _assert_restored(self, ref, now, scale):
         """Bitwise, except the learning rate, which a rollback scales by ``rollback.lr_scale``."""
         assert_same(ref["model"], now["model"], "model")
         assert_same(ref["optimizer"]["state"], now["optimizer"]["state"], "optimizer.state")
         for g_ref, g_now in zip(ref["optimizer"]["param_groups"], now["optimizer"]["param_groups"]):
             assert_same(_without(g_ref, "lr", "initial_lr"), _without(g_now, "lr", "initial_lr"), "param_group")
-            assert g_now["lr"] == pytest.approx(self.lr_scale * g_ref["lr"], rel=1e-12)
+            assert g_now["lr"] == pytest.approx(scale * g_ref["lr"], rel=1e-12)
         assert_same(_without(ref["scheduler"], "base_lrs", "_last_lr"), _without(now["scheduler"], "base_lrs", "_last_lr"))
-        assert now["scheduler"]["base_lrs"] == pytest.approx([self.lr_scale * x for x in ref["scheduler"]["base_lrs"]])
+        assert now["scheduler"]["base_lrs"] == pytest.approx([scale * x for x in ref["scheduler"]["base_lrs"]])
         assert_same(ref["rng"], now["rng"], "rng")
 
 

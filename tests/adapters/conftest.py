@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
+from bitwise import assert_same
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # A tiny model gains nothing from intra-op threads, and on a shared machine they spin against other processes
@@ -125,20 +126,6 @@ def state_copy(obj):
     return obj
 
 
-def assert_same_state(a, b, where: str = "") -> None:
-    """Bitwise equality of nested state dicts (``torch.equal`` on tensors, ``==`` elsewhere)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            assert_same_state(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 class StepStates(TrainerCallback):
@@ -191,4 +178,4 @@ def finite_check():
 
 @pytest.fixture(scope="session")
 def same_state():
-    return assert_same_state
+    return assert_same

@@ -23,6 +23,7 @@ import yaml
 
 from rl_guard import Guard, load_config
 from rl_guard.adapters import areal as adapter
+from file_modules import load_module
 
 spec = importlib.util.find_spec("areal")
 if spec is None:
@@ -31,13 +32,6 @@ AREAL = Path(spec.origin).parent
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        s = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(s)
-        sys.modules[name] = module
-        s.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _cut(path: Path, name: str, namespace: dict):
@@ -68,8 +62,8 @@ def _areal_modules():
     saved = {k: sys.modules.get(k) for k in fake}
     sys.modules.update(fake)
     try:
-        F = _load("_rlg_areal_functional", AREAL / "utils" / "functional" / "functional.py")
-        ST = _load("_rlg_areal_stats_tracker", AREAL / "utils" / "stats_tracker.py")
+        F = load_module("_rlg_areal_functional", AREAL / "utils" / "functional" / "functional.py")
+        ST = load_module("_rlg_areal_stats_tracker", AREAL / "utils" / "stats_tracker.py")
     finally:
         for k, v in saved.items():
             sys.modules.pop(k) if v is None else sys.modules.__setitem__(k, v)
@@ -77,7 +71,7 @@ def _areal_modules():
 
 
 F, ST = _areal_modules()
-R = _load("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")  # AReaL-shaped engine
+R = load_module("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")  # AReaL-shaped engine
 
 
 @pytest.fixture(autouse=True, scope="module")

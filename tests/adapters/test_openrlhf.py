@@ -19,21 +19,15 @@ import torch
 from rl_guard import Guard
 from rl_guard.adapters import openrlhf as adapter
 from rl_guard.errors import GuardHalted
+from file_modules import load_module
 
 pytest.importorskip("openrlhf")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-R = _load("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")  # stand-ins + the real classes
+R = load_module("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")  # stand-ins + the real classes
 OR = R.OR
 
 SKIP_ON_MISMATCH = """

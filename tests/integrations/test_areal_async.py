@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from file_modules import load_module
 
 ROOT = Path(__file__).resolve().parents[2]
 # The recipe has fixed-length outputs (no EOS) and no lag of 9+: those two preset rules say they cannot fire.
@@ -16,16 +17,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:rl_guard.*cannot fire:RuntimeWar
 LAG_RULES = {"staleness_bound", "stale_token_share"}
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-R = _load("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")
+R = load_module("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from file_modules import load_module
 
 pytest.importorskip("openrlhf")
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,16 +26,9 @@ rules:
 """
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-R = _load("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")
+R = load_module("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")
 
 
 @pytest.fixture(autouse=True, scope="module")
