@@ -32,8 +32,16 @@ class Actions:
         self.batches_to_skip = 0
         self.last_checkpoint: str | None = None
 
+    def rollback_horizon(self, step: int) -> int:
+        """Snapshots labelled below this are trusted at ``step``. With ``rollback.confirm_steps`` = k, a snapshot
+        counts as healthy only once k further updates went by: a bad update (a learning-rate blow-up) shows in the
+        numbers one step later, or later still when the next steps only generate fresh rollouts (TRL with
+        ``steps_per_generation`` / ``num_iterations`` > 1: set k to their product)."""
+        return step - self.guard.config.rollback["confirm_steps"] + 1
+
     def can_rollback(self) -> bool:
-        return self.guard.state is not None and any(s < self.guard.step for s in self.snapshots.steps())
+        horizon = self.rollback_horizon(self.guard.step)
+        return self.guard.state is not None and any(s < horizon for s in self.snapshots.steps())
 
     def apply(self, decision: Decision, params, defer_restore: bool) -> None:
         if decision.skip_step and params is not None:
@@ -46,14 +54,14 @@ class Actions:
                 for firing in decision.firings:  # the incident must not be lost with the checkpoint
                     self._incident(decision, firing, None)
                 raise
+        restored_to = None
         if decision.rollback:
-            # A snapshot labelled with the trigger step holds the update applied just before it, which is the
-            # usual suspect (a learning-rate blow-up shows only in the next step's numbers): take an older one.
-            self.pending_restore = self.snapshots.latest(before_step=decision.step)
+            self.pending_restore = self.snapshots.latest(before_step=self.rollback_horizon(decision.step))
+            restored_to = self.pending_restore["step"] if self.pending_restore else None
             if not defer_restore:
                 self.restore_pending()
         for firing in decision.firings:
-            self._incident(decision, firing, ckpt)
+            self._incident(decision, firing, ckpt, restored_to)
 
     def restore_pending(self) -> int | None:
         """Restore the snapshot chosen by a rollback decision; returns its step."""
@@ -63,6 +71,7 @@ class Actions:
         cfg = self.guard.config.rollback
         # Compounds: the n-th rollback of the run resumes at lr_scale ** n of the snapshot's learning rate.
         self.guard.state.restore(snap, lr_scale=cfg["lr_scale"] ** (self.guard.controller.rollbacks + 1))
+        self.snapshots.drop_after(snap["step"])
         self.batches_to_skip = cfg["skip_batches"]
         self.healthy_streak = 0
         return snap["step"]
@@ -98,7 +107,7 @@ class Actions:
         self.last_checkpoint = str(path)
         return str(path)
 
-    def _incident(self, decision: Decision, firing, ckpt: str | None) -> None:
+    def _incident(self, decision: Decision, firing, ckpt: str | None, restored_to: int | None = None) -> None:
         g = self.guard
         if g.rank != 0:
             return
@@ -107,7 +116,8 @@ class Actions:
                   "threshold": v.threshold, "action": firing.action, "severity": firing.rule.severity,
                   "message": firing.message, "detail": v.detail, "rank": g.rank, "window": firing.window,
                   "checkpoint": ckpt, "time": time.time(), "escalated_from": decision.escalated_from,
-                  "decision": decision.action}  # the step's action after precedence (``action`` is this rule's)
+                  "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
+                  "restored_to_step": restored_to}  # rollback: the state from before this guard step was restored
         g._safe(lambda: g.sinks.incident(record), "incident")
 
     def state_dict(self) -> dict:

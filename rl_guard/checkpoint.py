@@ -80,6 +80,14 @@ class SnapshotRing:
             return None
         return load(items[-1]) if isinstance(items[-1], Path) else items[-1]
 
+    def drop_after(self, step: int) -> None:
+        """Forget snapshots newer than ``step`` (after a rollback they belong to an abandoned trajectory)."""
+        keep = [(i, s) for i, s in zip(self._items, self.steps()) if s <= step]
+        for item in self._items:
+            if isinstance(item, Path) and all(item is not k for k, _ in keep):
+                item.unlink(missing_ok=True)
+        self._items = deque(i for i, _ in keep)
+
     def steps(self) -> list[int]:
         return [int(i.stem.removeprefix("snapshot_step")) if isinstance(i, Path) else i["step"] for i in self._items]
 

@@ -27,13 +27,13 @@ COND_KEYS = ("metric", "op", "threshold", "band", "spike")
 SPIKE_KEYS = ("method", "window", "threshold", "factor", "direction", "min_history")
 SECTION_KEYS = {  # key -> (type or allowed values, minimum)
     "snapshots": {"healthy_steps": (int, 1), "every": (int, 1), "keep": (int, 1), "where": (("memory", "disk"), None)},
-    "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "skip_batches": (int, 0)},
+    "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "skip_batches": (int, 0), "confirm_steps": (int, 1)},
     "checkpoint": {"dir": (str, None), "keep": (int, 1)},
 }
 SINK_NAMES = ("jsonl", "tensorboard", "wandb", "console")
 DEFAULTS = {
     "snapshots": {"healthy_steps": 3, "every": 10, "keep": 2, "where": "memory"},
-    "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "skip_batches": 0},
+    "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "skip_batches": 0, "confirm_steps": 1},
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
 

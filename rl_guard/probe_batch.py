@@ -8,8 +8,6 @@ whole sequence's log-ratio first, so it takes a second, lighter pass.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .batch import TokenBatch
@@ -102,8 +100,8 @@ def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_cl
     if b.advantages is not None:
         clipped = _adv_family(acc, b, ch, gate, n_mask, clip if token_clip else None)
     if b.versions is not None:
-        lag, slot = lag_buckets(ch.token(b.versions), b.current_version, gate, edges)
-        lag_stats(acc, lag, slot, lut, len(edges), ratio, clipped)
+        lag, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
+        lag_stats(acc, lag, bucket, len(edges), ratio, clipped)
 
 
 def _old_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp):
@@ -156,8 +154,8 @@ def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut)
     clip_lr = ch.seq_gather(s_lr).float().add_(lr * 0.0)  # NaN where the token (or its sequence) is invalid
     clipped = clip_stats(acc, clip_lr, adv, torch.dot(v, v_adv), b.eps_low, b.eps_high)
     if b.versions is not None:
-        _, slot = lag_buckets(ch.token(b.versions), b.current_version, gate, edges)
-        clip_by_lag(acc, slot, clipped, lut, len(edges))
+        _, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
+        clip_by_lag(acc, bucket, clipped, len(edges))
 
 
 def sequence_stats(p: Partial, lengths=None, truncated=None, rewards=None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .chunks import ChunkStats
-from .sketch import ENTROPY, LOG_RATIO, SketchSpec, cell_index, count_cells, sum_cells
+from .sketch import ENTROPY, LOG_RATIO, SketchSpec, cell_index, count_cells
 
 DEFAULT_LAG_EDGES = (0, 1, 2, 3, 5, 9)  # buckets 0, 1, 2, 3-4, 5-8, 9+
 EXP_CLAMP = 80.0  # exp() argument clamp so a finite but huge log-ratio gives a huge finite ratio, not inf
@@ -63,7 +63,7 @@ def validate_(y: torch.Tensor) -> torch.Tensor:
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, v)``: a fresh copy of ``x`` that is NaN where ``gate`` is NaN (masked out) or ``x`` is non-finite."""
+    """``(y, v)``: a fresh copy of ``x``, NaN where ``gate`` is non-finite (masked out) or ``x`` is non-finite."""
     y = x + gate if gate is not None else x.clone()
     return y, validate_(y)
 
@@ -178,68 +178,50 @@ def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high:
 
 
 def lag_lut(edges, device) -> torch.Tensor:
-    """Bucket (int64) of every lag slot: slot ``j`` holds the integer lag ``edges[0] + j`` for lags in
-    ``[edges[0], edges[-1]]``, and a last slot (bucket ``len(edges)``, dropped) collects the masked-out tokens:
-    bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it (below
-    ``edges[0]`` -> bucket 0)."""
+    """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
+    masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
+    (below ``edges[0]`` -> bucket 0)."""
     lags = torch.arange(edges[0], edges[-1] + 2, device=device)  # built on the device: no host->device copy
-    lut = torch.zeros_like(lags)
+    lut = torch.zeros_like(lags, dtype=torch.int32)
     for e in edges[1:]:
         lut += lags >= e
     lut[-1] = len(edges)
     return lut
 
 
-def lag_buckets(versions: torch.Tensor, current_version: int, gate, edges) -> tuple[torch.Tensor, torch.Tensor]:
+def lag_buckets(versions: torch.Tensor, current_version: int, gate, edges, lut) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy lag ``current_version - round(versions)`` (fp32: exact below 2^24; NaN where masked out or the
-    version is non-finite) and its slot (fp32, integer-valued, see ``lag_lut``; the last slot where the lag is NaN).
-
-    Statistics are counted per slot and folded into buckets afterwards (``fold``) on the small count vectors: a
-    per-token bucket lookup costs more than all the counting."""
+    version is non-finite) and its bucket (int32; ``len(edges)`` where the lag is NaN)."""
     lag, _ = gated(versions.round().neg_().add_(current_version), gate)
-    return lag, lag.clamp(edges[0], edges[-1]).nan_to_num_(nan=edges[-1] + 1).sub_(edges[0])
+    idx = lag.clamp(edges[0], edges[-1]).nan_to_num_(nan=edges[-1] + 1).sub_(edges[0]).to(torch.int32)
+    return lag, lut.index_select(0, idx)  # index_select: several times faster than lut[idx] on CPU
 
 
-def fold(per_slot: torch.Tensor, lut: torch.Tensor, nb: int) -> torch.Tensor:
-    """Per-slot statistics ``[slots, ...]`` -> per-bucket ``[nb, ...]`` (the masked-out slot dropped)."""
-    out = torch.zeros((nb + 1, *per_slot.shape[1:]), dtype=per_slot.dtype, device=per_slot.device)
-    return out.index_add_(0, lut, per_slot)[:nb]
-
-
-def lag_stats(acc: ChunkStats, lag, slot, lut, nb: int, ratio=None, clipped=None) -> None:
+def lag_stats(acc: ChunkStats, lag, bucket, nb: int, ratio=None, clipped=None) -> None:
     """Per-bucket token counts, clip counts, ratio histograms and k3 sums; ``ratio = (log r, validity, k3)``
-    (zero-filled, 0/1, zero-filled). One count of (slot, clipped, ratio cell) gives tokens, clips and histograms;
-    tokens with an invalid ratio land in an extra cell ``bins`` that only the token count reads."""
-    slots = lut.numel()
-    k = LOG_RATIO.bins + 1 if ratio is not None else 1
-    c = 2 if clipped is not None else 1
-    offset = slot * float(c * k)
-    if clipped is not None:  # clipped is bool: its bytes are 0/1
-        offset.add_(clipped.view(torch.uint8), alpha=k)
-    if ratio is None:
-        index = offset.to(torch.int32)
-    else:
-        lr, v, k3 = ratio
-        # an invalid ratio is 0 (cell bins // 2): moved to the extra cell bins
-        offset.add_(v, alpha=-(LOG_RATIO.bins // 2)).add_(LOG_RATIO.bins // 2)
-        index = cell_index(lr, LOG_RATIO, offset)
-    counts = fold(count_cells(index, slots * c * k).view(slots, c, k), lut, nb)
-    acc.sum("lag.tokens", counts.sum((1, 2)))
-    if clipped is not None:
-        acc.sum("lag.clip", counts[:, 1].sum(1))
+    (zero-filled, 0/1, zero-filled). Bucket ``nb`` collects the masked-out tokens and is dropped."""
+    if clipped is None:
+        acc.sum("lag.tokens", count_cells(bucket, nb + 1)[:nb])
+    else:  # one count for both: the clipped tokens of bucket b land in nb + 1 + b
+        both = count_cells(torch.add(bucket, clipped, alpha=nb + 1), 2 * nb + 2)
+        acc.sum("lag.tokens", both[:nb] + both[nb + 1 : 2 * nb + 1])
+        acc.sum("lag.clip", both[nb + 1 : 2 * nb + 1])
     acc.sum("lag.sum", torch.nansum(lag))  # fp32 per chunk: relative error ~1e-7 even for huge lags
     acc.max("lag.max", nan_max(lag))
     if ratio is None:
         return
-    acc.sum("lag.hist", counts[:, :, : LOG_RATIO.bins].sum(1).reshape(-1))
-    k3_slot = sum_cells(index.div_(c * k, rounding_mode="floor"), k3.to(F64), slots)
-    acc.sum("lag.k3", fold(k3_slot, lut, nb))
+    lr, v, k3 = ratio
+    cells = nb * LOG_RATIO.bins
+    # Offset of every token's cell: its bucket's block, and past every block (dropped) when the ratio is invalid.
+    offset = bucket.float().mul_(LOG_RATIO.bins).add_(v, alpha=-(cells + LOG_RATIO.bins)).add_(cells + LOG_RATIO.bins)
+    index = cell_index(lr, LOG_RATIO, offset)
+    acc.sum("lag.hist", count_cells(index, 2 * cells + 2 * LOG_RATIO.bins)[:cells])
+    acc.sum("lag.k3", torch.zeros(nb + 1, dtype=F64, device=lag.device).index_add_(0, bucket, k3.to(F64))[:nb])
 
 
-def clip_by_lag(acc: ChunkStats, slot, clipped, lut, nb: int) -> None:
+def clip_by_lag(acc: ChunkStats, bucket, clipped, nb: int) -> None:
     """Clipped tokens per lag bucket (GSPO's second pass; the token-level path counts them in ``lag_stats``)."""
-    index = slot.mul(2.0).add_(clipped.view(torch.uint8)).to(torch.int32)
-    acc.sum("lag.clip", fold(count_cells(index, 2 * lut.numel()).view(-1, 2), lut, nb)[:, 1])
+    acc.sum("lag.clip", count_cells(torch.where(clipped, bucket, nb), nb + 1)[:nb])
 
 
 def entropy_stats(acc: ChunkStats, ent: torch.Tensor, v: torch.Tensor):

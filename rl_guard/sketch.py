@@ -1,18 +1,23 @@
 """Mergeable histogram sketch for quantiles on the device.
 
-Values are mapped through the odd, monotone transform ``u = sign(x) * log1p(|x| / c)`` and counted in ``bins``
-uniform cells over ``u in [-U, U]`` with ``U = log1p(max_abs / c)`` (0 is a cell edge). Counting is one exact
-integer count into a fixed-size tensor: no sort, no size limit, no host sync, and two sketches merge by adding
-their counts (exact across micro-batches and ranks).
+Cells are relative-accuracy (DDSketch-style) buckets of ``a = |x| + c``, read straight off its float32 bits: the
+exponent and the top ``mantissa_bits`` bits of ``a`` (an integer shift of the IEEE representation, monotone in
+``a``) give the cell of ``|x|``, and the sign bit of ``x`` mirrors it below 0 (cells ``bins / 2 - 1 - k`` for
+negative values, ``bins / 2 + k`` for positive ones; 0 is a cell edge). Every cell spans a ratio of at most
+``1 + 2^-mantissa_bits`` in ``a``, i.e. a width of at most ``w = log1p(2^-mantissa_bits)`` in
+``u = log((|x| + c) / c)``; ``a`` ranges over ``[c, max_abs + c]``. Counting is one exact integer count into a
+fixed-size tensor: no sort, no size limit, no host sync, and two sketches merge by adding their counts (exact
+across micro-batches and ranks). Cheap: a handful of integer operations per value, no logarithm.
 
 Error bound: for ``|x| <= max_abs`` the value reported for a rank lies in the same cell as the exact order
-statistic of that rank, so ``|x_hat - x| <= eps * (|x| + c)`` with ``eps = exp(w / 2) - 1`` and ``w = 2U / bins``
-(relative accuracy ``eps`` for ``|x| >> c``, absolute accuracy ``eps * c`` near 0). The cell coordinate is computed
-in float32, so a value within ~1e-3 of a cell width from an edge may be counted in the neighbouring cell (the bound
-then holds with ``w * (1/2 + 2e-3)`` in place of ``w / 2``). The reported value is clamped to the exact [min, max]
-of the data. Values beyond ``max_abs`` land in the edge cells; a quantile that falls in an edge cell holding such
-values is reported as the exact max (or min), a bound on the true quantile. Rank convention: the q-quantile is the
-order statistic of rank ``ceil(q * n)`` (numpy ``method="inverted_cdf"``).
+statistic of that rank and is the cell's midpoint in ``u`` (the geometric midpoint in ``a``), so
+``|x_hat - x| <= eps * (|x| + c)`` with ``eps = exp(w / 2) - 1`` (relative accuracy ``eps`` for ``|x| >> c``,
+absolute accuracy ``eps * c`` near 0). ``|x| + c`` is rounded to float32 first (relative error 2^-24, i.e. at
+most 2^(mantissa_bits - 24) of a cell), so a value that close to a cell edge may be counted in the neighbouring
+cell; the bound then holds with ``w * (1/2 + 2e-3)`` in place of ``w / 2``. The reported value is clamped to the
+exact [min, max] of the data. Values beyond ``max_abs`` land in the edge cells; a quantile that falls in an edge
+cell holding such values is reported as the exact max (or min), a bound on the true quantile. Rank convention:
+the q-quantile is the order statistic of rank ``ceil(q * n)`` (numpy ``method="inverted_cdf"``).
 """
 
 from __future__ import annotations
@@ -27,21 +32,41 @@ QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_NAMES = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
 
 
+def _bits(v: float) -> int:
+    """The float32 representation of ``v`` as an integer."""
+    return int(np.array(v, dtype=np.float32).view(np.int32))
+
+
 @dataclass(frozen=True)
 class SketchSpec:
-    """Resolution of one sketch: ``scale`` c (linear below it), ``max_abs`` range, ``bins`` cells (even)."""
+    """Resolution of one sketch: ``scale`` c (absolute accuracy below it), ``max_abs`` range, ``mantissa_bits``
+    (relative accuracy ~2^-(mantissa_bits + 1)); the number of cells ``bins`` follows from them (even)."""
 
     scale: float
     max_abs: float
-    bins: int = 2048
+    mantissa_bits: int = 7
 
     @property
-    def half_range(self) -> float:
-        return math.log1p(self.max_abs / self.scale)
+    def shift(self) -> int:
+        return 23 - self.mantissa_bits
+
+    @property
+    def top(self) -> float:
+        """Largest ``a = |x| + c`` kept apart (float32): larger values are clamped into the edge cells."""
+        return float(np.float32(self.max_abs + self.scale))
+
+    @property
+    def base(self) -> int:
+        return _bits(self.scale) >> self.shift
+
+    @property
+    def bins(self) -> int:
+        return 2 * ((_bits(self.top) >> self.shift) - self.base + 1)
 
     @property
     def width(self) -> float:
-        return 2.0 * self.half_range / self.bins
+        """Largest cell width in ``u = log((|x| + c) / c)``."""
+        return math.log1p(2.0 ** -self.mantissa_bits)
 
     @property
     def eps(self) -> float:
@@ -50,27 +75,31 @@ class SketchSpec:
 
     def edges(self) -> np.ndarray:
         """Cell edges in value space (float64), ``bins + 1`` of them."""
-        u = np.linspace(-self.half_range, self.half_range, self.bins + 1)
-        return np.sign(u) * np.expm1(np.abs(u)) * self.scale
+        half = self.bins // 2
+        k = (np.arange(half + 1, dtype=np.int64) + self.base) << self.shift
+        a = k.astype(np.int32).view(np.float32).astype(np.float64)
+        a[0] = self.scale  # a = |x| + c >= c: the first cell starts at x = 0
+        pos = a - self.scale
+        return np.concatenate([-pos[::-1], pos[1:]])
 
 
 # Log-ratios live near 0 (|log r| ~ 1e-3 matters); entropies in nats up to ~log(vocab).
-LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, bins=2048)
-ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, bins=4096)
+LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=7)  # 4662 cells, eps 0.39%
+ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, mantissa_bits=8)  # 7616 cells, eps 0.20%
 
 
 def cell_index(x: torch.Tensor, spec: SketchSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
     """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor, plus a per-element ``offset``
-    (integer-valued float: several sketches counted in one vector). Values beyond ``max_abs`` (and +-inf) land in
-    the edge cells."""
+    (integer-valued, below 2^24 if float: several sketches counted in one vector). Values beyond ``max_abs`` (and
+    +-inf) land in the edge cells."""
     xf = x.float()
-    u = xf.abs()
-    u.mul_(1.0 / spec.scale).log1p_().mul_(1.0 / spec.width).copysign_(xf)
-    u.add_(spec.bins // 2).clamp_(0, spec.bins - 1)
+    a = xf.abs().add_(spec.scale).clamp_(max=spec.top)
+    k = a.view(torch.int32).bitwise_right_shift_(spec.shift)
+    # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
+    k.sub_(spec.base).bitwise_xor_(xf.view(torch.int32) >> 31).add_(spec.bins // 2)
     if offset is not None:
-        # floor first: integer-valued floats below 2^24 add exactly, so the offset never moves a value's cell
-        u.floor_().add_(offset)
-    return u.to(torch.int32)
+        k.add_(offset.to(torch.int32) if offset.dtype != torch.int32 else offset)
+    return k
 
 
 def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -85,13 +114,6 @@ def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
 
 
-def sum_cells(index: torch.Tensor, weights: torch.Tensor, size: int) -> torch.Tensor:
-    """Sums of ``weights`` per cell (``[size]``, the weights' dtype); same device split as ``count_cells``."""
-    if index.device.type == "cpu":
-        return torch.bincount(index, weights, minlength=size)
-    return torch.zeros(size, dtype=weights.dtype, device=index.device).index_add_(0, index, weights)
-
-
 def quantiles_from_counts(
     counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES
 ) -> list[float]:
@@ -101,7 +123,8 @@ def quantiles_from_counts(
     if n <= 0:
         return [math.nan] * len(qs)
     cum = np.cumsum(counts)
-    edges_u = np.linspace(-spec.half_range, spec.half_range, spec.bins + 1)
+    edges = spec.edges()
+    edges_u = np.sign(edges) * np.log1p(np.abs(edges) / spec.scale)  # cell midpoints are taken in u
     out = []
     for q in qs:
         # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank

@@ -58,8 +58,9 @@ class Recorder:
             assert_same(self.prev["optimizer"], now["optimizer"], "optimizer")
             self.events.append((decision.action, step))
         if decision.rollback:
-            # the newest snapshot taken before the update that preceded the trigger
-            snap = max(s for s in self.guard.actions.snapshots.steps() if s < decision.step)
+            # the newest snapshot older than the suspect update(s) (rollback.confirm_steps)
+            horizon = self.guard.actions.rollback_horizon(decision.step)
+            snap = max(s for s in self.guard.actions.snapshots.steps() if s < horizon)
             nth = 1 + sum(e[0] == "rollback" for e in self.events)  # the learning-rate scale compounds
             self._assert_restored(self.refs[snap], now, self.lr_scale ** nth)
             self.events.append(("rollback", step, snap))

@@ -1,12 +1,13 @@
 """The histogram sketch's documented error bound on adversarial data.
 
 Bound (sketch.py): for an exact order statistic x (rank ceil(q n)) with |x| <= max_abs, the reported x_hat obeys
-|x_hat - x| <= eps * (|x| + scale), eps = expm1(w / 2), w the cell width in u = log1p(|x| / scale).
+|x_hat - x| <= eps * (|x| + scale), eps = expm1(w / 2), w = log1p(2^-mantissa_bits) the largest cell width in
+u = log1p(|x| / scale) (cells are read off the float32 bits of |x| + scale).
 
-Float32 slack: the device computes the cell coordinate u / w in float32. Near the top of the range u / w is ~bins / 2
-(~1000), where one float32 ulp is ~1e-4 of a cell and log1p/mul/add each round once, so a value within ~1e-3 of a
-cell edge may be counted in the neighbouring cell. Its reported midpoint is then up to (1/2 + 1e-3) cells away in u,
-so the tests use expm1(w * (1/2 + FLOAT32_SLACK)) with FLOAT32_SLACK = 2e-3 cells (a 0.4% wider eps).
+Float32 slack: the device rounds |x| + scale to float32 (relative error 2^-24, at most 2^(mantissa_bits - 24) of a
+cell), so a value that close to a cell edge may be counted in the neighbouring cell. Its reported midpoint is then
+slightly more than half a cell away in u, so the tests use expm1(w * (1/2 + FLOAT32_SLACK)) with FLOAT32_SLACK =
+2e-3 cells (a 0.4% wider eps, far more than the rounding needs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rl_guard.sketch import ENTROPY, LOG_RATIO, QUANTILES, SketchSpec, cell_inde
 
 FLOAT32_SLACK = 2e-3
 QS = (*QUANTILES, 0.001, 0.1, 0.333, 0.9, 0.999, 1.0)
-SPECS = (LOG_RATIO, ENTROPY, SketchSpec(scale=1.0, max_abs=10.0, bins=64))
+SPECS = (LOG_RATIO, ENTROPY, SketchSpec(scale=1.0, max_abs=10.0, mantissa_bits=3))
 
 
 def exact_rank_stat(x: np.ndarray, q: float) -> float:
@@ -122,8 +123,9 @@ def test_rank_convention_is_numpy_inverted_cdf():
         assert exact_rank_stat(x, q) == np.quantile(x, q, method="inverted_cdf")
     # q * n noise: 0.01 * 700 = 7.000000000000001 in float; rank must stay 7, as for the exact product
     y = np.arange(1.0, 701.0)
-    counts = count_cells(cell_index(torch.from_numpy(y.astype(np.float32)), SketchSpec(1.0, 1000.0, 4096)), 4096)
-    (p01,) = quantiles_from_counts(counts.numpy(), SketchSpec(1.0, 1000.0, 4096), 1.0, 700.0, qs=(0.01,))
+    spec = SketchSpec(1.0, 1000.0, 10)
+    counts = count_cells(cell_index(torch.from_numpy(y.astype(np.float32)), spec), spec.bins)
+    (p01,) = quantiles_from_counts(counts.numpy(), spec, 1.0, 700.0, qs=(0.01,))
     assert abs(p01 - 7.0) < 0.01
 
 
@@ -140,3 +142,22 @@ def test_offset_places_several_sketches_in_one_vector():
     base = cell_index(x, LOG_RATIO)
     off = torch.tensor([0.0, 1.0, 2.0, 1.0]) * LOG_RATIO.bins
     assert torch.equal(cell_index(x, LOG_RATIO, off), base + off.to(torch.int32))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
+def test_every_value_lies_in_its_cell_and_cells_are_at_most_w_wide(spec):
+    """The cell of each value (read off the float32 bits) contains it, and no cell is wider than w in u: together
+    they give the documented bound for every single value, not only for the quantiles sampled above."""
+    edges = spec.edges()
+    assert edges.size == spec.bins + 1 and edges[spec.bins // 2] == 0.0 and np.all(np.diff(edges) > 0)
+    u = np.sign(edges) * np.log1p(np.abs(edges) / spec.scale)
+    assert np.diff(u).max() <= spec.width * (1 + 1e-12)
+    assert np.diff(u).max() >= spec.width * 0.99  # the bound is tight: cells at the start of an octave are w wide
+    r = rng(5)
+    x = (r.choice([-1, 1], 200_000) * 10 ** r.uniform(-9, math.log10(spec.max_abs), 200_000)).astype(np.float32)
+    x = np.concatenate([x, edges.astype(np.float32), np.float32([0.0, spec.max_abs, -spec.max_abs])])
+    x = x[np.abs(x.astype(np.float64)) <= spec.max_abs]
+    cells = cell_index(torch.from_numpy(x), spec).numpy()
+    x64 = x.astype(np.float64)
+    slack = (np.abs(x64) + spec.scale) * 2.0 ** -23  # float32 rounding of |x| + scale
+    assert np.all(edges[cells] <= x64 + slack) and np.all(x64 - slack <= edges[cells + 1])

@@ -25,6 +25,9 @@ def demo_config(action: str = "rollback", console_every: int | None = 5, preset:
                 rule["action"] = "checkpoint_and_halt"
     data["sinks"] = ["jsonl"] + ([{"console": {"every": console_every}}] if console_every else [])
     data["snapshots"] = {"healthy_steps": 2, "every": 3, "keep": 2, "where": "memory"}
+    # The demo generates every steps_per_generation x num_iterations = 4 steps: a bad update can stay invisible
+    # for that long (the next steps train on fresh, on-policy rollouts), so only older snapshots are trusted.
+    data["rollback"] = {**data.get("rollback", {}), "confirm_steps": 4}
     data.update(sections)
     return yaml.safe_dump(data, sort_keys=False)
 
@@ -94,9 +97,13 @@ def main(args) -> int:
     print(f"fault injected: {args.fault} at step {args.fault_step} (at steps {res.injector.injected_at})")
     if acted:
         step = acted[0]["step"]
-        print(f"guard acted at step {step}, before the update reached the weights:")
+        print(f"guard acted at step {step}, before that step's update reached the weights:")
         for incident in (i for i in acted if i["step"] == step):
             print(f"  {incident['message']}")
+        restored = acted[0].get("restored_to_step")
+        if restored is not None:
+            print(f"  rolled back to the healthy state from before step {restored}, undoing the suspect update(s)"
+                  f" in between, and continued")
         later = sorted({i["step"] for i in acted if i["step"] != step})
         if later:
             print(f"  (and at steps {later}; see incidents.jsonl)")
