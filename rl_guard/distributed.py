@@ -13,9 +13,9 @@ group, or with a group of one process):
 
 Payload, counted from a real step of the GRPO recipe (``integrations/pytorch_grpo``: old/ref log-probs, entropy,
 advantages, rewards, truncation flags, one optimizer parameter group): MAX 8 + 512 float64 = 4160 bytes (24 of
-the slots used), SUM 8239 float64 = 65912 bytes, 8192 of them histogram cells (log-ratio and sequence log-ratio
-2048 each, entropy 4096). A layout with more than ``MAX_SLOTS`` maxima (hundreds of optimizer parameter groups)
-adds a third all-reduce for the rest, on every rank alike.
+the slots used), SUM about 8530 float64 = 68 KB, 8480 of them histogram cells (log-ratio and sequence log-ratio
+2338 each, entropy 3804; lag buckets add 2338 per bucket when versions are given). A layout with more than
+``MAX_SLOTS`` maxima (hundreds of optimizer parameter groups) adds a third all-reduce for the rest, on every rank alike.
 
 Cost (``benchmarks/collectives.py``: 2 gloo processes on one host, 16 x 512 tokens per rank, medians of 50
 steps, four runs on a shared 2-core machine under load, so noisy): the merge takes 2.8-4.4 ms per step (the two

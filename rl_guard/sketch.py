@@ -84,8 +84,8 @@ class SketchSpec:
 
 
 # Log-ratios live near 0 (|log r| ~ 1e-3 matters); entropies in nats up to ~log(vocab).
-LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=7)  # 4662 cells, eps 0.39%
-ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, mantissa_bits=8)  # 7616 cells, eps 0.20%
+LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=6)  # 2338 cells, eps 0.78%: a small payload
+ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, mantissa_bits=7)  # 3804 cells, eps 0.39%
 
 
 def cell_index(x: torch.Tensor, spec: SketchSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
