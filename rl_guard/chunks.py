@@ -153,17 +153,37 @@ class ChunkStats:
         return self._seq[name]
 
     def partial(self):
-        """One ``Partial`` (float64 1-D tensors) of everything added."""
+        """One ``Partial`` (float64 1-D tensors) of everything added.
+
+        Scalars are reduced in groups (one stack per dtype and chunk count, then one reduction and one cast),
+        because on a small micro-batch a few kernels per statistic would cost more than the statistics."""
         from .probes import Partial  # the probes build on this module
 
-        sums = {k: (torch.stack(v).sum(0, dtype=F64) if isinstance(v, list) else v.to(F64)) for k, v in self._sum.items()}
+        sums = {k: v.to(F64) for k, v in self._sum.items() if not isinstance(v, list)}
+        sums.update(_grouped({k: v for k, v in self._sum.items() if isinstance(v, list)}, "sum"))
         for name, cell in self._zero_cell.items():
             sums[name][cell] -= sums.pop(f"{name}.fill")
         p = Partial()
         for k, v in sums.items():
             p.add_sum(k, v)
-        for k, v in self._max.items():
-            p.add_max(k, torch.stack(v).amax(0))
-        for k, v in self._min.items():
-            p.add_min(k, torch.stack(v).amin(0))
+        for k, v in _grouped(self._max, "amax").items():
+            p.add_max(k, v)
+        for k, v in _grouped(self._min, "amin").items():
+            p.add_min(k, v)
         return p
+
+
+def _grouped(lists: dict, op: str) -> dict:
+    """``{name: [0-d tensors]}`` -> ``{name: float64 0-d view}`` reduced with ``op`` over each list."""
+    groups: dict = {}
+    for name, values in lists.items():
+        groups.setdefault((values[0].dtype, len(values)), []).append(name)
+    out = {}
+    for (dtype, chunks), names in groups.items():
+        if chunks == 1:  # the common case (a micro-batch within one chunk): nothing to reduce
+            reduced = torch.stack([lists[n][0] for n in names]).to(F64)
+        else:
+            table = torch.stack([torch.stack(lists[n]) for n in names])  # [names, chunks]
+            reduced = table.sum(1, dtype=F64) if op == "sum" else getattr(table, op)(1).to(F64)
+        out.update({n: reduced[i] for i, n in enumerate(names)})
+    return out

@@ -22,6 +22,7 @@ the q-quantile is the order statistic of rank ``ceil(q * n)`` (numpy ``method="i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -114,6 +115,13 @@ def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
 
 
+@functools.lru_cache(maxsize=16)
+def _edges_u(spec: SketchSpec) -> np.ndarray:
+    """Cell edges in ``u`` (cell midpoints are taken there); cached: a spec's edges never change."""
+    edges = spec.edges()
+    return np.sign(edges) * np.log1p(np.abs(edges) / spec.scale)
+
+
 def quantiles_from_counts(
     counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES
 ) -> list[float]:
@@ -123,8 +131,7 @@ def quantiles_from_counts(
     if n <= 0:
         return [math.nan] * len(qs)
     cum = np.cumsum(counts)
-    edges = spec.edges()
-    edges_u = np.sign(edges) * np.log1p(np.abs(edges) / spec.scale)  # cell midpoints are taken in u
+    edges_u = _edges_u(spec)
     out = []
     for q in qs:
         # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank

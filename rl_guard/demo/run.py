@@ -55,6 +55,8 @@ def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30
     from .tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
 
     run_dir = Path(run_dir)
+    for name in ("metrics.jsonl", "incidents.jsonl"):  # each demo run starts its own record
+        (run_dir / name).unlink(missing_ok=True)
     work = Path(tempfile.mkdtemp(prefix="rl_guard_demo_"))
     model_path = build_tiny_model(work / "model", seed=seed)
     injector = FaultInjector(fault, at_step=fault_step)
