@@ -28,14 +28,6 @@ PRECURSORS = {"update_too_far", "ratio_extreme", "behaviour_mismatch", "grad_nor
               "update_too_aggressive"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The recipe's tensors are tiny: one intra-op thread is several times faster on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 
 

@@ -19,6 +19,8 @@ def demo_config(action: str = "rollback", console_every: int | None = 5, preset:
     """The GRPO preset with its rollback rules set to ``action`` (``rollback`` or ``halt``), plus a console sink
     (none when ``console_every`` is None); ``sections`` replace top-level keys (e.g. ``rollback={...}``)."""
     data = yaml.safe_load(preset.read_text(encoding="utf-8"))
+    # The demo samples with the trainer itself (no vLLM), so the sampler-vs-trainer weight never exists.
+    data["rules"] = [r for r in data["rules"] if r["name"] != "behaviour_mismatch"]
     if action == "halt":
         for rule in data["rules"]:
             if rule["action"] == "rollback":

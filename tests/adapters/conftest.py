@@ -18,9 +18,6 @@ from transformers.trainer_callback import PrinterCallback
 from bitwise import assert_same
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# A tiny model gains nothing from intra-op threads, and on a shared machine they spin against other processes
-# (a 4-step run took 10x longer with 2 threads under load).
-torch.set_num_threads(1)
 
 # Settings that run on CPU in well under a second per step; beta > 0 so the reference KL exists.
 GRPO_BASE = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,

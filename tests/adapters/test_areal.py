@@ -74,13 +74,6 @@ F, ST = _areal_modules()
 R = load_module("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")  # AReaL-shaped engine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def areal_grpo_loss(logprobs, entropy, input_data, eps_clip, eps_clip_higher=None, current_version=None,
                     rejection_sampling=None, record=None):

@@ -42,13 +42,6 @@ rules:
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only contend on shared cores
-    yield
-    torch.set_num_threads(prev)
-
 
 def _yaml(action="skip_step", extra=""):
     return SKIP_ON_MISMATCH.format(action=action) + extra

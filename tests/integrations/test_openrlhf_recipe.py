@@ -31,13 +31,6 @@ rules:
 R = load_module("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
 
 def test_healthy_run_with_the_ppo_preset(tmp_path):
     res = R.run(str(ROOT / "configs" / "ppo.yaml"), steps=8, run_dir=str(tmp_path))
