@@ -70,6 +70,20 @@ def token_logprobs(model: Policy, prompts, tokens):
     return logp, entropy
 
 
+def optimizer_step(guard: Guard | None, opt, sched, res, step: int):
+    """The guard's part of an optimizer step: decide before it, step unless refused, then report the step."""
+    decision = guard.check() if guard is not None else None  # after backward, before optimizer.step()
+    if decision is None or decision.apply_step:
+        opt.step()
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    if guard is not None:
+        guard.step_done()
+        if decision.firings:
+            res.decisions.append((step, decision.action, decision.messages))
+    return decision
+
+
 @dataclass
 class RunResult:
     steps_run: int = 0
@@ -143,15 +157,7 @@ def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = 
             grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
             if not (math.isfinite(loss.item()) and grads_finite) and res.first_nonfinite_step is None:
                 res.first_nonfinite_step = step
-            decision = guard.check() if guard is not None else None
-            if decision is None or decision.apply_step:
-                opt.step()
-                sched.step()
-            opt.zero_grad(set_to_none=True)
-            if guard is not None:
-                guard.step_done()
-                if decision.firings:
-                    res.decisions.append((step, decision.action, decision.messages))
+            decision = optimizer_step(guard, opt, sched, res, step)
             if on_step is not None:
                 on_step(step, it, decision, model, opt, sched)
             finite = all(torch.isfinite(p).all() for p in model.parameters())

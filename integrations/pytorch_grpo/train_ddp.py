@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import FAULTS, K, Policy, RunResult, completion_mask, reward_fn  # noqa: E402
+from train import FAULTS, K, Policy, RunResult, completion_mask, optimizer_step, reward_fn  # noqa: E402
 
 from rl_guard import Guard, TokenBatch  # noqa: E402
 
@@ -108,15 +108,7 @@ def run_ddp(config: str | None = "configs/grpo.yaml", steps: int = 30, fault: st
                 policy.mlp[-1].weight.grad[0, 0] = float("inf")
             if not math.isfinite(loss.item()) and res.first_nonfinite_step is None:
                 res.first_nonfinite_step = step
-            decision = guard.check() if guard is not None else None
-            if decision is None or decision.apply_step:
-                opt.step()
-                sched.step()
-            opt.zero_grad(set_to_none=True)
-            if guard is not None:
-                guard.step_done()
-                if decision.firings:
-                    res.decisions.append((step, decision.action, decision.messages))
+            decision = optimizer_step(guard, opt, sched, res, step)
             finite = all(bool(torch.isfinite(p).all()) for p in policy.parameters())
             res.params_finite_every_step &= finite
             res.records.append({"step": step, "it": it, "action": decision.action if decision else None,
