@@ -9,12 +9,19 @@ import yaml
 from .errors import ConfigError
 
 
+PRESETS = Path(__file__).resolve().parent / "presets"
+
+
 def read_source(source) -> tuple[str, str]:
-    """(yaml_text, origin) from a path or YAML text. A one-line string naming no existing file is a path error."""
+    """(yaml_text, origin) from a path, a shipped preset name (``grpo``, ``ppo``, ``async``) or YAML text.
+    A one-line string naming neither an existing file nor a preset is a path error."""
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and ":" not in source):
         path = Path(source)
+        if not path.is_file() and (PRESETS / f"{source}.yaml").is_file():
+            path = PRESETS / f"{source}.yaml"
         if not path.is_file():
-            raise ConfigError([(("",), None, f"config file not found: {source}")])
+            presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+            raise ConfigError([(("",), None, f"config file not found: {source} (shipped presets: {presets})")])
         return path.read_text(encoding="utf-8"), str(path)
     return str(source), "<yaml text>"
 

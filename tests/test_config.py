@@ -169,3 +169,11 @@ def test_guard_from_yaml_raises_config_error(tmp_path):
         Guard.from_yaml(bad, run_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match="config file not found"):
         Guard.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_shipped_presets_load_by_name_and_unknown_names_list_them():
+    from rl_guard.config import load_config as load
+
+    assert [len(load(name).rules) > 5 for name in ("grpo", "ppo", "async")] == [True, True, True]
+    with pytest.raises(ConfigError, match="shipped presets: async, grpo, ppo"):
+        load("grpoo")
