@@ -155,5 +155,5 @@ def raise_if_any_rank_failed(error: Exception | None, what: str) -> None:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if error is not None:
         raise RuntimeError(f"{what} failed on this rank: {error!r}") from error
-    if failed.item() > 0:
+    if failed.item() > 0:  # a sync, but only on a checkpoint save (halt / stop), never on the per-step path
         raise RuntimeError(f"{what}: another rank failed to save; stopping all ranks")
