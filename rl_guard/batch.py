@@ -8,7 +8,7 @@ device and raised at the step's single transfer (see ``EmptyMaskError``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -148,42 +148,3 @@ class TokenBatch:
         t = self._tensor(name, t)
         if tuple(t.shape) != (self.num_seqs,):
             raise BatchError(f"{name} must be per-sequence shape {(self.num_seqs,)}, got {tuple(t.shape)}")
-
-    # -- canonical views used by the probes ----------------------------------------------------------------------
-    def flat(self, t: torch.Tensor) -> torch.Tensor:
-        """Per-token tensor as fp32 ``[N]`` (bf16/fp16 accumulate in fp32); per-sequence input is broadcast."""
-        if t.shape == (self.num_seqs,) and t.shape != self.logprobs.shape:
-            t = self.seq_to_token(t)
-        return t.reshape(-1).float()
-
-    def seq_index(self) -> torch.Tensor:
-        """Sequence id of every flat token (``[N]`` long); built once, without a host sync."""
-        cached = self.__dict__.get("_seq_index")
-        if cached is None:
-            n = self.logprobs.numel()
-            if self.packed:
-                positions = torch.arange(n, device=self.device)
-                cached = torch.searchsorted(self.cu_seqlens[1:].to(self.device), positions, right=True)
-                cached.clamp_(max=self.num_seqs - 1)
-            else:
-                b, t = self.logprobs.shape
-                cached = torch.arange(b, device=self.device).repeat_interleave(t, output_size=n)
-            self.__dict__["_seq_index"] = cached
-        return cached
-
-    def seq_sum(self, flat_values: torch.Tensor) -> torch.Tensor:
-        """Per-sequence sum ``[S]`` of a flat per-token tensor."""
-        if not self.packed:
-            return flat_values.view(self.logprobs.shape).sum(1)
-        out = torch.zeros(self.num_seqs, dtype=flat_values.dtype, device=self.device)
-        return out.index_add_(0, self.seq_index(), flat_values)
-
-    def seq_to_token(self, per_seq: torch.Tensor) -> torch.Tensor:
-        """Broadcast a per-sequence tensor to flat tokens ``[N]``."""
-        if not self.packed:
-            return per_seq[:, None].expand(self.logprobs.shape).reshape(-1)
-        return per_seq[self.seq_index()]
-
-    def present(self) -> tuple[str, ...]:
-        """Names of the optional fields that are set (decides which statistics exist)."""
-        return tuple(f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor))

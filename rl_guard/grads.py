@@ -68,4 +68,5 @@ def param_groups_of(optimizer_or_params) -> list[list[torch.nn.Parameter]]:
 def any_nonfinite_grad(param_groups: list[list[torch.nn.Parameter]]) -> bool:
     """Host-side check used only on the guard's failure path (it synchronises)."""
     grads = [g for group in param_groups for g in _grads(group)]
-    return bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, 2.0))).all())
+    norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)) if grads else None
+    return norms is not None and not bool(torch.isfinite(norms).all())

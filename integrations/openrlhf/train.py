@@ -43,6 +43,18 @@ T = 2 + R                   # [BOS, digit, response...]
 A = T - 1                   # OpenRLHF: action_mask covers tokens 1..T-1; prompt positions are 0
 OR = openrlhf_files.load()
 
+# A guard rule for train/rollout mismatch: OpenRLHF's own ICEPOP band starts at 0.5 (is_correction_threshold).
+MISMATCH_RULE = """
+version: 1
+sinks: [jsonl]
+rules:
+  - name: train_rollout_mismatch
+    metric: rl_guard/behave_imp_weight/min
+    op: "<"
+    threshold: 0.5
+    action: {action}
+"""
+
 
 class Engine:
     """The DeepSpeedEngine calls OpenRLHF makes, for one plain torch optimizer."""

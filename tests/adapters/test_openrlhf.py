@@ -25,22 +25,10 @@ pytest.importorskip("openrlhf")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-
 R = load_module("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")  # stand-ins + the real classes
 OR = R.OR
 
-SKIP_ON_MISMATCH = """
-version: 1
-sinks: [jsonl]
-rules:
-  - name: train_rollout_mismatch
-    metric: rl_guard/behave_imp_weight/min
-    op: "<"
-    threshold: 0.5            # OpenRLHF's own ICEPOP band starts at 0.5 (is_correction_threshold default)
-    action: {action}
-"""
-
+SKIP_ON_MISMATCH = R.MISMATCH_RULE
 
 
 def _yaml(action="skip_step", extra=""):

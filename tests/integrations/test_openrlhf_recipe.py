@@ -14,22 +14,9 @@ from file_modules import load_module
 pytest.importorskip("openrlhf")
 ROOT = Path(__file__).resolve().parents[2]
 
-MISMATCH = """
-version: 1
-sinks: [jsonl]
-rules:
-  - name: train_rollout_mismatch
-    metric: rl_guard/behave_imp_weight/min
-    op: "<"
-    threshold: 0.5            # OpenRLHF's ICEPOP band [0.5, 5] (is_correction_threshold default)
-    action: skip_step
-"""
-
-
-
 
 R = load_module("openrlhf_recipe", ROOT / "integrations" / "openrlhf" / "train.py")
-
+MISMATCH = R.MISMATCH_RULE.format(action="skip_step")
 
 
 def test_healthy_run_with_the_ppo_preset(tmp_path):
