@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl_guard import Guard, TokenBatch  # noqa: E402
-from rl_guard import distributed as rg_dist  # noqa: E402
+from rl_guard.stats import ranks as rg_dist  # noqa: E402
 
 CONFIG = "version: 1\nsinks: []\n"
 

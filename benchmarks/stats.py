@@ -37,12 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rl_guard.accumulate import StepAccumulator  # noqa: E402
-from rl_guard.batch import TokenBatch  # noqa: E402
-from rl_guard.probe_batch import probe_batch  # noqa: E402
-from rl_guard.probes import DEFAULT_LAG_EDGES  # noqa: E402
-from rl_guard.sketch import QUANTILE_NAMES, QUANTILES  # noqa: E402
-from rl_guard.summarize import summarize  # noqa: E402
+from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
+from rl_guard.stats.batch import TokenBatch  # noqa: E402
+from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
+from rl_guard.stats.constants import DEFAULT_LAG_EDGES  # noqa: E402
+from rl_guard.stats.sketch import QUANTILE_NAMES, QUANTILES  # noqa: E402
+from rl_guard.stats.summarize import summarize  # noqa: E402
 
 ROWS = 64
 CURRENT_VERSION = 8

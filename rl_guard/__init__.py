@@ -12,8 +12,10 @@ __version__ = "0.1.0"
 
 # Imported on first use, so light entry points (``rl-guard validate``) do not pay for torch.
 _EXPORTS = {
-    "Guard": ".guard", "TokenBatch": ".batch", "BatchError": ".batch", "EmptyMaskError": ".batch",
-    "ConfigError": ".errors", "GuardConfig": ".config", "load_config": ".config", "Decision": ".controller",
+    "Guard": ".guard", "TokenBatch": ".stats.batch", "BatchError": ".stats.batch",
+    "EmptyMaskError": ".stats.batch",
+    "ConfigError": ".errors", "GuardConfig": ".control.config", "load_config": ".control.config",
+    "Decision": ".control.controller",
     "SampleBatch": ".diagnostics",
 }
 __all__ = [*_EXPORTS, "__version__"]

@@ -22,7 +22,7 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     """Load each file with the same validation ``Guard.from_yaml`` uses; report, never raise."""
-    from .config import load_config
+    from .control.config import load_config
 
     status = 0
     for path in args.files:

@@ -1,7 +1,7 @@
 """Every emitted metric, documented once: formula, direction, reduction, typical range.
 
 Names are ``rl_guard/<family>/<stat>``. ``<q>`` is one of p01 p05 p25 p50 p75 p95 p99 (rank ``ceil(q n)``,
-from the histogram sketch; see ``rl_guard/sketch.py`` for the error bound). ``<bucket>`` is a policy-lag bucket
+from the histogram sketch; see ``rl_guard/stats/sketch.py`` for the error bound). ``<bucket>`` is a policy-lag bucket
 (default 0, 1, 2, 3-4, 5-8, 9+), ``<i>`` an optimizer parameter-group index, ``<field>`` a token-batch field.
 All token statistics are over tokens with mask = 1 and finite inputs; "seq" statistics first reduce each
 sequence, then over sequences. Direction: which way is trouble.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import difflib
 import re
 
-from .sketch import QUANTILE_NAMES
+from .diagnostics.docs import DOCS as DIAGNOSTIC_DOCS
+from .stats.sketch import QUANTILE_NAMES
 
 _RATIO_STATS = ("mean", "min", "max", *QUANTILE_NAMES)
 
@@ -72,13 +73,6 @@ _PLACEHOLDERS = {
     "<q>": "(?:" + "|".join(QUANTILE_NAMES) + ")",
     "<name>": r"[A-Za-z0-9_.+-]+",  # a user-chosen label (reward component, phase, drop reason, version)
 }
-_extra_patterns: dict[str, str] = {}
-
-
-def register(pattern: str, doc: str) -> None:
-    """Add metrics from an extension (e.g. run diagnostics) so rules may name them."""
-    _extra_patterns[pattern] = doc
-
 
 def _regex(pattern: str) -> re.Pattern:
     body = re.escape(pattern)
@@ -88,7 +82,7 @@ def _regex(pattern: str) -> re.Pattern:
 
 
 def all_patterns() -> dict[str, str]:
-    return {**GLOSSARY, **_extra_patterns}
+    return {**GLOSSARY, **DIAGNOSTIC_DOCS}
 
 
 def is_known(name: str) -> bool:
@@ -117,8 +111,6 @@ def closest(name: str) -> str | None:
 
 def markdown() -> str:
     """The glossary as Markdown (``docs/glossary.md`` is generated from this; a test keeps them equal)."""
-    from . import diagnostics  # noqa: F401 - registers the run-level diagnostics' names
-
     lines = ["# rl_guard metric glossary", "", __doc__.strip(), "", "| metric | meaning |", "| --- | --- |"]
     for pattern, doc in all_patterns().items():
         cell = doc.replace("|", r"\|")
@@ -126,7 +118,5 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    from rl_guard.glossary import markdown as package_markdown  # the registry lives in the package module
-
-    print(package_markdown(), end="")
+if __name__ == "__main__":  # python -m rl_guard.glossary > docs/glossary.md
+    print(markdown(), end="")

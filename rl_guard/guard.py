@@ -33,24 +33,26 @@ from pathlib import Path
 
 import torch
 
-from . import distributed
-from .accumulate import StepAccumulator
-from .actions import Actions
-from .batch import BatchError, EmptyMaskError, TokenBatch
-from .config import GuardConfig, load_config
-from .controller import Controller, Decision
+from .stats import keys
+from .stats import ranks
+from .stats.accumulate import StepAccumulator
+from .control.actions import Actions
+from .stats.batch import BatchError, EmptyMaskError, TokenBatch
+from .control.config import GuardConfig, load_config
+from .control.controller import Controller, Decision
 from .diagnostics import RunDiagnostics, SampleBatch
-from .grads import any_nonfinite_grad, param_groups_of, probe_grads
-from .probe_batch import probe_batch, sequence_stats
-from .probes import Partial, loss_stats, rank_count
-from .state import TrainState
-from .summarize import summarize
+from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
+from .stats.probe_batch import probe_batch, sequence_stats
+from .stats.kernels import loss_stats, rank_count
+from .stats.partial import Partial
+from .control.state import TrainState
+from .stats.summarize import summarize
 
 
 class Guard:
     def __init__(self, config: GuardConfig, run_dir: str | Path | None = None, sinks=None):
         self.config = config
-        self.rank, self.world_size = distributed.rank_and_world()
+        self.rank, self.world_size = ranks.rank_and_world()
         self.run_dir = Path(run_dir or config.run_dir or "runs/rl_guard")
         self.controller = Controller(config, rank=self.rank)
         self._acc = StepAccumulator()
@@ -80,9 +82,9 @@ class Guard:
     def attach(self, model, optimizer=None, scheduler=None, **extra) -> "Guard":
         """Give the guard the state its actions work on (``extra``: objects with state_dict/load_state_dict)."""
         self.state = TrainState(model, optimizer, scheduler, extra)
-        if distributed.rank_and_world() != (self.rank, self.world_size):
+        if ranks.rank_and_world() != (self.rank, self.world_size):
             # The process group may start after the guard was built (TRL's GRPOConfig starts it).
-            self.rank, self.world_size = distributed.rank_and_world()
+            self.rank, self.world_size = ranks.rank_and_world()
             self.controller.rank = self.rank
             self.actions = Actions(self)
             self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
@@ -149,27 +151,27 @@ class Guard:
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
         params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
-        reduce = distributed.reducer()
+        reduce = ranks.reducer()
         try:
             if self._incomplete_step:
                 raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
             if params is not None:
                 self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=self.config.sharded_grads))
             if self._saw_loss:
-                self._acc.add(rank_count("loss.ranks", self._acc.device))
+                self._acc.add(rank_count(keys.LOSS.ranks, self._acc.device))
             raw = self._acc.finish(reduce)
-            if raw.get("tokens.empty_microbatches", [0])[0] > 0:
+            if raw.get(keys.TOKENS.empty_microbatches, [0])[0] > 0:
                 raise EmptyMaskError(
                     f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an all-zero "
                     "mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no data'.")
             metrics, hists = summarize(raw, self.config.lag_buckets)
             metrics.update(self._host_metrics)
             decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
-        except (BatchError, distributed.RankMismatch):
+        except (BatchError, ranks.RankMismatch):
             raise
         except Exception as exc:  # noqa: BLE001
             if reduce is not None and not reduce.entered:
-                distributed.abstain()  # the other ranks must not wait for statistics that will never come
+                ranks.abstain()  # the other ranks must not wait for statistics that will never come
             return self._fail(exc, params)
         finally:
             self._incomplete_step = self._saw_loss = False

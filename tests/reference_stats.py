@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from rl_guard.accumulate import StepAccumulator
-from rl_guard.batch import TokenBatch
-from rl_guard.probe_batch import probe_batch
-from rl_guard.probes import DEFAULT_LAG_EDGES
-from rl_guard.sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, QUANTILES
-from rl_guard.summarize import lag_bucket_names, summarize
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.constants import DEFAULT_LAG_EDGES
+from rl_guard.stats.sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, QUANTILES
+from rl_guard.stats.summarize import lag_bucket_names, summarize
 
 FLOAT32_SLACK = 2e-3  # cells: fp32 rounding of the cell coordinate near an edge (see test_sketch.py)
 

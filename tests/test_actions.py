@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rl_guard import Guard
-from rl_guard.checkpoint import atomic_save
+from rl_guard.control.checkpoint import atomic_save
 from rl_guard.sinks import read_jsonl
-from rl_guard.state import rng_state
+from rl_guard.control.state import rng_state
 from bitwise import assert_same
 
 BUILTINS_NO_LOGPROBS = "builtin_rules: {nonfinite_logprobs: false}\n"  # no token batch is observed here

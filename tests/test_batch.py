@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from rl_guard.accumulate import StepAccumulator
-from rl_guard.batch import BatchError, TokenBatch
-from rl_guard.probe_batch import probe_batch
-from rl_guard.summarize import summarize
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import BatchError, TokenBatch
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.summarize import summarize
 
 B, T = 3, 5
 

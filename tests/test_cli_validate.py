@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rl_guard import cli
-from rl_guard.config import load_config
+from rl_guard.control.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET_OK = f"OK: configs/grpo.yaml ({len(load_config(ROOT / 'configs' / 'grpo.yaml').rules)} rules)\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rl_guard import Guard
-from rl_guard.config import ACTIONS, load_config
+from rl_guard.control.config import ACTIONS, load_config
 from rl_guard.errors import ConfigError, format_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +172,7 @@ def test_guard_from_yaml_raises_config_error(tmp_path):
 
 
 def test_shipped_presets_load_by_name_and_unknown_names_list_them():
-    from rl_guard.config import load_config as load
+    from rl_guard.control.config import load_config as load
 
     assert [len(load(name).rules) > 5 for name in ("grpo", "ppo", "async")] == [True, True, True]
     with pytest.raises(ConfigError, match="shipped presets: async, grpo, ppo"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rl_guard import Guard
-from rl_guard.config import load_config
-from rl_guard.controller import PRECEDENCE, Controller
+from rl_guard.control.config import load_config
+from rl_guard.control.controller import PRECEDENCE, Controller
 
 M = "rl_guard/kl_ref/k3_mean"
 NO_BUILTINS = "builtin_rules: {nonfinite_loss: false, nonfinite_grad: false, nonfinite_logprobs: false}\n"
@@ -66,7 +66,7 @@ def test_every_rule_is_evaluated_every_step():
 
 
 def test_missing_metric_warns_once():
-    from rl_guard.controller import MISSING_PATIENCE
+    from rl_guard.control.controller import MISSING_PATIENCE
 
     ctl = ladder(["warn"])
     import warnings as _w

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from rl_guard.accumulate import StepAccumulator
-from rl_guard.batch import TokenBatch
-from rl_guard.probe_batch import probe_batch
-from rl_guard.sketch import LOG_RATIO, QUANTILE_NAMES, QUANTILES
-from rl_guard.summarize import summarize
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.sketch import LOG_RATIO, QUANTILE_NAMES, QUANTILES
+from rl_guard.stats.summarize import summarize
 
 ROWS, COLS = 64, 1 << 20
 

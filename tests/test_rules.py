@@ -1,6 +1,6 @@
 """Rules are pure functions (metrics, history) -> verdict; warmup/patience/cooldown via the controller.
 
-Every expectation below is computed by hand (or in float64 numpy) from the formulas in rl_guard/rules.py.
+Every expectation below is computed by hand (or in float64 numpy) from the formulas in rl_guard/control/rules.py.
 """
 
 import math
@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from rl_guard.config import load_config
-from rl_guard.controller import Controller
-from rl_guard.rules import Condition, History, Rule
+from rl_guard.control.config import load_config
+from rl_guard.control.controller import Controller
+from rl_guard.control.rules import Condition, History, Rule
 
 NAN, INF = float("nan"), float("inf")
 M = "rl_guard/kl_ref/k3_mean"

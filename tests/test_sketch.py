@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_guard.sketch import ENTROPY, LOG_RATIO, QUANTILES, SketchSpec, cell_index, count_cells, quantiles_from_counts
+from rl_guard.stats.sketch import ENTROPY, LOG_RATIO, QUANTILES, SketchSpec, cell_index, count_cells, quantiles_from_counts
 
 FLOAT32_SLACK = 2e-3
 QS = (*QUANTILES, 0.001, 0.1, 0.333, 0.9, 0.999, 1.0)

@@ -16,13 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_stats import check, make_padded, np_dict, packed_from, reference, step
 
-from rl_guard.accumulate import StepAccumulator
-from rl_guard.batch import TokenBatch
-from rl_guard.grads import param_groups_of, probe_grads
-from rl_guard.probe_batch import probe_batch
-from rl_guard.probes import Partial, loss_stats
-from rl_guard.sketch import QUANTILE_NAMES
-from rl_guard.summarize import summarize
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.grads import param_groups_of, probe_grads
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.kernels import loss_stats
+from rl_guard.stats.partial import Partial
+from rl_guard.stats.sketch import QUANTILE_NAMES
+from rl_guard.stats.summarize import summarize
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "adv"), ("old", "prox", "adv", "entropy"), ("ref", "entropy")])

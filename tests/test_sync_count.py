@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_guard.accumulate import StepAccumulator
-from rl_guard.batch import TokenBatch
-from rl_guard.grads import param_groups_of, probe_grads
-from rl_guard.probe_batch import probe_batch
-from rl_guard.probes import Partial, loss_stats
-from rl_guard.summarize import summarize
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.grads import param_groups_of, probe_grads
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.kernels import loss_stats
+from rl_guard.stats.partial import Partial
+from rl_guard.stats.summarize import summarize
 
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 

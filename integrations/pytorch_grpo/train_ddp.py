@@ -3,7 +3,7 @@
 Every rank draws the same global prompts (a shared seed) and keeps every ``world``-th prompt group, so groups stay
 whole (advantages are group-relative); completions are sampled with a per-rank generator. Each rank's loss is its
 own token mean and DDP averages the gradients, so the weights stay identical on every rank. The guard merges the
-statistics of all ranks (two collectives per step, see ``rl_guard/distributed.py``) and every rank takes the same
+statistics of all ranks (two collectives per step, see ``rl_guard/stats/ranks.py``) and every rank takes the same
 decision at the same step.
 
 Run:  torchrun --nproc_per_node 2 integrations/pytorch_grpo/train_ddp.py --steps 30 [--fault inf_grad --fault-rank 1]

@@ -39,6 +39,7 @@ import torch
 
 from .. import TokenBatch
 from ..errors import GuardHalted
+from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
 
 SUPPORTED = {"areal": ((1, 0), (1, 1))}
@@ -56,7 +57,7 @@ def align_versions(versions: torch.Tensor) -> torch.Tensor:
     return torch.roll(versions, shifts=-1, dims=-1)
 
 
-def token_batch(logprobs, input_data: dict, entropy=None, current_version: int | None = None, eps_clip: float = 0.2,
+def token_batch(logprobs, input_data: dict, entropy=None, current_version: int | None = None, eps_clip: float = DEFAULT_CLIP_EPS,
                 eps_clip_higher: float | None = None, importance_sampling_level: str = "token",
                 shift_versions: bool = True) -> TokenBatch:
     """One micro-batch's ``TokenBatch`` from ``loss_fn``'s arguments (packed ``[N]`` or padded ``[B, T]``)."""
@@ -116,7 +117,7 @@ def install(engine, guard, shift_versions: bool = True):
             loss = loss_fn(logprobs, entropy, input_data, *args, **kwargs)
             version = kw.get("current_version")
             version = engine.get_version() if version is None else version
-            guard.observe(token_batch(logprobs, input_data, entropy, version, kw.get("eps_clip", 0.2),
+            guard.observe(token_batch(logprobs, input_data, entropy, version, kw.get("eps_clip", DEFAULT_CLIP_EPS),
                                       kw.get("eps_clip_higher"), kw.get("importance_sampling_level", "token"),
                                       shift_versions), loss=loss.detach())
             return loss

@@ -28,7 +28,8 @@ import os
 
 from .. import TokenBatch
 from ..errors import GuardHalted
-from ..state import scale_lr
+from ..control.state import scale_lr
+from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
 
 SUPPORTED = {"openrlhf": ((0, 11), (0, 12))}
@@ -57,8 +58,8 @@ def token_batch(experience, log_probs, entropy=None, policy_loss=None) -> TokenB
         prox_logprobs=None if prox is None else prox.detach(), ref_logprobs=experience.base_action_log_probs,
         entropy=entropy, advantages=experience.advantages, rewards=per_seq(rewards),
         lengths=per_seq(experience.response_length), truncated=per_seq(experience.truncated),
-        eps_low=float(getattr(policy_loss, "clip_eps_low", 0.2)),
-        eps_high=float(getattr(policy_loss, "clip_eps_high", 0.2)),
+        eps_low=float(getattr(policy_loss, "clip_eps_low", DEFAULT_CLIP_EPS)),
+        eps_high=float(getattr(policy_loss, "clip_eps_high", DEFAULT_CLIP_EPS)),
         importance_sampling_level="sequence" if loss_type == "gspo" else "token")
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 from transformers import TrainerCallback
 
-from ..state import scale_lr
+from ..control.state import scale_lr
 
 FAULTS = ("none", "lr_blowup", "lr_ramp", "inf_grad", "nan_reward", "ratio_drift")
 # The tiny demo model starts near-uniform, so it takes noise of a few stds to move its log-probs visibly.

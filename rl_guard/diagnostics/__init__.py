@@ -1,6 +1,6 @@
 """Run-level diagnostics computed on the host once per generation batch (see ``run.py`` and each family module).
 
-Importing the package registers every metric name with ``rl_guard.glossary`` so YAML rules may name them.
+Each family documents its metrics in a ``DOCS`` dict; ``docs.py`` collects them for ``rl_guard.glossary``.
 """
 
 from .run import RunDiagnostics

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .names import Out, register
+from .names import Out
 from .samples import Prepared, SampleBatch, label
 
 COUNTERS = ("episodes", "rollout_tokens", "train_tokens", "optimizer_updates")
@@ -28,7 +28,6 @@ DOCS = {
     "budget/seconds/<name>": "Wall-clock seconds spent in phase <name> for this batch (e.g. rollout, reward, train).",
     "budget/seconds_total/<name>": "Cumulative seconds in phase <name> since the run started (survives resume).",
 }
-register(DOCS)
 
 
 def spent(s: SampleBatch, p: Prepared, optimizer_updates: int | None) -> dict[str, float]:

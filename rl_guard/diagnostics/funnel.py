@@ -17,7 +17,7 @@ Layers (``SampleBatch.funnel`` counts; unknown layer names are rejected so a typ
 
 from __future__ import annotations
 
-from .names import Out, frac, register
+from .names import Out, frac
 from .samples import SampleBatch, label
 
 LAYERS = ("sampled", "started", "completed", "truncated", "failed", "reward_available", "valid", "accepted",
@@ -41,7 +41,6 @@ DOCS = {
     "is trouble (tokens generated but never trained on).",
     "funnel/drop/<name>": "Samples dropped this batch for reason <name> (count, >= 0).",
 }
-register(DOCS)
 
 
 def funnel(s: SampleBatch, rollout_tokens: float | None, out: Out) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .names import Out, frac, pearson, register
+from .names import Out, frac, pearson
 from .samples import Prepared
 
 DOCS = {
@@ -48,7 +48,6 @@ DOCS = {
     "group/pass_pow_k": "pass^k: share of groups whose every valid sample succeeds.",
     "group/pass_at_1": "Mean over groups of successes / samples (unbiased pass@1).",
 }
-register(DOCS)
 
 
 def _per_group(codes: np.ndarray, mask: np.ndarray, values: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,12 +1,10 @@
-"""Output helpers shared by the diagnostic families: prefixed names, glossary registration, least squares."""
+"""Output helpers shared by the diagnostic families: prefixed names, least squares."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-
-from .. import glossary
 
 PREFIX = "rl_guard/"
 
@@ -22,12 +20,6 @@ class Out(dict):
         if not math.isfinite(value):
             raise ValueError(f"{name} = {value}: diagnostics must leave undefined statistics out instead")
         self[PREFIX + name] = value
-
-
-def register(docs: dict[str, str]) -> None:
-    """Make the family's metric patterns known to YAML rule validation."""
-    for pattern, doc in docs.items():
-        glossary.register(pattern, doc)
 
 
 def frac(count, total) -> float | None:

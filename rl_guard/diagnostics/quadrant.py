@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .names import Out, register
+from .names import Out
 from .samples import Prepared
 
 DOCS = {
@@ -27,7 +27,6 @@ DOCS = {
     "quadrant/threshold": "Reward threshold splitting high from low (configured, else the batch median rule).",
     "quadrant/n": "Samples in the quadrant (finite reward and outcome, no system error).",
 }
-register(DOCS)
 
 
 def high_mask(r: np.ndarray, threshold: float | None) -> tuple[np.ndarray, float] | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .names import Out, register
+from .names import Out
 from .samples import Prepared
 
 SHAPES = ("all_zero", "all_one", "heavy_tail", "mixed_sign")
@@ -46,7 +46,6 @@ DOCS = {
     "reward/shape_mixed_sign": "1 if at least 10% of valid rewards are > 0 and at least 10% are < 0.",
     "reward/shape": "0 ordinary, 1 all_zero, 2 all_one, 3 heavy_tail, 4 mixed_sign (first flag set in this order).",
 }
-register(DOCS)
 
 
 def excess_kurtosis(v: np.ndarray) -> float | None:

@@ -3,7 +3,7 @@
 Families (each documented in its module): budget, funnel, term, reward, quadrant, group, length/trend, critic;
 plus the audit files when ``run_dir`` is set. A family reports only when its inputs are present, and an
 undefined statistic is left out rather than NaN (a non-finite value would fire every rule that names it).
-Importing this package registers every name with the glossary, so YAML rules may use them.
+Every name is documented in the glossary (``docs.py`` collects the families' ``DOCS``).
 """
 
 from __future__ import annotations

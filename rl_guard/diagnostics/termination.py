@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from .names import Out, register
+from .names import Out
 from .samples import SYSTEM_ERRORS, TERMINATIONS, Prepared
 
 DOCS = {
@@ -18,7 +18,6 @@ DOCS = {
     "term/system_error_rate": "(environment_error + verifier_error + infrastructure_error) / n; [0, 1], up is "
     "trouble. These samples are excluded from reward statistics, never scored as reward 0.",
 }
-register(DOCS)
 
 
 def termination(p: Prepared, out: Out) -> None:

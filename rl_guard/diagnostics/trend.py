@@ -27,7 +27,7 @@ from collections import deque
 
 import numpy as np
 
-from .names import Out, register, slope
+from .names import Out, slope
 from .samples import Prepared
 
 SERIES = ("reward", "length", "outcome")
@@ -42,7 +42,6 @@ DOCS = {
        "updates (>= 3 points)." for x in SERIES},
 }
 DOCS["trend/length_slope"] += " Up together with reward_slope while outcome_slope is flat: reward hacking (seed 001)."
-register(DOCS)
 
 
 class Trend:

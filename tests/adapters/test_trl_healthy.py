@@ -62,7 +62,7 @@ def host_reads_from_guard():
 
 @pytest.fixture(scope="module")
 def healthy(grpo_run, tmp_path_factory):
-    from rl_guard.accumulate import StepAccumulator
+    from rl_guard.stats.accumulate import StepAccumulator
 
     finishes = []
     original_finish = StepAccumulator.finish
@@ -135,7 +135,7 @@ def test_one_host_transfer_per_step_and_no_other_host_reads(healthy):
     train = {k[1:]: v for k, v in calls.items() if k[0] == "train"}
     # The whole per-step path (statistics of every micro-batch, gradient probe, rules, actions, logging): one
     # .cpu() of the packed vector per step, then .numpy() of that host copy; no .item(), bool(), float()...
-    assert train == {("cpu", "accumulate.py", "finish"): STEPS, ("numpy", "accumulate.py", "finish"): STEPS}, train
+    assert train == {("cpu", "stats/accumulate.py", "finish"): STEPS, ("numpy", "stats/accumulate.py", "finish"): STEPS}, train
     # At generation time (once per rollout batch, where TRL itself reads rewards and texts on the host) the
     # run-level sample diagnostics copy the gathered reward vectors to the host (at most two transfers per
     # generation, in the adapter) and read only those host copies afterwards.

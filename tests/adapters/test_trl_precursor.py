@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rl_guard.config import BUILTINS
+from rl_guard.control.config import BUILTINS
 from rl_guard.demo.run import demo_config
 
 MAX_STEPS, RAMP_FROM = 24, 2

@@ -71,8 +71,8 @@ def test_funnel_nearest_present_parent_and_zero_parent(diag):
 
 @pytest.mark.filterwarnings("ignore:rl_guard. rule")  # built-in rules watch token metrics absent here
 def test_funnel_keep_frac_rule_fires_through_the_controller(diag):
-    from rl_guard.config import load_config
-    from rl_guard.controller import Controller
+    from rl_guard.control.config import load_config
+    from rl_guard.control.controller import Controller
 
     cfg = load_config("rules:\n  - {name: gate_drops, metric: rl_guard/funnel/accepted/keep_frac, op: '<', "
                       "threshold: 0.8, action: warn}\n")

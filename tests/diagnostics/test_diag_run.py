@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_guard import glossary
-from rl_guard.config import ConfigError, load_config
+from rl_guard.control.config import ConfigError, load_config
 from rl_guard.diagnostics import RunDiagnostics, SampleBatch
 
 

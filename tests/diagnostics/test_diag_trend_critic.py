@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from rl_guard.config import load_config
-from rl_guard.controller import Controller
+from rl_guard.control.config import load_config
+from rl_guard.control.controller import Controller
 from rl_guard.diagnostics import TRIAD_RULE, RunDiagnostics, SampleBatch
 from rl_guard.diagnostics import trend as trend_module
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rl_guard import Guard, TokenBatch
-from rl_guard import distributed as rg_dist
+from rl_guard.stats import ranks as rg_dist
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",

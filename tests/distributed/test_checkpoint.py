@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_scenarios import FAULT_STEP
-from rl_guard.checkpoint import load
+from rl_guard.control.checkpoint import load
 
 WORLDS = [2, 3]
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import dist_scenarios as sc
 from rl_guard import Guard
-from rl_guard import distributed as rg_dist
+from rl_guard.stats import ranks as rg_dist
 
 # Metrics computed from float sums: the merge adds the ranks' partial sums in another order than one process adds
 # the micro-batches, so these agree to float64 rounding. Everything else (counts, min/max, quantiles, fractions of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import dist_scenarios as sc
-from rl_guard import distributed as rg_dist
+from rl_guard.stats import ranks as rg_dist
 
 WORLDS = [2, 3]
 

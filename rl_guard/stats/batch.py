@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import DEFAULT_CLIP_EPS
+
 TOKEN_FIELDS = ("logprobs", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy")
 SEQUENCE_FIELDS = ("rewards", "lengths", "truncated", "group_ids")
 
@@ -52,8 +54,8 @@ class TokenBatch:
     truncated: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_low: float = DEFAULT_CLIP_EPS
+    eps_high: float = DEFAULT_CLIP_EPS
     importance_sampling_level: str = "token"
     allow_empty_mask: bool = False  # e.g. TRL's mask_truncated_completions can legitimately zero a micro-batch
 

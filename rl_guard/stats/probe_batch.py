@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from . import keys
 from .batch import TokenBatch
 from .chunks import Chunk, chunks
-from .probes import (
-    DEFAULT_LAG_EDGES,
+from .constants import DEFAULT_LAG_EDGES
+from .kernels import (
     ChunkStats,
     Partial,
     clip_by_lag,
@@ -56,8 +57,8 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     _sequence_stats(acc, lengths, b.truncated, b.rewards)
     p = acc.partial()
     if not b.allow_empty_mask:
-        p.add_sum("tokens.empty_microbatches", p.sum["tokens.count"] == 0)
-    p.add_sum("tokens.microbatches", torch.ones((), device=b.device))
+        p.add_sum(keys.TOKENS.empty_microbatches, p.sum[keys.TOKENS.count] == 0)
+    p.add_sum(keys.TOKENS.microbatches, torch.ones((), device=b.device))
     return p
 
 
@@ -77,7 +78,7 @@ def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_cl
     temporaries are freed as soon as it returns (peak memory is a handful of chunk-sized tensors)."""
     m, gate = _mask(b, ch)
     n_mask = count(m)
-    acc.sum("tokens.count", n_mask)
+    acc.sum(keys.TOKENS.count, n_mask)
     if b.lengths is None:
         ch.seq_add(acc.seq("length"), m)
     lp, v_lp = gated(ch.token(b.logprobs), gate)
@@ -139,7 +140,7 @@ def _adv_family(acc, b: TokenBatch, ch: Chunk, gate, n_mask, clip):
     adv, v_adv = gated(ch.token(b.advantages), gate)
     z, n_adv = value_stats(acc, "adv", adv, v_adv, squares=True)
     nonfinite(acc, "advantages", n_mask, n_adv)
-    acc.sum("adv.zero", n_adv - z.count_nonzero())  # invalid entries are 0 in z
+    acc.sum(keys.ADV.zero, n_adv - z.count_nonzero())  # invalid entries are 0 in z
     if clip is None:
         return None
     return clip_stats(acc, clip[0], adv, torch.dot(clip[1], v_adv), b.eps_low, b.eps_high)
@@ -175,7 +176,7 @@ def _sequence_stats(acc: ChunkStats, lengths, truncated, rewards) -> None:
         lengths = lengths.reshape(-1).to(torch.float64)
         value_stats(acc, "length", lengths, torch.ones_like(lengths))
     if truncated is not None:
-        acc.sum("length.truncated", truncated.bool().sum())
+        acc.sum(keys.LENGTH.truncated, truncated.bool().sum())
     if rewards is not None:
         rewards, v = gated(rewards.reshape(-1).to(torch.float64), None)
         _, n = value_stats(acc, "reward", rewards, v, squares=True)

@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import torch
 
-from .probes import Partial
+from .partial import Partial
 
 class RankMismatch(RuntimeError):
     """Ranks fed different statistics layouts (e.g. one rank passed ref_logprobs, another did not)."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import diagnostics, glossary  # noqa: F401 - importing diagnostics registers its metric names
-from .errors import ConfigError
+from .. import glossary
+from ..errors import ConfigError
+from ..stats.constants import DEFAULT_LAG_EDGES
 from .yaml_nodes import load_with_lines, read_source
 
 ACTIONS = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")
@@ -45,7 +46,7 @@ class GuardConfig:
     snapshots: dict = field(default_factory=lambda: dict(DEFAULTS["snapshots"]))
     rollback: dict = field(default_factory=lambda: dict(DEFAULTS["rollback"]))
     checkpoint: dict = field(default_factory=lambda: dict(DEFAULTS["checkpoint"]))
-    lag_buckets: tuple[int, ...] = (0, 1, 2, 3, 5, 9)
+    lag_buckets: tuple[int, ...] = DEFAULT_LAG_EDGES
     sinks: list = field(default_factory=lambda: ["jsonl"])
     run_dir: str | None = None
     fail_mode: str = "open"

@@ -16,33 +16,15 @@ the zero-filled copy and take the invalid tokens back out of the zero cell (``Ch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 
+from . import keys
+from .constants import EXP_CLAMP
 from .chunks import ChunkStats
+from .partial import Partial
 from .sketch import ENTROPY, LOG_RATIO, SketchSpec, cell_index, count_cells
 
-DEFAULT_LAG_EDGES = (0, 1, 2, 3, 5, 9)  # buckets 0, 1, 2, 3-4, 5-8, 9+
-EXP_CLAMP = 80.0  # exp() argument clamp so a finite but huge log-ratio gives a huge finite ratio, not inf
 F64 = torch.float64
-
-
-@dataclass
-class Partial:
-    """Sufficient statistics of one micro-batch, keyed by name; all tensors 1-D."""
-
-    sum: dict = field(default_factory=dict)
-    max: dict = field(default_factory=dict)
-
-    def add_sum(self, name: str, t: torch.Tensor) -> None:
-        self.sum[name] = t.reshape(-1).to(F64)
-
-    def add_max(self, name: str, t: torch.Tensor) -> None:
-        self.max[name] = t.reshape(-1).to(F64)
-
-    def add_min(self, name: str, t: torch.Tensor) -> None:
-        self.max["-" + name] = -t.reshape(-1).to(F64)
 
 
 def count(mask: torch.Tensor) -> torch.Tensor:
@@ -71,24 +53,25 @@ def gated(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, tor
 def nonfinite(acc: ChunkStats, name: str, n_before, n_after) -> None:
     """``input/<name>/nonfinite``: tokens valid before this field was taken into account and not after it (a
     token whose logprobs is already non-finite is counted under logprobs only)."""
-    acc.sum(f"input.{name}.nonfinite", n_before - n_after)
+    acc.sum(keys.input_nonfinite(name), n_before - n_after)
 
 
 def value_stats(acc: ChunkStats, name: str, y, v, squares: bool = False):
     """count, sum, (sum of squares), min, max of the valid entries of ``y`` (NaN elsewhere, validity ``v``);
     returns (zero-filled ``y``, count)."""
+    key = keys.of(name)
     z = torch.nan_to_num(y, nan=0.0)
     n = v.sum()
-    acc.sum(f"{name}.count", n)
+    acc.sum(key.count, n)
     if squares:
         # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
         zd = z.to(F64)
-        acc.sum(f"{name}.sum", zd.sum())
-        acc.sum(f"{name}.sumsq", torch.dot(zd, zd))
+        acc.sum(key.sum, zd.sum())
+        acc.sum(key.sumsq, torch.dot(zd, zd))
     else:
-        acc.sum(f"{name}.sum", z.sum())
-    acc.max(f"{name}.max", nan_max(y))
-    acc.min(f"{name}.min", nan_min(y))
+        acc.sum(key.sum, z.sum())
+    acc.max(key.max, nan_max(y))
+    acc.min(key.min, nan_min(y))
     return z, n
 
 
@@ -111,15 +94,16 @@ def log_ratio_terms(lr: torch.Tensor):
 
 def ratio_stats(acc: ChunkStats, name: str, lr, v, z=None, e=None, hist: bool = True) -> None:
     """Ratio r = exp(lr) over valid tokens: count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
+    key = keys.of(name)
     if z is None:
         z, e = log_ratio_terms(lr)
     n = v.sum()
-    acc.sum(f"{name}.count", n)
-    acc.sum(f"{name}.sum", e.sum() + n)  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
-    acc.max(f"{name}.logmax", nan_max(lr))
-    acc.min(f"{name}.logmin", nan_min(lr))
+    acc.sum(key.count, n)
+    acc.sum(key.sum, e.sum() + n)  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
+    acc.max(key.logmax, nan_max(lr))
+    acc.min(key.logmin, nan_min(lr))
     if hist:
-        zero_filled_hist(acc, f"{name}.hist", z, LOG_RATIO, z.numel() - n)
+        zero_filled_hist(acc, key.hist, z, LOG_RATIO, z.numel() - n)
     return n
 
 
@@ -130,33 +114,36 @@ def zero_filled_hist(acc: ChunkStats, name: str, z, spec: SketchSpec, n_invalid)
 def kl_stats(acc: ChunkStats, chunk, name: str, z, e, v, n=None) -> torch.Tensor:
     """k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r: token sums here, per-sequence sums into ``[S]``
     accumulators (``kl_finish`` takes their mean and max). Returns the per-token k3 (0 where invalid)."""
+    key = keys.of(name)
     k3 = e - z
-    acc.sum(f"{name}.count", v.sum() if n is None else n)
-    acc.sum(f"{name}.k1.sum", -z.sum())
-    acc.sum(f"{name}.k2.sum", 0.5 * torch.dot(z, z))
-    acc.sum(f"{name}.k3.sum", k3.sum())
-    chunk.seq_add(acc.seq(f"{name}.tokens"), v)
-    chunk.seq_add(acc.seq(f"{name}.lr"), z)
-    chunk.seq_add(acc.seq(f"{name}.lr2"), z * z)
-    chunk.seq_add(acc.seq(f"{name}.k3"), k3)
+    acc.sum(key.count, v.sum() if n is None else n)
+    acc.sum(key.estimator("k1", "sum"), -z.sum())
+    acc.sum(key.estimator("k2", "sum"), 0.5 * torch.dot(z, z))
+    acc.sum(key.estimator("k3", "sum"), k3.sum())
+    chunk.seq_add(acc.seq(key.tokens), v)
+    chunk.seq_add(acc.seq(key.lr), z)
+    chunk.seq_add(acc.seq(key.lr2), z * z)
+    chunk.seq_add(acc.seq(key.k3), k3)
     return k3
 
 
 def kl_finish(acc: ChunkStats, name: str) -> None:
     """Mean (as a sum plus a sequence count) and max over sequences of the per-sequence estimator sums."""
-    seq_valid = acc.seq(f"{name}.tokens") > 0
-    acc.sum(f"{name}.seqs", count(seq_valid))
-    lr = acc.seq(f"{name}.lr")
-    for k, per_seq in (("k1", -lr), ("k2", 0.5 * acc.seq(f"{name}.lr2")), ("k3", acc.seq(f"{name}.k3"))):
-        acc.sum(f"{name}.{k}.seqsum", per_seq.sum())
-        acc.max(f"{name}.{k}.seqmax", masked_max(per_seq, seq_valid))
+    key = keys.of(name)
+    seq_valid = acc.seq(key.tokens) > 0
+    acc.sum(key.seqs, count(seq_valid))
+    lr = acc.seq(key.lr)
+    for k, per_seq in (("k1", -lr), ("k2", 0.5 * acc.seq(key.lr2)), ("k3", acc.seq(key.k3))):
+        acc.sum(key.estimator(k, "seqsum"), per_seq.sum())
+        acc.max(key.estimator(k, "seqmax"), masked_max(per_seq, seq_valid))
 
 
 def seq_log_ratio(acc: ChunkStats, name: str = "kl_old"):
     """GSPO sequence log-ratio: mean token log-ratio per sequence, NaN for sequences without a valid token;
     returns (values [S], validity [S] as 0/1)."""
-    tokens = acc.seq(f"{name}.tokens")
-    return acc.seq(f"{name}.lr") / tokens, (tokens > 0).to(F64)  # 0 / 0 = NaN marks the empty sequences
+    key = keys.of(name)
+    tokens = acc.seq(key.tokens)
+    return acc.seq(key.lr) / tokens, (tokens > 0).to(F64)  # 0 / 0 = NaN marks the empty sequences
 
 
 def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high: float) -> torch.Tensor:
@@ -171,9 +158,9 @@ def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high:
     clipped = (clip_lr - b).mul_(s) > a
     n_low = count(clipped & (s < 0))
     n_clipped = count(clipped)
-    acc.sum("clip.count", n_valid)
-    acc.sum("clip.low", n_low)
-    acc.sum("clip.high", n_clipped - n_low)
+    acc.sum(keys.CLIP.count, n_valid)
+    acc.sum(keys.CLIP.low, n_low)
+    acc.sum(keys.CLIP.high, n_clipped - n_low)
     return clipped
 
 
@@ -201,13 +188,13 @@ def lag_stats(acc: ChunkStats, lag, bucket, nb: int, ratio=None, clipped=None) -
     """Per-bucket token counts, clip counts, ratio histograms and k3 sums; ``ratio = (log r, validity, k3)``
     (zero-filled, 0/1, zero-filled). Bucket ``nb`` collects the masked-out tokens and is dropped."""
     if clipped is None:
-        acc.sum("lag.tokens", count_cells(bucket, nb + 1)[:nb])
+        acc.sum(keys.LAG.tokens, count_cells(bucket, nb + 1)[:nb])
     else:  # one count for both: the clipped tokens of bucket b land in nb + 1 + b
         both = count_cells(torch.add(bucket, clipped, alpha=nb + 1), 2 * nb + 2)
-        acc.sum("lag.tokens", both[:nb] + both[nb + 1 : 2 * nb + 1])
-        acc.sum("lag.clip", both[nb + 1 : 2 * nb + 1])
-    acc.sum("lag.sum", torch.nansum(lag))  # fp32 per chunk: relative error ~1e-7 even for huge lags
-    acc.max("lag.max", nan_max(lag))
+        acc.sum(keys.LAG.tokens, both[:nb] + both[nb + 1 : 2 * nb + 1])
+        acc.sum(keys.LAG.clip, both[nb + 1 : 2 * nb + 1])
+    acc.sum(keys.LAG.sum, torch.nansum(lag))  # fp32 per chunk: relative error ~1e-7 even for huge lags
+    acc.max(keys.LAG.max, nan_max(lag))
     if ratio is None:
         return
     lr, v, k3 = ratio
@@ -215,19 +202,19 @@ def lag_stats(acc: ChunkStats, lag, bucket, nb: int, ratio=None, clipped=None) -
     # Offset of every token's cell: its bucket's block, and past every block (dropped) when the ratio is invalid.
     offset = bucket.float().mul_(LOG_RATIO.bins).add_(v, alpha=-(cells + LOG_RATIO.bins)).add_(cells + LOG_RATIO.bins)
     index = cell_index(lr, LOG_RATIO, offset)
-    acc.sum("lag.hist", count_cells(index, 2 * cells + 2 * LOG_RATIO.bins)[:cells])
-    acc.sum("lag.k3", torch.zeros(nb + 1, dtype=F64, device=lag.device).index_add_(0, bucket, k3.to(F64))[:nb])
+    acc.sum(keys.LAG.hist, count_cells(index, 2 * cells + 2 * LOG_RATIO.bins)[:cells])
+    acc.sum(keys.LAG.k3, torch.zeros(nb + 1, dtype=F64, device=lag.device).index_add_(0, bucket, k3.to(F64))[:nb])
 
 
 def clip_by_lag(acc: ChunkStats, bucket, clipped, nb: int) -> None:
     """Clipped tokens per lag bucket (GSPO's second pass; the token-level path counts them in ``lag_stats``)."""
-    acc.sum("lag.clip", count_cells(torch.where(clipped, bucket, nb), nb + 1)[:nb])
+    acc.sum(keys.LAG.clip, count_cells(torch.where(clipped, bucket, nb), nb + 1)[:nb])
 
 
 def entropy_stats(acc: ChunkStats, ent: torch.Tensor, v: torch.Tensor):
     """Entropy (NaN-marked, validity ``v``): value statistics and histogram; returns the valid count."""
     z, n = value_stats(acc, "entropy", ent, v)
-    zero_filled_hist(acc, "entropy.hist", z, ENTROPY, z.numel() - n)
+    zero_filled_hist(acc, keys.ENTROPY.hist, z, ENTROPY, z.numel() - n)
     return n
 
 
@@ -235,9 +222,9 @@ def loss_stats(p: Partial, loss: torch.Tensor) -> None:
     """Sum of the finite micro-batch losses and the count of non-finite ones (the step loss when summed)."""
     loss = loss.detach().float().reshape(-1)
     ok = torch.isfinite(loss)
-    p.add_sum("loss.count", torch.ones((), device=loss.device) * loss.numel())
-    p.add_sum("loss.sum", torch.where(ok, loss, 0.0).sum())
-    p.add_sum("loss.nonfinite", (~ok).sum())
+    p.add_sum(keys.LOSS.count, torch.ones((), device=loss.device) * loss.numel())
+    p.add_sum(keys.LOSS.sum, torch.where(ok, loss, 0.0).sum())
+    p.add_sum(keys.LOSS.nonfinite, (~ok).sum())
 
 
 def rank_count(name: str, device) -> Partial:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
-PRESETS = Path(__file__).resolve().parent / "presets"
+PRESETS = Path(__file__).resolve().parents[1] / "presets"
 
 
 def read_source(source) -> tuple[str, str]:

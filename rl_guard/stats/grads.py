@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .probes import Partial
+from . import keys
+from .partial import Partial
 
 
 def _grads(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -35,23 +36,23 @@ def probe_grads(param_groups: list[list[torch.nn.Parameter]], pre_clip_norm=None
     for i, group in enumerate(param_groups):
         grads = _grads(group)
         if not grads:
-            add(f"grad.group{i}.sq", torch.zeros((), dtype=torch.float64, device=device))
+            add(keys.grad_group(i), torch.zeros((), dtype=torch.float64, device=device))
             continue
         l2 = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
         linf = torch.stack(torch._foreach_norm(grads, math.inf)).double()
         sq = (l2 * l2).sum()
-        add(f"grad.group{i}.sq", sq)
+        add(keys.grad_group(i), sq)
         sq_total.append(sq)
         max_abs.append(linf.max())
         # A tensor with any NaN/inf has a non-finite L2 or inf norm.
         bad.append((~torch.isfinite(l2) | ~torch.isfinite(linf)).sum())
     if sq_total:
-        add("grad.sq", torch.stack(sq_total).sum())
-        p.add_max("grad.max_abs", torch.stack(max_abs).max())
-        add("grad.nonfinite", torch.stack(bad).sum())
+        add(keys.GRAD.sq, torch.stack(sq_total).sum())
+        p.add_max(keys.GRAD.max_abs, torch.stack(max_abs).max())
+        add(keys.GRAD.nonfinite, torch.stack(bad).sum())
     if pre_clip_norm is not None:
         norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=None if torch.is_tensor(pre_clip_norm) else device)
-        p.add_max("grad.preclip_sq", norm * norm)
+        p.add_max(keys.GRAD.preclip_sq, norm * norm)
     return p
 
 

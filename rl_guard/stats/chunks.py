@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
+from .partial import Partial
 
 F64 = torch.float64
 
@@ -157,8 +158,6 @@ class ChunkStats:
 
         Scalars are reduced in groups (one stack per dtype and chunk count, then one reduction and one cast),
         because on a small micro-batch a few kernels per statistic would cost more than the statistics."""
-        from .probes import Partial  # the probes build on this module
-
         sums = {k: v.to(F64) for k, v in self._sum.items() if not isinstance(v, list)}
         sums.update(_grouped({k: v for k, v in self._sum.items() if isinstance(v, list)}, "sum"))
         for name, cell in self._zero_cell.items():

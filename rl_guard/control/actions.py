@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from . import distributed
+from ..stats import ranks
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
 
@@ -102,7 +102,7 @@ class Actions:
             atomic_save(payload, path)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = exc
-        distributed.raise_if_any_rank_failed(error, f"checkpoint save to {path}")
+        ranks.raise_if_any_rank_failed(error, f"checkpoint save to {path}")
         prune_checkpoints(root, path.name, g.config.checkpoint["keep"])
         self.last_checkpoint = str(path)
         return str(path)
@@ -132,7 +132,7 @@ class Actions:
 
 def drop_grads(params) -> None:
     """Set every gradient to None so the optimizer step is a no-op for weights and moments."""
-    from .grads import param_groups_of
+    from ..stats.grads import param_groups_of
 
     for group in param_groups_of(params):
         for p in group:

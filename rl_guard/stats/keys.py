@@ -1,0 +1,67 @@
+"""Every internal statistic key, declared once.
+
+Probes write ``<family>.<field>`` entries into a ``Partial``, ranks merge them, ``summarize`` reads them. Both
+sides name keys through this module, so a typo is an ``AttributeError`` (or a ``KeyError`` naming the declared
+families) at the first step instead of a metric that silently never appears.
+"""
+
+from __future__ import annotations
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+# The fields a family may carry (not every family carries every field).
+_FIELDS = (
+    "count", "sum", "sumsq", "min", "max", "logmin", "logmax", "hist", "zero", "truncated",  # value / ratio
+    "seqs", "tokens", "lr", "lr2", "k3",  # KL: sequence count and per-sequence accumulators
+    "low", "high", "clip",  # clip regions, per-lag clip counts
+    "microbatches", "empty_microbatches", "ranks", "nonfinite",  # tokens / loss bookkeeping
+    "sq", "max_abs", "preclip_sq",  # gradients
+)
+
+
+class Family:
+    """The keys of one statistics family: ``Family("ratio").count == "ratio.count"``."""
+
+    __slots__ = ("name", *_FIELDS)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        for f in _FIELDS:
+            setattr(self, f, f"{name}.{f}")
+
+    def estimator(self, k: str, what: str) -> str:
+        """KL estimator keys: ``what`` is ``sum`` (over tokens), ``seqsum`` or ``seqmax`` (over sequences)."""
+        if k not in KL_ESTIMATORS or what not in ("sum", "seqsum", "seqmax"):
+            raise KeyError(f"no KL estimator key {k}.{what}")
+        return f"{self.name}.{k}.{what}"
+
+
+RATIO_FAMILIES = ("ratio", "seq_ratio", "importance_weight", "behave_imp_weight")
+KL_FAMILIES = ("kl_old", "kl_ref")
+_FAMILIES = {n: Family(n) for n in (*RATIO_FAMILIES, *KL_FAMILIES, "entropy", "clip", "adv", "length", "reward",
+                                    "tokens", "lag", "loss", "grad")}
+RATIO, SEQ_RATIO, IMPORTANCE_WEIGHT, BEHAVE_IMP_WEIGHT = (_FAMILIES[n] for n in RATIO_FAMILIES)
+KL_OLD, KL_REF = (_FAMILIES[n] for n in KL_FAMILIES)
+ENTROPY, CLIP, ADV, LENGTH, REWARD = (_FAMILIES[n] for n in ("entropy", "clip", "adv", "length", "reward"))
+TOKENS, LAG, LOSS, GRAD = (_FAMILIES[n] for n in ("tokens", "lag", "loss", "grad"))
+
+INPUT_PREFIX, NONFINITE_SUFFIX = "input.", ".nonfinite"
+GRAD_GROUP_PREFIX = "grad.group"
+
+
+def of(name: str) -> Family:
+    """The declared family ``name``."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"undeclared statistics family {name!r}; declared: {sorted(_FAMILIES)}") from None
+
+
+def input_nonfinite(field: str) -> str:
+    """Masked entries of token-batch field ``field`` that are NaN or inf."""
+    return f"{INPUT_PREFIX}{field}{NONFINITE_SUFFIX}"
+
+
+def grad_group(i: int) -> str:
+    """Sum of squared gradients of optimizer parameter group ``i``."""
+    return f"{GRAD_GROUP_PREFIX}{i}.sq"
