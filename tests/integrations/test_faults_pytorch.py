@@ -17,7 +17,7 @@ from rl_guard import Guard
 from rl_guard.sinks import read_jsonl
 from bitwise import assert_same
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "grpo.yaml")
 _spec = importlib.util.spec_from_file_location("pytorch_grpo_train", ROOT / "integrations" / "pytorch_grpo" / "train.py")
 recipe = sys.modules.setdefault("pytorch_grpo_train", importlib.util.module_from_spec(_spec))

@@ -9,7 +9,7 @@ from rl_guard import Guard
 from rl_guard.control.config import ACTIONS, load_config
 from rl_guard.errors import ConfigError, format_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OK_RULE = '  - name: ok\n    metric: rl_guard/kl_ref/k3_mean\n    op: ">"\n    threshold: 0.1\n    action: warn\n'
 
 

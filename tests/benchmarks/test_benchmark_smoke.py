@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "stats.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "stats.py"
 
 
 @pytest.fixture(scope="module")
