@@ -79,12 +79,18 @@ class StepAccumulator:
         maxes = torch.cat([maxes, check])
         if reduce is not None:
             reduce(sums, maxes)
-        host = torch.cat([sums, maxes]).cpu().numpy()
+        host = to_host(torch.cat([sums, maxes]))
         self._segments.clear()
         if host[-2] != -host[-1]:
             raise RankMismatch("ranks fed different statistics layouts this step (some rank saw fields the others "
                                "did not); feed the same TokenBatch fields on every rank")
         return unpack(layouts, host[:-2])
+
+
+def to_host(packed: torch.Tensor) -> np.ndarray:
+    """The step's one device->host transfer. Kept in its own function so that the tests' sync detector can tell
+    it from any other host read (it recognises the syncs made inside this function)."""
+    return packed.cpu().numpy()
 
 
 def unpack(layouts: list[Layout], host: np.ndarray) -> dict[str, np.ndarray]:

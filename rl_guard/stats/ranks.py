@@ -94,7 +94,7 @@ class StepReducer:
         buf[HEADER : HEADER + head] = _nan_to_inf(maxes[:head]).to(device)
         self.entered = True
         dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-        _check_header(buf[:HEADER].cpu())
+        _check_header(read_header(buf))
         maxes[:head] = buf[HEADER : HEADER + head].to(maxes.device)
         if n_m > head:  # same n_m on every rank (checked above), so every rank enters this one too
             _reduce_on(dist, maxes[head:], dist.ReduceOp.MAX, device, nan_to_inf=True)
@@ -114,8 +114,13 @@ def _reduce_on(dist, t: torch.Tensor, op, device, nan_to_inf: bool = False) -> N
         t.copy_(work)
 
 
-def _check_header(h: torch.Tensor) -> None:
-    h = h.tolist()
+def read_header(buf: torch.Tensor) -> list[float]:
+    """The host read of the merged header between the two collectives (the tests' sync detector recognises the
+    syncs made inside this function as this documented one)."""
+    return buf[:HEADER].cpu().tolist()
+
+
+def _check_header(h: list[float]) -> None:
     if h[4] > 0:
         raise RankFailed("the guard failed internally on another rank this step; every rank takes its failure "
                          "path (fail_mode) for this step")

@@ -1,60 +1,34 @@
-"""One device->host transfer per optimizer step, and no other host read of a device value.
+"""One device->host transfer per optimizer step, and no other synchronising op, over whole guard steps.
 
-Every way a tensor value can reach Python is instrumented (``.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``,
-``bool/float/int(t)`` and ``.to(cpu)`` from another device). On CPU nothing is really copied, but each of these
-calls would synchronise a GPU, so counting them on CPU is the test. ``.numpy()`` on the very tensor returned by the
-counted ``.cpu()`` is the host view of that one transfer, not a second one.
+``SyncDetector`` (tests/sync_detector.py) sees every op that would make a GPU wait: scalar reads, host reads,
+data-dependent shapes, ``torch.equal``, device->host copies, collectives. It wraps ``observe``, ``check`` and
+``step_done`` of a real ``Guard`` over several steps of padded and packed micro-batches with every optional field;
+the only sync allowed is the step's transfer in ``rl_guard.stats.accumulate.to_host`` (``.cpu()`` of the packed
+vector, then ``.numpy()`` of that host copy). The multi-process count with gloo is in
+tests/distributed/test_sync_ranks.py; the CUDA check under ``set_sync_debug_mode("error")`` is at the end.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard import Guard
+from rl_guard.stats import accumulate, kernels
 from rl_guard.stats.batch import TokenBatch
-from rl_guard.stats.grads import param_groups_of, probe_grads
 from rl_guard.stats.probe_batch import probe_batch
-from rl_guard.stats.kernels import loss_stats
-from rl_guard.stats.partial import Partial
-from rl_guard.stats.summarize import summarize
+from sync_detector import SyncDetector
 
-READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
-
-
-@pytest.fixture
-def host_reads(monkeypatch):
-    calls = {"cpu": 0, "to_cpu": 0, **{n: 0 for n in READS}}
-    transferred = set()
-    orig = {n: getattr(torch.Tensor, n) for n in ("cpu", "to", *READS)}
-
-    def cpu(self, *a, **k):
-        calls["cpu"] += 1
-        out = orig["cpu"](self, *a, **k)
-        transferred.add(id(out))
-        return out
-
-    def to(self, *a, **k):
-        out = orig["to"](self, *a, **k)
-        if self.device.type != "cpu" and out.device.type == "cpu":
-            calls["to_cpu"] += 1
-        return out
-
-    def read(name):
-        def wrapped(self, *a, **k):
-            if not (name == "numpy" and id(self) in transferred):
-                calls[name] += 1
-            return orig[name](self, *a, **k)
-        return wrapped
-
-    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
-    monkeypatch.setattr(torch.Tensor, "to", to)
-    for n in READS:
-        monkeypatch.setattr(torch.Tensor, n, read(n))
-    return calls
+ASYNC = Path(__file__).resolve().parents[2] / "rl_guard" / "presets" / "async.yaml"
+TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer: .cpu() of the packed vector, .numpy() of the copy
+STEPS, MICRO = 4, 4
+SNAPSHOT_STEP = 2  # snapshots: {healthy_steps: 3, every: 10} in the async preset
 
 
-def micro_batch(seed, packed=False):
+def micro_batch(seed: int, packed: bool = False, device="cpu") -> TokenBatch:
     g = torch.Generator().manual_seed(seed)
     B, T = 4, 33
     lp = -torch.rand(B, T, generator=g)
@@ -67,61 +41,196 @@ def micro_batch(seed, packed=False):
         for k in ("logprobs", "mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy", "versions"):
             d[k] = d[k].reshape(-1)
         d["cu_seqlens"] = torch.arange(0, B * T + 1, T)
+    d = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
     return TokenBatch(**d, importance_sampling_level="sequence" if seed % 2 else "token")
 
 
-def model_with_grads():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    model(torch.randn(3, 8)).pow(2).sum().backward()
-    return torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}])
+class Loop:
+    """A tiny model trained with a real guard (async preset: versions, lag buckets, rules with every action)."""
+
+    def __init__(self, tmp_path, device="cpu"):
+        torch.manual_seed(0)
+        self.device = device
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
+        self.opt = torch.optim.AdamW([{"params": self.model[0].parameters()}, {"params": self.model[2].parameters()}])
+        self.guard = Guard.from_yaml(ASYNC, run_dir=tmp_path / "run").attach(self.model, self.opt)
+
+    def step_inputs(self, step: int) -> list:
+        # Built outside the detector: the caller's data, not the guard's work.
+        batches = [micro_batch(step * MICRO + i, packed=i == MICRO - 1, device=self.device) for i in range(MICRO)]
+        losses = [self.model(torch.randn(3, 8, device=self.device)).pow(2).mean() for _ in range(MICRO)]
+        return list(zip(batches, losses))
+
+    def run(self, det: SyncDetector, steps: int = STEPS) -> list[dict]:
+        """Per step: the syncs seen in observe (all micro-batches), check and step_done."""
+        out = []
+        for step in range(steps):
+            seen = {"observe": [], "check": [], "step_done": []}
+            for batch, loss in self.step_inputs(step):
+                with det:
+                    self.guard.observe(batch, loss=loss.detach())
+                seen["observe"] += det.take()
+                loss.backward()
+            with det:
+                decision = self.guard.check()
+            seen["check"] += det.take()
+            if decision.apply_step:
+                self.opt.step()
+            self.opt.zero_grad()
+            with det:
+                self.guard.step_done()
+            seen["step_done"] += det.take()
+            out.append(seen)
+        self.guard.close()
+        return out
 
 
-def test_four_micro_batch_step_transfers_once(host_reads):
-    opt = model_with_grads()
-    batches = [micro_batch(i, packed=i == 3) for i in range(4)]  # built outside: validation is host-only anyway
-    acc = StepAccumulator()
-    for b in batches:
-        acc.add(probe_batch(b))
-        p = Partial()
-        loss_stats(p, torch.tensor(0.5))
-        acc.add(p)
-    acc.add(probe_grads(param_groups_of(opt), pre_clip_norm=torch.tensor(1.5)))
-    raw = acc.finish()
-    assert host_reads["cpu"] == 1, host_reads
-    assert {k: v for k, v in host_reads.items() if k != "cpu"} == {"to_cpu": 0, **{n: 0 for n in READS}}
-    metrics, _ = summarize(raw)  # host side only (numpy): still no tensor read
-    assert host_reads["cpu"] == 1 and sum(host_reads.values()) == 1
-    assert metrics["rl_guard/tokens/microbatches"] == 4 and metrics["rl_guard/loss/value"] == 2.0
+def test_whole_guard_steps_sync_only_in_the_one_transfer(tmp_path):
+    loop = Loop(tmp_path)
+    steps = loop.run(SyncDetector())
+    assert loop.guard.internal_failures == 0 and loop.guard.step == STEPS
+    assert loop.guard.last_metrics["rl_guard/tokens/microbatches"] == MICRO
+    state_tensors = len(loop.model.state_dict()) + sum(
+        isinstance(v, torch.Tensor) for s in loop.opt.state_dict()["state"].values() for v in s.values())
+    for step, seen in enumerate(steps):
+        for call, events in seen.items():
+            stray = [str(e) for e in events if e.site is None]
+            assert stray == [], f"step {step}, {call}: synchronising ops outside the documented ones: {stray}"
+        assert {e.site for e in seen["observe"]} <= {"cpu-only bincount"}
+        assert [e.op for e in seen["check"] if e.site != "cpu-only bincount"] == TRANSFER
+        assert {e.function for e in seen["check"] if e.site == "step transfer"} == {"to_host"}
+        # The async preset snapshots after 3 healthy steps (then every 10): one host copy per state tensor, there only.
+        copies = [e for e in seen["step_done"] if e.site == "state capture"]
+        assert len(copies) == (state_tensors if step == SNAPSHOT_STEP else 0), (step, [str(e) for e in copies])
+        assert len(copies) == len(seen["step_done"])
 
 
-def test_the_counter_sees_a_sync(host_reads):
-    """Guard against a counter that counts nothing: a stray .item() and a bool() are seen."""
-    t = torch.ones(3)
-    t.sum().item()
-    bool(t.any())
-    assert host_reads["item"] == 1 and host_reads["__bool__"] == 1
+# -- the detector is not blind: each kind the earlier Tensor-method counter missed, inside a guard call ----------
+def _inject(monkeypatch, name, extra):
+    """Wrap one kernel the guard calls on every micro-batch so that it also runs ``extra(args)`` (patched in every
+    rl_guard module that imported it by name)."""
+    original = getattr(kernels, name)
+
+    def patched(*args, **kwargs):
+        extra(args)
+        return original(*args, **kwargs)
+
+    for mod in [m for n, m in sys.modules.items() if n.startswith("rl_guard")]:
+        if getattr(mod, name, None) is original:
+            monkeypatch.setattr(mod, name, patched)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_sync_on_cuda_under_sync_debug_mode():
-    dev = torch.device("cuda")
-    batches = []
-    for i in range(4):
-        b = micro_batch(i, packed=i == 3)
-        kw = {f.name: getattr(b, f.name) for f in b.__dataclass_fields__.values()}
-        kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-        batches.append(TokenBatch(**kw))
-    model = torch.nn.Linear(8, 2).to(dev)
-    model(torch.randn(3, 8, device=dev)).sum().backward()
-    torch.cuda.synchronize()
-    acc = StepAccumulator()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for b in batches:
-            acc.add(probe_batch(b))
-        acc.add(probe_grads(param_groups_of(model)))
-        sums = acc.pack()[1]  # everything up to the single transfer
-    finally:
+def _mask_select(args):
+    loss = args[1]
+    loss.reshape(-1)[loss.reshape(-1) > 0]
+
+
+def _equal(args):
+    torch.equal(args[1], args[1])
+
+
+def _index(args):
+    list(range(args[1].reshape(-1)[:1].long().clamp(0, 2)[0]))  # range(t) goes through __index__
+
+
+@pytest.mark.parametrize("extra, kind, op", [
+    (_mask_select, "data_dependent_shape", "aten.index.Tensor (boolean mask)"),
+    (_equal, "compare", "aten.equal.default"),
+    (_index, "scalar_read", "Tensor.__index__"),
+])
+def test_an_injected_sync_inside_observe_is_caught(tmp_path, monkeypatch, extra, kind, op):
+    _inject(monkeypatch, "loss_stats", extra)
+    loop = Loop(tmp_path)
+    steps = loop.run(SyncDetector(), steps=1)
+    stray = [e for e in steps[0]["observe"] if e.site is None]
+    assert [(e.kind, e.op) for e in stray] == [(kind, op)] * MICRO, [str(e) for e in stray]
+    assert all(e.file.endswith("test_sync_count.py") and e.callers[1:3] == ("patched", "observe") for e in stray)
+
+
+def test_an_injected_nonzero_in_a_kernel_is_caught(tmp_path, monkeypatch):
+    """A kernel that picks entries with ``torch.where(cond)`` (``nonzero`` underneath) instead of arithmetic."""
+    _inject(monkeypatch, "count", lambda args: torch.where(args[0]))
+    loop = Loop(tmp_path)
+    seen = loop.run(SyncDetector(), steps=1)[0]
+    stray = [e for e in seen["observe"] + seen["check"] if e.site is None]
+    assert stray and {(e.kind, e.op, e.function) for e in stray} == {
+        ("data_dependent_shape", "aten.nonzero.default", "<lambda>")}
+    assert all(e.callers[1] == "patched" and "observe" in e.callers for e in stray)
+
+
+def test_a_copy_to_host_from_a_device_tensor_is_caught():
+    det = SyncDetector()
+    on_device = torch.randn(5)
+    with det:
+        det.mark_device(on_device)
+        stats = on_device.square().cumsum(0)  # computed from device data: device-side too
+        host = torch.empty(5)
+        host.copy_(stats)
+        kept = torch.empty(5)
+        det.mark_device(kept)
+        kept.copy_(stats)  # device -> device: not a sync
+        stats.to(torch.device("cpu"))
+        stats.cpu()
+    assert [(e.kind, e.op) for e in det.events] == [
+        ("device_to_host", "aten.copy_.default"), ("device_to_host", "Tensor.to(cpu)"), ("host_read", "Tensor.cpu")]
+
+
+def test_the_step_transfer_is_recognised_only_inside_to_host():
+    det = SyncDetector()
+    acc = accumulate.StepAccumulator()
+    acc.add(probe_batch(micro_batch(0)))
+    with det:
+        acc.finish()
+        acc.pack()[1].cpu().numpy()  # the same calls elsewhere are not the documented transfer
+    assert [(e.op, e.site) for e in det.events] == [
+        ("Tensor.cpu", "step transfer"), ("Tensor.numpy", "step transfer"), ("Tensor.cpu", None), ("Tensor.numpy", None)]
+
+
+def test_a_documented_site_allows_only_its_own_ops():
+    """A site that may use bincount (as count_cells does on CPU): any other sync inside it is still a stray."""
+
+    def counter(index, size):
+        return torch.bincount(index, minlength=size) + index.max().item() * 0
+
+    det = SyncDetector(documented={"cpu-only bincount": (counter.__code__, {"aten.bincount.default"})})
+    with det:
+        counter(torch.tensor([0, 2, 2]), 4)
+        torch.bincount(torch.tensor([1]))
+    assert [(e.op, e.site) for e in det.events] == [
+        ("aten.bincount.default", "cpu-only bincount"), ("Tensor.item", None), ("aten.bincount.default", None)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_sync_on_cuda_under_sync_debug_mode(tmp_path, monkeypatch):
+    """observe -> check -> step_done on CUDA with every synchronisation an error, except inside ``to_host``."""
+    transfers = []
+    original = accumulate.to_host
+
+    def allowed_transfer(packed):
+        transfers.append(packed.device.type)
         torch.cuda.set_sync_debug_mode("default")
-    assert sums.is_cuda
-    assert summarize(acc.finish())[0]["rl_guard/tokens/microbatches"] == 4
+        try:
+            return original(packed)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(accumulate, "to_host", allowed_transfer)
+    loop = Loop(tmp_path, device="cuda")
+    for step in range(STEPS):
+        inputs = loop.step_inputs(step)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for batch, loss in inputs:
+                loop.guard.observe(batch, loss=loss.detach())
+                loss.backward()
+            decision = loop.guard.check()
+            loop.guard.step_done()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if decision.apply_step:
+            loop.opt.step()
+        loop.opt.zero_grad()
+    assert transfers == ["cuda"] * STEPS
+    assert loop.guard.internal_failures == 0 and loop.guard.step == STEPS
+    assert loop.guard.last_metrics["rl_guard/tokens/microbatches"] == MICRO
