@@ -5,6 +5,8 @@ does the work and returns the exit status. To add one, write the two functions a
 ``COMMANDS``; ``main`` needs no change.
 
     rl-guard validate configs/grpo.yaml       # exit 0: "OK: configs/grpo.yaml (10 rules)"; 1: every error listed
+    rl-guard replay runs/demo --config runs/demo/config.yaml   # when each rule would have fired on a recorded run
+    rl-guard suggest runs/healthy --rules grpo                 # thresholds from healthy runs, evidence as comments
 """
 
 from __future__ import annotations
@@ -60,10 +62,38 @@ def _report(args: argparse.Namespace) -> int:
     return report_main(args)
 
 
+def _replay_arguments(parser: argparse.ArgumentParser) -> None:
+    from .replay.cli import add_replay_arguments
+
+    add_replay_arguments(parser)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .replay.cli import replay_main
+
+    return replay_main(args)
+
+
+def _suggest_arguments(parser: argparse.ArgumentParser) -> None:
+    from .replay.cli import add_suggest_arguments
+
+    add_suggest_arguments(parser)
+
+
+def _suggest(args: argparse.Namespace) -> int:
+    from .replay.cli import suggest_main
+
+    return suggest_main(args)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "validate": ("check guard YAML files: key paths, line numbers, allowed values", _validate_arguments, _validate),
     "demo": ("train a tiny GRPO model on CPU, inject a fault, watch the guard act before NaN", _demo_arguments, _demo),
     "report": ("render a run directory as PNG plots and a Markdown incident summary", _report_arguments, _report),
+    "replay": ("replay a recorded run through the rules: when each would have fired, and what it would have done",
+               _replay_arguments, _replay),
+    "suggest": ("propose rule thresholds from healthy recorded runs, with the evidence as YAML comments",
+                _suggest_arguments, _suggest),
 }
 
 

@@ -20,6 +20,7 @@ import time
 from ..stats import ranks
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
+from .shadow import SnapshotPlan, snapshot_due
 
 
 class Actions:
@@ -31,6 +32,8 @@ class Actions:
         self.pending_restore: dict | None = None
         self.batches_to_skip = 0
         self.last_checkpoint: str | None = None
+        # mode shadow: no snapshot is ever taken; a plan of step labels says what a rollback would have restored.
+        self.plan = SnapshotPlan(cfg, guard.controller.rules) if cfg.mode == "shadow" else None
 
     def rollback_horizon(self, step: int) -> int:
         """Snapshots labelled below this are trusted at ``step``. With ``rollback.confirm_steps`` = k, a snapshot
@@ -40,10 +43,14 @@ class Actions:
         return step - self.guard.config.rollback["confirm_steps"] + 1
 
     def can_rollback(self) -> bool:
+        if self.plan is not None:
+            return self.plan.can_rollback(self.guard.step)
         horizon = self.rollback_horizon(self.guard.step)
         return self.guard.state is not None and any(s < horizon for s in self.snapshots.steps())
 
     def apply(self, decision: Decision, params, defer_restore: bool) -> None:
+        if self.plan is not None:
+            return self._shadow(decision)
         if decision.skip_step and params is not None:
             drop_grads(params)
         ckpt = None
@@ -63,6 +70,14 @@ class Actions:
         for firing in decision.firings:
             self._incident(decision, firing, ckpt, restored_to)
 
+    def _shadow(self, decision: Decision) -> None:
+        """Record what would happen; leave gradients, weights, optimizer, scheduler and RNG alone."""
+        if decision.action is not None:  # a decision from the failure policy, not the controller
+            decision.would, decision.action = decision.action, None
+        restored_to = self.plan.rollback(decision.step) if decision.would == "rollback" else None
+        for firing in decision.firings:
+            self._incident(decision, firing, None, restored_to)
+
     def restore_pending(self) -> int | None:
         """Restore the snapshot chosen by a rollback decision; returns its step."""
         snap, self.pending_restore = self.pending_restore, None
@@ -80,7 +95,9 @@ class Actions:
         self.healthy_streak = self.healthy_streak + 1 if decision.apply_step else 0
         cfg = self.guard.config.snapshots
         n = self.healthy_streak
-        due = n == cfg["healthy_steps"] or (n > cfg["healthy_steps"] and (n - cfg["healthy_steps"]) % cfg["every"] == 0)
+        if self.plan is not None:
+            return self.plan.after_step(decision.would, self.guard.step)
+        due = snapshot_due(n, cfg)
         if self.guard.state is not None and due and self._uses_snapshots():
             self.snapshots.push(self.guard.state.capture(self.guard.step + 1))
 
@@ -118,6 +135,9 @@ class Actions:
                   "checkpoint": ckpt, "time": time.time(), "escalated_from": decision.escalated_from,
                   "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
                   "restored_to_step": restored_to}  # rollback: the state from before this guard step was restored
+        if self.plan is not None:  # shadow: the run only got this record; ``would`` is what the guard would have done
+            record.update(action="warn", would=firing.action, mode="shadow", restored_to_step=None,
+                          would_restore_to_step=restored_to)
         g._safe(lambda: g.sinks.incident(record), "incident")
 
     def state_dict(self) -> dict:

@@ -19,9 +19,11 @@ SEVERITIES = ("info", "warning", "error", "critical")
 SPIKE_METHODS = ("mad", "ema_z", "early_max")
 DIRECTIONS = ("up", "down", "both")
 FAIL_MODES = ("open", "closed")
+# shadow: every action is only recorded (incidents say what it "would" have done); the run is never touched.
+MODES = ("enforce", "shadow")
 BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
 TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
-            "rules", "fail_mode", "sharded_grads", "log_every")
+            "rules", "fail_mode", "sharded_grads", "log_every", "mode")
 RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
@@ -52,6 +54,7 @@ class GuardConfig:
     fail_mode: str = "open"
     sharded_grads: bool = False
     log_every: int = 1
+    mode: str = "enforce"
     source_text: str = ""
 
 
@@ -187,6 +190,7 @@ def load_config(source) -> GuardConfig:
     c.typed(data, "fail_mode", FAIL_MODES, ())
     c.typed(data, "sharded_grads", bool, ())
     c.typed(data, "log_every", int, (), minimum=1)
+    c.typed(data, "mode", MODES, ())
     sections = {}
     for sec, spec in SECTION_KEYS.items():
         given = data.get(sec) or {}
@@ -215,6 +219,7 @@ def load_config(source) -> GuardConfig:
     return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=sinks,
                        run_dir=data.get("run_dir"), fail_mode=data.get("fail_mode", "open"),
                        sharded_grads=data.get("sharded_grads", False), log_every=data.get("log_every", 1),
+                       mode=data.get("mode", "enforce"),
                        source_text=text, **sections)
 
 

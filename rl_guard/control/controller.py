@@ -38,6 +38,7 @@ class Decision:
     action: str | None = None
     firings: list[Firing] = field(default_factory=list)
     escalated_from: str | None = None
+    would: str | None = None  # mode shadow: the action it would have taken (``action`` stays None: run untouched)
 
     @property
     def warn(self) -> bool:
@@ -109,6 +110,10 @@ class Controller:
         for f in decision.firings:
             f.action = decision.action if f.action == "rollback" and decision.escalated_from else f.action
             f.message = message(f.rule, f.verdict, self.step, self.rank, f.action)
+        if self.config.mode == "shadow":  # only say what it would do; every flag the loop reads stays neutral
+            decision.would, decision.action = decision.action, None
+            for f in decision.firings:
+                f.message = message(f.rule, f.verdict, self.step, self.rank, f"would {f.action} (shadow mode)")
         # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
         # regime change must become the new normal for the spike detectors, or it would be refused forever.
         self.history.push({k: v for k, v in metrics.items() if k in self.watched})

@@ -46,7 +46,9 @@ class DemoResult:
 
 def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30, fault_step: int = 12,
              run_dir: str | os.PathLike = "runs/demo", seed: int = 0, guard_yaml: str | None = None,
-             quiet: bool = False, **grpo_overrides) -> DemoResult:
+             quiet: bool = False, shadow: bool = False, **grpo_overrides) -> DemoResult:
+    """``shadow``: the guard runs in ``mode: shadow`` (incidents say what it would have done; the run goes on
+    exactly as unguarded)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from trl import GRPOConfig, GRPOTrainer
@@ -68,7 +70,8 @@ def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30
                     num_iterations=2, steps_per_generation=2, disable_tqdm=quiet, max_grad_norm=1.0)
     settings.update(grpo_overrides)
     args = GRPOConfig(**settings)
-    guard = RLGuardCallback(guard_yaml or demo_config(action), run_dir=str(run_dir))
+    guard_yaml = guard_yaml or demo_config(action, **({"mode": "shadow"} if shadow else {}))
+    guard = RLGuardCallback(guard_yaml, run_dir=str(run_dir))
     trainer = GRPOTrainer(model=str(model_path),
                           reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
                           args=args, train_dataset=prompt_dataset(256, seed=seed), callbacks=[injector, guard])
@@ -95,11 +98,13 @@ def _quiet_logs(trainer) -> None:
 
 def main(args) -> int:
     res = run_demo(fault=args.fault, action=args.action, steps=args.steps, fault_step=args.fault_step,
-                   run_dir=args.run_dir, seed=args.seed)
+                   run_dir=args.run_dir, seed=args.seed, shadow=getattr(args, "shadow", False))
     acted = [i for i in res.incidents if i["action"] != "warn"]
     print("\n" + "=" * 78)
     print(f"fault injected: {args.fault} at step {args.fault_step} (at steps {res.injector.injected_at})")
-    if acted:
+    if getattr(args, "shadow", False):
+        _print_shadow(res.incidents)
+    elif acted:
         step = acted[0]["step"]
         print(f"guard acted at step {step}, before that step's update reached the weights:")
         for incident in (i for i in acted if i["step"] == step):
@@ -119,6 +124,18 @@ def main(args) -> int:
     return 0 if res.weights_finite else 1
 
 
+def _print_shadow(incidents: list) -> None:
+    would = [i for i in incidents if i.get("would") not in (None, "warn")]
+    print("shadow mode: the guard touched nothing; the run went on exactly as an unguarded one")
+    if would:
+        print(f"it would have acted first at step {would[0]['step']}:")
+        for incident in (i for i in would if i["step"] == would[0]["step"]):
+            print(f"  {incident['message']}")
+        print(f"  ({len(would)} would-be actions in all, at steps {sorted({i['step'] for i in would})})")
+    else:
+        print("no rule would have acted")
+
+
 def add_arguments(ap) -> None:
     from .faults import FAULTS
 
@@ -129,3 +146,5 @@ def add_arguments(ap) -> None:
     ap.add_argument("--fault-step", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default="runs/demo")
+    ap.add_argument("--shadow", action="store_true",
+                    help="mode: shadow: record what the guard would have done, touch nothing (see incidents.jsonl)")

@@ -1,0 +1,64 @@
+"""What ``rl-guard replay`` prints and writes: the per-rule table, the incident records, the report directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..report.summary import step_ranges
+from ..sinks.jsonl import INCIDENTS_FILE, METRICS_FILE, dumps
+from .loop import Replay
+
+
+def lines(result: Replay, config_name: str) -> list[str]:
+    h = result.history
+    steps = h.steps
+    out = [f"replay of {h.path} ({h.kind}, {len(steps)} steps, {steps[0]}-{steps[-1]}) with {config_name}", "",
+           "per rule: the steps it would have fired at, and its input (records holding the metric / all records)"]
+    fired = result.steps_by_rule()
+    for inp in result.inputs:
+        steps_fired = fired.get(inp.rule, [])
+        if not inp.has_input:
+            status = "NO INPUT in this history (it cannot fire)"
+        elif steps_fired:
+            status = f"fired {len(steps_fired)}x at step{'s' if len(steps_fired) > 1 else ''} {step_ranges(steps_fired)}"
+        else:
+            status = "silent"
+        out.append(f"  {inp.rule} -> {inp.action}: {status}")
+        for metric, n in inp.metrics.items():
+            source = inp.sources.get(metric, "")
+            note = "" if source in ("", "rl_guard") else f"  (from {source})"
+            out.append(f"      {metric}: {n}/{len(steps)}{note}" + ("  not in this history" if n == 0 else ""))
+    out += ["", f"incidents ({len(result.incidents)}, as the guard would have logged them):"]
+    out += [f"  {r['message']}" + ("  [after the halt]" if r["after_halt"] else "") for r in result.incidents]
+    if result.halted_at is not None:
+        out += ["", f"the run would have stopped at step {result.halted_at}; later incidents are what the rules say "
+                    "on the recorded continuation"]
+    return out
+
+
+def write_incidents(result: Replay, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(dumps(r) + "\n" for r in result.incidents), encoding="utf-8")
+    return path
+
+
+def write_report(result: Replay, out_dir, config_name: str, dpi: int = 110) -> dict:
+    """``rl-guard report``'s plots and report.md for the history, with the replayed incidents marked: the directory
+    gets its own metrics.jsonl (the history in rl_guard names) and incidents.jsonl (the replayed ones)."""
+    from ..report import render_report
+
+    out = Path(out_dir)
+    source = result.history.path
+    if out.resolve() in (source.resolve(), source.parent.resolve()):
+        raise ValueError(f"--report {out_dir}: pick a new directory; this one holds the history being replayed")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / METRICS_FILE).write_text("".join(dumps(r) + "\n" for r in result.history.records), encoding="utf-8")
+    write_incidents(result, out / INCIDENTS_FILE)
+    res = render_report(out, out, dpi=dpi)
+    md = Path(res["markdown"])
+    text = md.read_text(encoding="utf-8").split("\n")
+    text.insert(2, f"- replayed: every incident here is what `{config_name}` would have done on `{source}` "
+                   "(`rl-guard replay`); none of it happened live")
+    md.write_text("\n".join(text), encoding="utf-8")
+    return res

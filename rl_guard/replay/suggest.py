@@ -1,0 +1,154 @@
+"""``rl-guard suggest``: thresholds from healthy histories, with the evidence next to each number.
+
+For each condition of each YAML rule, the metric's values across the healthy histories give:
+
+- ``>`` / ``>=``: the ``quantile`` of the healthy values times ``margin`` (``<`` / ``<=``: the low quantile
+  ``1 - quantile`` divided by ``margin``); ``outside``: the band between the two quantiles, widened on each side
+  by ``margin - 1`` times its width;
+- spike rules (``mad``, ``ema_z``): the largest z-score the detector reached on the healthy steps, in its
+  direction, computed exactly as the live detector does (same window, min_history, center and scale), times
+  ``margin``; ``early_max``: the largest multiple of the early max, times ``margin``.
+
+Counts of non-finite values keep threshold 0 (any is a fault). Numbers are rounded to 3 significant digits away
+from the healthy values. A condition whose metric is absent, or whose detector never armed, keeps its setting and
+says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import yaml
+
+from ..control.rules import Condition, _center_scale
+
+
+@dataclass
+class Suggestion:
+    rule: dict
+    evidence: list[str] = field(default_factory=list)
+
+
+def round_away(x: float, up: bool, digits: int = 3) -> float:
+    if x == 0 or not math.isfinite(x):
+        return x
+    scale = 10 ** (digits - 1 - math.floor(math.log10(abs(x))))
+    return (math.ceil if up else math.floor)(x * scale) / scale
+
+
+def _beyond(x: float, margin: float, up: bool) -> float:
+    """``margin`` x further from zero in the direction of trouble (additive for values of the other sign)."""
+    if up:
+        return x * margin if x > 0 else x + (margin - 1) * abs(x)
+    return x / margin if x > 0 else x - (margin - 1) * abs(x)
+
+
+def _series(histories, metric: str) -> list[np.ndarray]:
+    out = []
+    for h in histories:
+        vals = np.array([r[metric] for r in h.records if metric in r], dtype=np.float64)
+        out.append(vals[np.isfinite(vals)])
+    return out
+
+
+def _healthy(values: np.ndarray) -> str:
+    return f"{len(values)} healthy steps, range [{values.min():.4g}, {values.max():.4g}]"
+
+
+def _threshold(spec: dict, cond: Condition, series, q: float, margin: float) -> str:
+    values = np.concatenate(series)
+    op = spec["op"]
+    if op == "nonfinite" or "nonfinite" in cond.metric:
+        return f"{cond.metric}: a count of non-finite values, any is a fault: kept"
+    if op == "outside":
+        lo, hi = float(np.quantile(values, 1 - q)), float(np.quantile(values, q))
+        pad = (margin - 1) * ((hi - lo) or abs(hi) or 1e-6)
+        new = [round_away(lo - pad, False), round_away(hi + pad, True)]
+        inside = int(np.sum((values < new[0]) | (values > new[1])))
+        old, spec["band"] = spec["band"], new
+        return (f"{cond.metric}: {_healthy(values)}, p{100 * (1 - q):g}-p{100 * q:g} [{lo:.4g}, {hi:.4g}] widened by "
+                f"{margin:g}x its width -> {new} (was {old}); healthy steps outside: {inside}")
+    up = op in (">", ">=")
+    base = float(np.quantile(values, q if up else 1 - q))
+    new = round_away(_beyond(base, margin, up), up)
+    beyond = int(np.sum(values > new if up else values < new))
+    old, spec["threshold"] = spec["threshold"], new
+    label = f"p{100 * (q if up else 1 - q):g}"
+    how = f"x {margin:g}" if up else f"/ {margin:g}"
+    return (f"{cond.metric}: {_healthy(values)}, {label} {base:.4g} {how} -> {new} (was {old}); "
+            f"healthy steps beyond: {beyond}")
+
+
+def _z_scores(values: np.ndarray, s: dict) -> list[float]:
+    """The live detector's z at every armed step (``rules.Condition._spike``), signed toward trouble."""
+    window, direction = s["window"], s["direction"]
+    past: deque = deque(maxlen=window)
+    out = []
+    for x in values:
+        if len(past) >= s["min_history"]:
+            center, scale, _ = _center_scale(s["method"], np.asarray(past, dtype=np.float64), window)
+            scale = max(scale, 1e-12 * max(abs(center), 1.0))
+            z = (x - center) / scale
+            out.append(z if direction == "up" else (-z if direction == "down" else abs(z)))
+        past.append(float(x))
+    return out
+
+
+def _spike(spec: dict, cond: Condition, series, margin: float) -> str:
+    # The detector's own settings, defaults filled in as the live rule fills them.
+    s = {"window": 100, "min_history": 8, "threshold": 6.0, "factor": 10.0, "direction": "up", **cond.spike}
+    n = sum(len(v) for v in series)
+    if s["method"] == "early_max":
+        ratios = [float(v[s["window"]:].max() / v[:s["window"]].max()) for v in series
+                  if len(v) > s["window"] and v[:s["window"]].max() > 0]
+        if not ratios:
+            return f"{cond.metric}: early_max never armed ({n} healthy steps, needs more than window={s['window']}): kept"
+        new = max(1.0, round_away(max(ratios) * margin, True))
+        old, spec["spike"]["factor"] = s["factor"], new
+        return (f"{cond.metric}: {n} healthy steps, largest multiple of the early max {max(ratios):.3g} x {margin:g} "
+                f"-> factor {new} (was {old:g})")
+    z = [x for v in series for x in _z_scores(v, s)]
+    if not z:
+        return (f"{cond.metric}: {s['method']} never armed ({n} healthy steps; needs min_history={s['min_history']} "
+                "per history): kept")
+    worst = max(z)
+    new = max(0.1, round_away(worst * margin, True))
+    old, spec["spike"]["threshold"] = s["threshold"], new
+    return (f"{cond.metric}: {s['method']} z ({s['direction']}) on {len(z)} scored healthy steps, max {worst:.3g} "
+            f"x {margin:g} -> threshold {new} (was {old:g}; it fired on {sum(x > old for x in z)} healthy steps)")
+
+
+def suggest(config, histories, quantile: float = 0.99, margin: float = 1.5) -> list[Suggestion]:
+    out = []
+    for given in config.rules:
+        rule = copy.deepcopy(given)
+        mode = "all" if "all" in rule else ("any" if "any" in rule else None)
+        specs = rule[mode] if mode else [rule]
+        evidence = []
+        for spec in specs:
+            cond = Condition(spec)
+            series = _series(histories, cond.metric)
+            if not sum(len(v) for v in series):
+                evidence.append(f"{cond.metric}: not in these histories: kept")
+            elif "spike" in spec:
+                evidence.append(_spike(spec, cond, series, margin))
+            else:
+                evidence.append(_threshold(spec, cond, series, quantile, margin))
+        out.append(Suggestion(rule, evidence))
+    return out
+
+
+def to_yaml(suggestions: list[Suggestion], histories, args) -> str:
+    lines = [f"# rl-guard suggest: thresholds from {len(histories)} healthy histor{'y' if len(histories) == 1 else 'ies'}"
+             f" (quantile {args.quantile:g}, margin {args.margin:g}; rules from {args.rules})"]
+    lines += [f"#   {h.path}: {h.kind}, {len(h.records)} steps" for h in histories]
+    lines.append("rules:")
+    for s in suggestions:
+        lines += [f"  # {e}" for e in s.evidence]
+        body = yaml.safe_dump([s.rule], sort_keys=False, default_flow_style=None, width=120)
+        lines += ["  " + line for line in body.rstrip("\n").split("\n")]
+    return "\n".join(lines)
