@@ -12,7 +12,12 @@ def format_path(path: tuple) -> str:
     return out or "<top level>"
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Something the caller passed is wrong (a config, a token batch, a sample batch). Always raised: it is a bug
+    upstream, not a failure of the guard, so ``fail_mode`` never swallows it."""
+
+
+class ConfigError(InputError):
     """Every configuration problem, all at once: key path, YAML line and what is allowed."""
 
     def __init__(self, errors: list[tuple[tuple, int | None, str]]):

@@ -48,11 +48,35 @@ GLOSSARY: dict[str, str] = {
     "lag/<bucket>/ratio_p99": "99th percentile of r within the bucket.",
     "lag/<bucket>/clip_frac": "Clip region fraction within the bucket.",
     "lag/<bucket>/k3_mean": "k3 KL(pi_old || pi_theta) token mean within the bucket.",
-    "grad/norm": "Total L2 norm of all gradients seen before optimizer.step() (post-clip inside HF Trainer).",
-    "grad/norm_preclip": "Pre-clip total gradient norm as computed by the trainer, when the adapter can see it.",
+    "grad/norm": "Total L2 norm of all gradients before clipping (what TRL logs as grad_norm): the trainer's own "
+    "pre-clip norm where the guard sees the gradients only after clipping (HF Trainer), else the norm it measures.",
+    "grad/norm_postclip": "Total L2 norm of the gradients the optimizer receives, after the trainer clipped them "
+    "(only where clipping happens before the guard looks, e.g. HF Trainer with max_grad_norm > 0).",
     "grad/max_abs": "max |g| over all gradient entries.",
     "grad/nonfinite": "Number of parameter tensors whose gradient holds a NaN or inf.",
     "grad/group<i>/norm": "L2 norm of parameter group i (only when the optimizer has several groups).",
+    "update/rel": "||dtheta|| / ||theta|| of the last optimizer step (theta before it), measured after "
+    "optimizer.step() and reported with the next step's statistics; ||dtheta|| estimated from a fixed sample of "
+    "<= 1024 elements per tensor (stats/update.py gives the error). 0 after a skipped step. Up is trouble.",
+    "update/group<i>/rel": "update/rel of optimizer parameter group i (only with several groups).",
+    "update/norm": "Estimated ||dtheta|| of the last optimizer step.",
+    "update/rel_per_lr": "update/rel divided by the learning rate the step used: for Adam-style optimizers roughly "
+    "constant whatever the schedule, so a jump is an update larger than the rate explains.",
+    "update/param_norm": "Exact ||theta|| over all parameters right before this step's optimizer.step().",
+    "update/group<i>/param_norm": "Exact ||theta|| of parameter group i (only with several groups).",
+    "update/external_rel": "||theta now - theta right after the last optimizer step|| / ||theta||: weights changed "
+    "outside the optimizer (a rollback is excluded). Exactly 0 in a healthy run; anything else is a bug or a fault.",
+    "optim/lr": "Learning rate this step will use (largest over parameter groups; host float).",
+    "optim/group<i>/lr": "Learning rate of parameter group i (only with several groups).",
+    "optim/lr_vs_max": "Largest ratio, over groups, of this step's learning rate to the largest rate that group "
+    "applied before (absent until that is > 0). <= 1 after a warm-up; up is trouble.",
+    "optim/lr_growth": "When a group's learning rate exceeds every rate it applied before: its ratio to the smallest "
+    "of its last 3 applied rates, else 1 (largest over groups). <= 4 for a linear warm-up after its first 3 steps, "
+    "1 for decays and restarts; a jump or a compounding ramp is trouble.",
+    "logp/<stat>": "Log-probability of the sampled tokens under the current policy (loss tokens): mean/min/max. A "
+    "jump in the mean means the policy moved far from the one that sampled (collapse, blow-up, weight fault).",
+    "group/no_signal_steps": "Consecutive optimizer steps whose generation batch had no group with differing "
+    "rewards (TRL adapter): nothing to learn from; up is trouble.",
     "loss/value": "Sum of the micro-batch losses fed this step, averaged over data-parallel ranks (NaN if any was "
     "non-finite).",
     "loss/nonfinite": "Number of non-finite micro-batch losses this step.",
@@ -62,6 +86,9 @@ GLOSSARY: dict[str, str] = {
     "guard/skipped_steps": "Cumulative optimizer steps skipped by the guard.",
     "guard/rollbacks": "Cumulative rollbacks performed.",
     "guard/fired": "Rules that fired this step.",
+    "guard/internal_failures": "Cumulative internal failures of the guard itself (see the failure policy in the README).",
+    "guard/unguarded": "1 while the guard has failed internally on max_internal_failures consecutive steps (its checks "
+    "are not running), else 0. Anything but 0 needs attention.",
 }
 
 _PLACEHOLDERS = {

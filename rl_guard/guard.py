@@ -17,15 +17,24 @@ A plain PyTorch loop::
             break
     guard.close()
 
-Failure policy (``fail_mode``): an internal error of the guard itself (a bug, a backend failure) never kills the
-run in the default ``open`` mode: it warns once with the traceback and lets that step through unguarded, except
-that a non-finite gradient still drops the update (checked independently of the failed part). In ``closed`` mode
-an internal error is treated as ``checkpoint_and_halt``. Errors in what the caller passes (``BatchError``,
-``EmptyMaskError``, ``ConfigError``) are always raised: they are bugs upstream, not guard failures.
+Failure policy, one code path (``protect``) for every entry point and for adapters' own translation code:
+
+- caller errors (``InputError``: ``ConfigError``, ``BatchError``/``EmptyMaskError``, ``SampleError``; and
+  ``RankMismatch``, ranks feeding different layouts) always raise: they are bugs upstream, not guard failures;
+- any other exception inside the guard or an adapter (observe, check, logging, snapshots, restore, translation)
+  is an internal failure, handled by ``fail_mode``:
+  ``open`` (default): warn with the traceback and let the step through; a non-finite gradient still drops the
+  update (checked independently of the failed part). ``closed``: a step whose check failed is never applied (the
+  update is dropped).
+- after ``max_internal_failures`` consecutive steps with an internal failure the run is unguarded: the guard says
+  so loudly (stderr, a ``guard_unguarded`` incident, ``rl_guard/guard/unguarded`` = 1 in the metrics) and, in
+  ``closed`` mode, checkpoints and halts. It says so again when a step passes cleanly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 import traceback
 import warnings
@@ -37,7 +46,8 @@ from .stats import keys
 from .stats import ranks
 from .stats.accumulate import StepAccumulator
 from .control.actions import Actions
-from .stats.batch import BatchError, EmptyMaskError, TokenBatch
+from .errors import InputError
+from .stats.batch import EmptyMaskError, TokenBatch
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
 from .diagnostics import RunDiagnostics, SampleBatch
@@ -62,7 +72,9 @@ class Guard:
         self.last_histograms: dict = {}
         self.last_decision: Decision | None = None
         self.last_logged: dict[str, float] = {}  # metrics of the last completed step (adapters merge these into logs)
-        self.internal_failures = 0
+        self.internal_failures = 0  # cumulative
+        self.failing_steps = 0  # consecutive steps with an internal failure
+        self._failed_this_step = False
         self._incomplete_step = False  # an observe failed: this rank's statistics for the step are partial
         self._saw_loss = False
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
@@ -116,7 +128,7 @@ class Guard:
     # -- per micro-batch ---------------------------------------------------------------------------------------------
     def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
         """Accumulate one micro-batch's statistics on the device (no host sync)."""
-        try:
+        with self.protect("observe"):
             if batch is not None:
                 self._acc.add(probe_batch(batch, self.config.lag_buckets))
             if loss is not None:
@@ -124,28 +136,26 @@ class Guard:
                 p = Partial()
                 loss_stats(p, loss)
                 self._acc.add(p)
-        except BatchError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the guard must not take the run down
-            self._internal_failure("observe", exc)
 
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
-        p = Partial()
-        try:
+        with self.protect("observe_sequences"):
+            p = Partial()
             sequence_stats(p, lengths=lengths, truncated=truncated, rewards=rewards)
             self._acc.add(p)
-        except Exception as exc:  # noqa: BLE001
-            self._internal_failure("observe_sequences", exc)
 
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
-        try:
+        with self.protect("observe_samples"):
             self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
-        except ValueError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            self._internal_failure("observe_samples", exc)
+
+    def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
+        """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``
+        (``rl_guard/stats/update.py``) and host floats such as learning rates; no host sync."""
+        if partial is not None:
+            self._acc.add(partial)
+        if host_metrics:
+            self._host_metrics.update(host_metrics)
 
     # -- per optimizer step --------------------------------------------------------------------------------------------
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
@@ -167,7 +177,7 @@ class Guard:
             metrics, hists = summarize(raw, self.config.lag_buckets)
             metrics.update(self._host_metrics)
             decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
-        except (BatchError, ranks.RankMismatch):
+        except (InputError, ranks.RankMismatch):
             raise
         except Exception as exc:  # noqa: BLE001
             if reduce is not None and not reduce.entered:
@@ -185,43 +195,79 @@ class Guard:
     def step_done(self) -> None:
         """Report that the step happened (applied or skipped): log, snapshot if healthy, advance the counter."""
         decision = self.last_decision or Decision(step=self.step)
-        if self.step % self.config.log_every == 0 or decision.firings:
-            self._safe(lambda: self.sinks.log(self.last_metrics, self.step, self.last_histograms), "log")
-        self.actions.after_step(decision)
+        self._count_failing_step()
+        if self.step % self.config.log_every == 0 or decision.firings or self.failing_steps:
+            with self.protect("log"):
+                self.sinks.log(self.last_metrics, self.step, self.last_histograms)
+        with self.protect("snapshot"):
+            self.actions.after_step(decision)
         self.controller.step_done(decision)
         self.last_logged = dict(self.last_metrics)
         self.last_decision = None
 
     def close(self) -> None:
         if self._sinks is not None:
-            self._sinks.finish()
+            with self.protect("close"):
+                self._sinks.finish()
 
     # -- failure policy -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def protect(self, where: str):
+        """Run guard or adapter code under the failure policy (module docstring): caller errors raise, anything
+        else is recorded as an internal failure and swallowed."""
+        try:
+            yield
+        except (InputError, ranks.RankMismatch):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the guard must not take the run down
+            self._internal_failure(where, exc)
+
     def _fail(self, exc: Exception, params) -> Decision:
         self._internal_failure("check", exc)
         decision = Decision(step=self.step)
         if self.config.fail_mode == "closed":
-            decision.action = "checkpoint_and_halt"
+            unguarded = self.failing_steps + 1 >= self.config.max_internal_failures
+            decision.action = "checkpoint_and_halt" if unguarded else "skip_step"
         elif params is not None and any_nonfinite_grad(param_groups_of(params)):
             decision.action = "skip_step"
         self.last_metrics, self.last_histograms, self.last_decision = self.controller.counters(), {}, decision
-        self.actions.apply(decision, params, defer_restore=False)
+        with self.protect("fail-safe action"):
+            self.actions.apply(decision, params, defer_restore=False)
         return decision
 
     def _internal_failure(self, where: str, exc: Exception) -> None:
         self.internal_failures += 1
+        self._failed_this_step = True
         device, self._acc = self._acc.device, StepAccumulator()
         self._acc.device = device
         if where.startswith("observe"):
             self._incomplete_step = True
+        self._last_failure = f"{where}: {exc!r}"
         warnings.warn(f"rl_guard internal failure in {where} at step {self.step} (fail_mode={self.config.fail_mode}): "
-                      f"{exc!r}\n{traceback.format_exc()}", RuntimeWarning, stacklevel=3)
+                      f"{exc!r}\n{traceback.format_exc()}", RuntimeWarning, stacklevel=4)
 
-    def _safe(self, fn, what: str) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001
-            self._internal_failure(what, exc)
+    def _count_failing_step(self) -> None:
+        """Consecutive failing steps; crossing ``max_internal_failures`` (or recovering) is announced once."""
+        failed, self._failed_this_step = self._failed_this_step, False
+        limit = self.config.max_internal_failures
+        was_unguarded = self.failing_steps >= limit
+        self.failing_steps = self.failing_steps + 1 if failed else 0
+        unguarded = self.failing_steps >= limit
+        self.last_metrics["rl_guard/guard/internal_failures"] = float(self.internal_failures)
+        self.last_metrics["rl_guard/guard/unguarded"] = float(unguarded)
+        if unguarded == was_unguarded:
+            return
+        if unguarded:
+            then = ("checkpointed and halted" if self.config.fail_mode == "closed" else
+                    "training continues WITHOUT the guard's checks (set fail_mode: closed to halt instead)")
+            message = (f"[rl_guard] UNGUARDED at step {self.step}: internal failure on {self.failing_steps} consecutive "
+                       f"steps (last: {self._last_failure}); {then}")
+        else:
+            message = f"[rl_guard] guarded again at step {self.step}: the step passed without internal failure"
+        print(message, file=sys.stderr, flush=True)
+        with self.protect("incident"):
+            self.actions.guard_incident("guard_unguarded" if unguarded else "guard_recovered", message,
+                                        action=self.last_decision.action if self.last_decision else None)
 
     # -- persistence ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

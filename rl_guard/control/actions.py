@@ -4,9 +4,8 @@
   optimizer moment (torch optimizers skip parameters without a gradient).
 - checkpoint: the full state (model, optimizer, scheduler, RNG, step, extra such as a data cursor, and the
   guard's own state) saved atomically per rank under ``run_dir/checkpoints/step_<N>/rank<r>.pt``.
-- rollback: restores the newest healthy snapshot older than the suspect update bit for bit, scales the LR by
-  ``lr_scale ** n`` on the n-th rollback, and asks the loop to skip
-  the next ``skip_batches`` batches (``Guard.batches_to_skip``).
+- rollback: restores the newest healthy snapshot older than the suspect update bit for bit and scales the LR by
+  ``lr_scale ** n`` on the n-th rollback.
 - snapshots: taken after ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps. A step
   is healthy when its update was applied (no rule fired, or only ``warn`` rules): a warn-level rule is by
   definition tolerated, and counting it as unhealthy would let one noisy warning disable rollback entirely.
@@ -30,7 +29,6 @@ class Actions:
         self.snapshots = SnapshotRing(cfg.snapshots["keep"], cfg.snapshots["where"], guard.run_dir / "snapshots" / f"rank{guard.rank}")
         self.healthy_streak = 0
         self.pending_restore: dict | None = None
-        self.batches_to_skip = 0
         self.last_checkpoint: str | None = None
         # mode shadow: no snapshot is ever taken; a plan of step labels says what a rollback would have restored.
         self.plan = SnapshotPlan(cfg, guard.controller.rules) if cfg.mode == "shadow" else None
@@ -87,7 +85,6 @@ class Actions:
         # Compounds: the n-th rollback of the run resumes at lr_scale ** n of the snapshot's learning rate.
         self.guard.state.restore(snap, lr_scale=cfg["lr_scale"] ** (self.guard.controller.rollbacks + 1))
         self.snapshots.drop_after(snap["step"])
-        self.batches_to_skip = cfg["skip_batches"]
         self.healthy_streak = 0
         return snap["step"]
 
@@ -138,22 +135,28 @@ class Actions:
         if self.plan is not None:  # shadow: the run only got this record; ``would`` is what the guard would have done
             record.update(action="warn", would=firing.action, mode="shadow", restored_to_step=None,
                           would_restore_to_step=restored_to)
-        g._safe(lambda: g.sinks.incident(record), "incident")
+        with g.protect("incident"):
+            g.sinks.incident(record)
+
+    def guard_incident(self, rule: str, message: str, action: str | None) -> None:
+        """An incident about the guard itself (e.g. it is failing internally and the run is unguarded)."""
+        g = self.guard
+        if g.rank == 0:
+            g.sinks.incident({"step": g.step, "rule": rule, "metric": "rl_guard/guard/unguarded", "action": action,
+                              "decision": action, "severity": "critical", "message": message, "rank": g.rank,
+                              "time": time.time()})
 
     def state_dict(self) -> dict:
-        return {"healthy_streak": self.healthy_streak, "batches_to_skip": self.batches_to_skip,
-                "snapshots": self.snapshots.state_dict(), "last_checkpoint": self.last_checkpoint}
+        return {"healthy_streak": self.healthy_streak, "snapshots": self.snapshots.state_dict(), "last_checkpoint": self.last_checkpoint}
 
     def load_state_dict(self, state: dict) -> None:
-        self.healthy_streak, self.batches_to_skip = state["healthy_streak"], state["batches_to_skip"]
+        self.healthy_streak = state["healthy_streak"]
         self.last_checkpoint = state["last_checkpoint"]
         self.snapshots.load_state_dict(state["snapshots"])
 
 
 def drop_grads(params) -> None:
-    """Set every gradient to None so the optimizer step is a no-op for weights and moments."""
-    from ..stats.grads import param_groups_of
+    """Discard every gradient so the optimizer step is a no-op for weights and moments."""
+    from ..stats.grads import drop_grads as drop
 
-    for group in param_groups_of(params):
-        for p in group:
-            p.grad = None
+    drop(params)

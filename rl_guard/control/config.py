@@ -1,6 +1,8 @@
-"""Guard configuration: YAML schema, validation with key paths and line numbers, and defaults.
+"""Guard configuration: YAML schema, validation with key paths and line numbers, and every default.
 
 All problems are collected and raised together as one ``ConfigError``. See ``configs/*.yaml`` for annotated presets.
+Every default lives here (``DEFAULTS``, ``RULE_DEFAULTS``, ``SPIKE_DEFAULTS``, ``SEVERITY_BY_ACTION``); the rules
+and actions read them from here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from ..errors import ConfigError
 from ..stats.constants import DEFAULT_LAG_EDGES
 from .yaml_nodes import load_with_lines, read_source
 
-ACTIONS = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")
+ACTIONS = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")  # in precedence order
 OPS = (">", ">=", "<", "<=", "outside", "nonfinite")
 SEVERITIES = ("info", "warning", "error", "critical")
 SPIKE_METHODS = ("mad", "ema_z", "early_max")
@@ -23,22 +25,29 @@ FAIL_MODES = ("open", "closed")
 MODES = ("enforce", "shadow")
 BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
 TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
-            "rules", "fail_mode", "sharded_grads", "log_every", "mode")
+            "rules", "fail_mode", "max_internal_failures", "sharded_grads", "log_every", "mode",
+            "max_consecutive_skips")
 RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
 SPIKE_KEYS = ("method", "window", "threshold", "factor", "direction", "min_history")
 SECTION_KEYS = {  # key -> (type or allowed values, minimum)
     "snapshots": {"healthy_steps": (int, 1), "every": (int, 1), "keep": (int, 1), "where": (("memory", "disk"), None)},
-    "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "skip_batches": (int, 0), "confirm_steps": (int, 1)},
+    "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "confirm_steps": (int, 1)},
     "checkpoint": {"dir": (str, None), "keep": (int, 1)},
 }
-SINK_NAMES = ("jsonl", "tensorboard", "wandb", "console")
 DEFAULTS = {
     "snapshots": {"healthy_steps": 3, "every": 10, "keep": 2, "where": "memory"},
-    "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "skip_batches": 0, "confirm_steps": 1},
+    "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "confirm_steps": 1},
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
+TOP_DEFAULTS = {"fail_mode": "open", "max_internal_failures": 3, "sharded_grads": None, "log_every": 1,
+                "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
+RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
+# Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
+SPIKE_DEFAULTS = {"window": 100, "factor": 10.0, "min_history": 8, "threshold": 6.0, "direction": "up"}
+SEVERITY_BY_ACTION = {"warn": "warning", "skip_step": "error", "rollback": "error", "early_stop": "critical",
+                      "checkpoint_and_halt": "critical"}
 
 
 @dataclass
@@ -49,12 +58,14 @@ class GuardConfig:
     rollback: dict = field(default_factory=lambda: dict(DEFAULTS["rollback"]))
     checkpoint: dict = field(default_factory=lambda: dict(DEFAULTS["checkpoint"]))
     lag_buckets: tuple[int, ...] = DEFAULT_LAG_EDGES
-    sinks: list = field(default_factory=lambda: ["jsonl"])
+    sinks: list = field(default_factory=lambda: list(TOP_DEFAULTS["sinks"]))
     run_dir: str | None = None
-    fail_mode: str = "open"
-    sharded_grads: bool = False
-    log_every: int = 1
+    fail_mode: str = TOP_DEFAULTS["fail_mode"]
+    max_internal_failures: int = TOP_DEFAULTS["max_internal_failures"]
+    sharded_grads: bool | None = TOP_DEFAULTS["sharded_grads"]  # None: detected from the gradients
+    log_every: int = TOP_DEFAULTS["log_every"]
     mode: str = "enforce"
+    max_consecutive_skips: int = 0  # 0: off; else N consecutive dropped updates escalate to checkpoint_and_halt
     source_text: str = ""
 
 
@@ -177,7 +188,9 @@ def load_config(source) -> GuardConfig:
     """Parse and validate a YAML file path or YAML text; raise ``ConfigError`` listing every problem."""
     text, origin = read_source(source)
     data, lines, duplicates = load_with_lines(text, origin)
-    data = {} if data is None else data
+    if data is None:  # an empty or comment-only file is a mistake (a wrong path, a truncated write)
+        raise ConfigError([((), None, f"{origin or 'the config'} is empty; a config of defaults says at least "
+                                      "'version: 1'")])
     c = _Checker(lines)
     for path, line in duplicates:
         c.errors.append((path, line, f"duplicate key {path[-1]!r} (YAML would silently keep only the last one)"))
@@ -191,6 +204,8 @@ def load_config(source) -> GuardConfig:
     c.typed(data, "sharded_grads", bool, ())
     c.typed(data, "log_every", int, (), minimum=1)
     c.typed(data, "mode", MODES, ())
+    c.typed(data, "max_internal_failures", int, (), minimum=1)
+    c.typed(data, "max_consecutive_skips", int, (), minimum=0)
     sections = {}
     for sec, spec in SECTION_KEYS.items():
         given = data.get(sec) or {}
@@ -198,12 +213,13 @@ def load_config(source) -> GuardConfig:
             for k, (kind, minimum) in spec.items():
                 c.typed(given, k, kind, (sec,), minimum=minimum)
         sections[sec] = {**DEFAULTS[sec], **(given if isinstance(given, dict) else {})}
-    buckets = data.get("lag_buckets", [0, 1, 2, 3, 5, 9])
+    top = {**TOP_DEFAULTS, **{k: v for k, v in data.items() if k in TOP_DEFAULTS}}
+    buckets = top["lag_buckets"]
     if not (isinstance(buckets, list) and buckets and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
             and buckets[0] == 0 and all(a < b for a, b in zip(buckets, buckets[1:]))):
         c.err(("lag_buckets",), f"lag_buckets must be increasing integers starting at 0 (lower bucket edges), got {buckets!r}")
-    builtins = _builtins(data.get("builtin_rules", {}), c)
-    rules = data.get("rules", [])
+    builtins = _builtins(top["builtin_rules"], c)
+    rules = top["rules"]
     if not isinstance(rules, list):
         c.err(("rules",), "rules must be a list of rule mappings")
         rules = []
@@ -212,19 +228,22 @@ def load_config(source) -> GuardConfig:
         c.rule(r, ("rules", i), names)
     if sections["rollback"]["lr_scale"] == 0:
         c.err(("rollback", "lr_scale"), "must be > 0 (a zero learning rate would freeze training after a rollback)")
-    sinks = data.get("sinks", ["jsonl"])
-    _check_sinks(sinks, c)
+    _check_sinks(top["sinks"], c)
     if c.errors:
         raise ConfigError(c.errors)
-    return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=sinks,
-                       run_dir=data.get("run_dir"), fail_mode=data.get("fail_mode", "open"),
-                       sharded_grads=data.get("sharded_grads", False), log_every=data.get("log_every", 1),
-                       mode=data.get("mode", "enforce"),
+    return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=top["sinks"],
+                       run_dir=data.get("run_dir"), fail_mode=top["fail_mode"],
+                       max_internal_failures=top["max_internal_failures"], sharded_grads=top["sharded_grads"],
+                       log_every=top["log_every"], mode=data.get("mode", "enforce"),
+                       max_consecutive_skips=data.get("max_consecutive_skips", 0),
                        source_text=text, **sections)
 
 
 def _check_sinks(sinks: Any, c: _Checker) -> None:
-    """A list of sink names or one-key mappings {name: {options}} (options are checked by the sink itself)."""
+    """A list of sink names or one-key mappings {name: {options}}. Options are checked here, against the sink's own
+    constructor, so a typo is a located error at load instead of a sink that silently never starts."""
+    from ..sinks import SINK_NAMES, sink_options_error
+
     if not isinstance(sinks, list):
         c.err(("sinks",), f"sinks must be a list, e.g. [{', '.join(SINK_NAMES)}]")
         return
@@ -233,6 +252,13 @@ def _check_sinks(sinks: Any, c: _Checker) -> None:
         if not isinstance(name, str) or name not in SINK_NAMES:
             c.err(("sinks", i), f"{item!r} is not a sink; allowed values: {', '.join(SINK_NAMES)} "
                   "(a name or a one-key mapping {name: {options}})")
+        elif isinstance(item, dict):
+            options = item[name]
+            if options is not None and not isinstance(options, dict):
+                c.err(("sinks", i, name), f"options for sink {name!r} must be a mapping, got {options!r}")
+            elif options:
+                for key, msg in sink_options_error(name, options):
+                    c.err(("sinks", i, name) + ((key,) if key else ()), msg)
 
 
 def _builtins(given: Any, c: _Checker) -> dict[str, dict | None]:

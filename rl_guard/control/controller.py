@@ -14,11 +14,11 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from .config import ACTIONS as PRECEDENCE  # listed in precedence order
 from .config import GuardConfig
 from .rules import History, Rule, Verdict, builtin_rules
 
 MISSING_PATIENCE = 20  # steps a watched metric may be absent before the guard says so
-PRECEDENCE = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")
 
 
 @dataclass
@@ -39,10 +39,6 @@ class Decision:
     firings: list[Firing] = field(default_factory=list)
     escalated_from: str | None = None
     would: str | None = None  # mode shadow: the action it would have taken (``action`` stays None: run untouched)
-
-    @property
-    def warn(self) -> bool:
-        return bool(self.firings)
 
     @property
     def skip_step(self) -> bool:
@@ -80,13 +76,14 @@ class Controller:
     def __init__(self, config: GuardConfig, rank: int = 0):
         self.config, self.rank = config, rank
         self.rules = builtin_rules(config.builtin_rules) + [Rule(r) for r in config.rules]
-        windows = [c.spike.get("window", 100) for r in self.rules for c in r.conditions if c.spike]
+        windows = [c.spike["window"] for r in self.rules for c in r.conditions if c.spike]
         self.history = History(maxlen=max(windows + [64]), early=max(windows + [1]))
         self.step = 0
         self.consecutive = {r.name: 0 for r in self.rules}
         self.last_fired = {r.name: -(10**9) for r in self.rules}
         self.rollbacks = 0
         self.skipped_steps = 0
+        self.dropped_streak = 0  # consecutive steps whose update was dropped (skip, rollback), any cause
         self.missing_warned: set[str] = set()
         self.absent_for: dict[str, int] = {}
         # Only metrics some rule watches need a history (spike windows, incident windows).
@@ -107,9 +104,10 @@ class Controller:
         decision.action = max((f.action for f in decision.firings), key=PRECEDENCE.index, default=None)
         if decision.action == "rollback" and (not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
             decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
+        persistent = self._persistent_fault(decision)
         for f in decision.firings:
-            f.action = decision.action if f.action == "rollback" and decision.escalated_from else f.action
-            f.message = message(f.rule, f.verdict, self.step, self.rank, f.action)
+            f.action = decision.action if decision.escalated_from and f.action == decision.escalated_from else f.action
+            f.message = message(f.rule, f.verdict, self.step, self.rank, f.action) + persistent
         if self.config.mode == "shadow":  # only say what it would do; every flag the loop reads stays neutral
             decision.would, decision.action = decision.action, None
             for f in decision.firings:
@@ -118,6 +116,15 @@ class Controller:
         # regime change must become the new normal for the spike detectors, or it would be refused forever.
         self.history.push({k: v for k, v in metrics.items() if k in self.watched})
         return decision
+
+    def _persistent_fault(self, decision: Decision) -> str:
+        """``max_consecutive_skips`` = N: the N-th consecutive dropped update (any cause) checkpoints and halts, so a
+        fault that never clears ends the run with a checkpoint instead of skipping every step to max_steps."""
+        limit = self.config.max_consecutive_skips
+        if not limit or decision.action not in ("skip_step", "rollback") or self.dropped_streak + 1 < limit:
+            return ""
+        decision.escalated_from, decision.action = decision.action, "checkpoint_and_halt"
+        return f" ({self.dropped_streak + 1} consecutive dropped updates, max_consecutive_skips={limit})"
 
     def _warn_missing(self, rule: Rule, metrics: dict) -> None:
         """Once per metric: a rule whose metric is never reported can never fire, which must not stay silent.
@@ -141,6 +148,7 @@ class Controller:
         """Count the step (applied, skipped or rolled back) and advance the guard's step counter."""
         if decision.skip_step:
             self.skipped_steps += 1
+        self.dropped_streak = self.dropped_streak + 1 if decision.skip_step else 0
         if decision.rollback:
             self.rollbacks += 1
         self.step += 1
@@ -153,10 +161,12 @@ class Controller:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consecutive": dict(self.consecutive), "last_fired": dict(self.last_fired),
-                "rollbacks": self.rollbacks, "skipped_steps": self.skipped_steps, "history": self.history.state_dict()}
+                "rollbacks": self.rollbacks, "skipped_steps": self.skipped_steps,
+                "dropped_streak": self.dropped_streak, "history": self.history.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.rollbacks, self.skipped_steps = state["step"], state["rollbacks"], state["skipped_steps"]
+        self.dropped_streak = state.get("dropped_streak", 0)
         self.consecutive.update(state["consecutive"])
         self.last_fired.update(state["last_fired"])
         self.history.load_state_dict(state["history"])

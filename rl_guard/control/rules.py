@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import RULE_DEFAULTS, SEVERITY_BY_ACTION, SPIKE_DEFAULTS
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -86,7 +88,7 @@ class Condition:
         self.op = spec.get("op")
         self.threshold = spec.get("threshold")
         self.band = spec.get("band")
-        self.spike = spec.get("spike")
+        self.spike = {**SPIKE_DEFAULTS, **spec["spike"]} if spec.get("spike") is not None else None
 
     def evaluate(self, metrics: dict[str, float], history: History) -> Verdict:
         if self.metric not in metrics:
@@ -108,25 +110,25 @@ class Condition:
 
     def _spike(self, x: float, history: History) -> Verdict:
         s = self.spike
-        method, window = s["method"], s.get("window", 100)
+        method, window = s["method"], s["window"]
         if method == "early_max":
             early = history.first.get(self.metric, [])[:window]
             if len(early) < window or max(early) <= 0:  # a multiple of a non-positive max means nothing
                 return Verdict(False, "", self.metric, x)
-            factor = float(s.get("factor", 10.0))
+            factor = float(s["factor"])
             limit = factor * max(early)
             return verdict(x >= limit, self.metric, x, ">=", limit, f"{factor:g} x early max {_fmt(max(early))} "
                            f"(first {window} steps)")
         past = history.values(self.metric)[-window:]
-        if len(past) < s.get("min_history", 8):
+        if len(past) < s["min_history"]:
             return Verdict(False, "", self.metric, x)
         center, scale, label = _center_scale(method, np.asarray(past, dtype=np.float64), window)
         scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
         z = (x - center) / scale
-        k = float(s.get("threshold", 6.0))
+        k = float(s["threshold"])
         lo, hi = center - k * scale, center + k * scale
         detail = f"{label} = {z:.3g} vs {k:g} (center {_fmt(center)}, scale {_fmt(scale)}, {len(past)} steps)"
-        direction = s.get("direction", "up")
+        direction = s["direction"]
         if direction == "up":
             return verdict(z > k, self.metric, x, ">", hi, detail)
         if direction == "down":
@@ -153,13 +155,13 @@ class Rule:
     """A named condition (or ``all``/``any`` of several) with an action and modifiers."""
 
     def __init__(self, spec: dict, builtin: bool = False):
+        spec = {**RULE_DEFAULTS, **spec}
         self.name = spec["name"]
         self.action = spec["action"]
-        self.severity = spec.get("severity") or {"warn": "warning", "rollback": "error", "skip_step": "error"}.get(
-            self.action, "critical")
-        self.warmup_steps = spec.get("warmup_steps", 0)
-        self.patience = spec.get("patience", 1)
-        self.cooldown_steps = spec.get("cooldown_steps", 0)
+        self.severity = spec["severity"] or SEVERITY_BY_ACTION[self.action]
+        self.warmup_steps = spec["warmup_steps"]
+        self.patience = spec["patience"]
+        self.cooldown_steps = spec["cooldown_steps"]
         self.builtin = builtin
         self.mode = "all" if "all" in spec else ("any" if "any" in spec else "single")
         subs = spec[self.mode] if self.mode != "single" else [spec]

@@ -15,7 +15,7 @@ PRESETS = Path(__file__).resolve().parents[1] / "presets"
 def read_source(source) -> tuple[str, str]:
     """(yaml_text, origin) from a path, a shipped preset name (``grpo``, ``ppo``, ``async``) or YAML text.
     A one-line string naming neither an existing file nor a preset is a path error."""
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and ":" not in source):
+    if isinstance(source, Path) or (isinstance(source, str) and source.strip() and "\n" not in source and ":" not in source):
         path = Path(source)
         if not path.is_file() and (PRESETS / f"{source}.yaml").is_file():
             path = PRESETS / f"{source}.yaml"
@@ -32,7 +32,7 @@ def load_with_lines(text: str, origin: str) -> tuple[object, dict[tuple, int], l
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else {}
+        data = loader.construct_document(node) if node is not None else None  # None: empty or comments only
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None

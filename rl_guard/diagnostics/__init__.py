@@ -4,7 +4,7 @@ Each family documents its metrics in a ``DOCS`` dict; ``docs.py`` collects them 
 """
 
 from .run import RunDiagnostics
-from .samples import SYSTEM_ERRORS, TERMINATIONS, SampleBatch
+from .samples import SYSTEM_ERRORS, TERMINATIONS, SampleBatch, SampleError
 from .trend import TRIAD_RULE
 
-__all__ = ["RunDiagnostics", "SampleBatch", "TERMINATIONS", "SYSTEM_ERRORS", "TRIAD_RULE"]
+__all__ = ["RunDiagnostics", "SampleBatch", "SampleError", "TERMINATIONS", "SYSTEM_ERRORS", "TRIAD_RULE"]

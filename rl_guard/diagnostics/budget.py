@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .names import Out
-from .samples import Prepared, SampleBatch, label
+from .samples import SampleError, Prepared, SampleBatch, label
 
 COUNTERS = ("episodes", "rollout_tokens", "train_tokens", "optimizer_updates")
 
@@ -45,7 +45,7 @@ def spent(s: SampleBatch, p: Prepared, optimizer_updates: int | None) -> dict[st
     seconds = {label(k): float(v) for k, v in (s.phase_seconds or {}).items()}
     for name, v in {**this, **seconds}.items():
         if not (v >= 0 and np.isfinite(v)):
-            raise ValueError(f"budget {name} must be finite and >= 0, got {v}")
+            raise SampleError(f"budget {name} must be finite and >= 0, got {v}")
     return {**this, **{f"seconds/{k}": v for k, v in seconds.items()}}
 
 

@@ -18,7 +18,7 @@ Layers (``SampleBatch.funnel`` counts; unknown layer names are rejected so a typ
 from __future__ import annotations
 
 from .names import Out, frac
-from .samples import SampleBatch, label
+from .samples import SampleError, SampleBatch, label
 
 LAYERS = ("sampled", "started", "completed", "truncated", "failed", "reward_available", "valid", "accepted",
           "action_tokens", "optimizer_updates")
@@ -47,13 +47,13 @@ def funnel(s: SampleBatch, rollout_tokens: float | None, out: Out) -> None:
     counts = dict(s.funnel or {})
     bad = sorted(set(counts) - set(LAYERS))
     if bad:
-        raise ValueError(f"unknown funnel layer(s) {bad}; allowed: {', '.join(LAYERS)}")
+        raise SampleError(f"unknown funnel layer(s) {bad}; allowed: {', '.join(LAYERS)}")
     for layer in LAYERS:
         if layer not in counts:
             continue
         c = float(counts[layer])
         if c < 0:
-            raise ValueError(f"funnel count for {layer!r} must be >= 0, got {c}")
+            raise SampleError(f"funnel count for {layer!r} must be >= 0, got {c}")
         out.put(f"funnel/{layer}/count", c)
         if layer == "action_tokens":
             out.put("funnel/action_tokens/keep_frac", frac(c, rollout_tokens) if rollout_tokens else None)

@@ -18,6 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
+
+
+class SampleError(InputError):
+    """A ``SampleBatch`` (or a budget / funnel figure passed with it) that does not satisfy its contract."""
+
+
 TERMINATIONS = ("success", "task_failure", "invalid_action", "timeout", "truncated_budget",
                 "environment_error", "verifier_error", "infrastructure_error")
 SYSTEM_ERRORS = ("environment_error", "verifier_error", "infrastructure_error")
@@ -79,7 +86,7 @@ def _numpy(x: Any) -> np.ndarray:
 def _floats(x: Any, name: str) -> np.ndarray:
     a = _numpy(x)
     if a.ndim != 1:
-        raise ValueError(f"SampleBatch.{name} must be one value per sample (1-D), got shape {a.shape}")
+        raise SampleError(f"SampleBatch.{name} must be one value per sample (1-D), got shape {a.shape}")
     return a.astype(np.float64)
 
 
@@ -96,7 +103,7 @@ class Prepared:
         for c, v in (s.reward_components or {}).items():
             lengths[f"reward_components[{c!r}]"] = len(_objects(v))
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"SampleBatch per-sample fields differ in length: {lengths}")
+            raise SampleError(f"SampleBatch per-sample fields differ in length: {lengths}")
         n = self.n = next(iter(lengths.values()), 0)
         self.ids = _objects(s.ids) if s.ids is not None else list(range(n))
         self.rewards = _floats(s.rewards, "rewards") if s.rewards is not None else None
@@ -116,7 +123,7 @@ class Prepared:
             self.termination = [str(t) for t in _objects(s.termination)]
             bad = sorted({t for t in self.termination if t not in TERMINATIONS})
             if bad:
-                raise ValueError(f"unknown termination {bad}; allowed: {', '.join(TERMINATIONS)}")
+                raise SampleError(f"unknown termination {bad}; allowed: {', '.join(TERMINATIONS)}")
         # Group labels in order of first appearance (ids may be strings or numbers, unsortable together).
         self.group = self.group_ids = None
         if s.group_ids is not None:

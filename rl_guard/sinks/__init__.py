@@ -12,6 +12,7 @@ Typical use::
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 from typing import Any, Iterable, Union
 
@@ -41,6 +42,22 @@ def make_sink(name: str, options: dict | None = None) -> Sink:
         return cls(**(options or {}))
     except TypeError as err:  # bad option names -> a config error, not a crash deep inside
         raise ValueError(f"bad options for sink {name!r}: {err}") from err
+
+
+def sink_options_error(name: str, options: dict) -> list[tuple[str | None, str]]:
+    """``(option, message)`` for every problem of ``options`` for sink ``name`` (empty when they are valid):
+    unknown option names (with the allowed ones) and values the sink's constructor refuses."""
+    cls = _REGISTRY[name]
+    allowed = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+    unknown = [(k, f"unknown option {k!r} for sink {name!r}; allowed: {', '.join(allowed)}") for k in options
+               if k not in allowed]
+    if unknown:
+        return unknown
+    try:
+        cls(**options)
+    except (TypeError, ValueError) as err:
+        return [(None, f"bad options for sink {name!r}: {err}")]
+    return []
 
 
 def _entries(spec: Any) -> Iterable[Sink]:
@@ -80,7 +97,7 @@ def build_sinks(spec: SinkSpec | Iterable[SinkSpec] | None, run_dir: str | pathl
 
 
 __all__ = [
-    "SINK_NAMES", "Histograms", "Sink", "SinkSet", "build_sinks", "make_sink",
+    "SINK_NAMES", "Histograms", "Sink", "SinkSet", "build_sinks", "make_sink", "sink_options_error",
     "JsonlSink", "TensorBoardSink", "WandbSink", "ConsoleSink",
     "read_jsonl", "METRICS_FILE", "INCIDENTS_FILE",
 ]

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .constants import DEFAULT_CLIP_EPS
 
 TOKEN_FIELDS = ("logprobs", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy")
 SEQUENCE_FIELDS = ("rewards", "lengths", "truncated", "group_ids")
 
 
-class BatchError(ValueError):
+class BatchError(InputError):
     """A token batch that does not satisfy the contract (names the field, shapes and dtypes)."""
 
 

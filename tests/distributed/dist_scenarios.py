@@ -190,7 +190,7 @@ def decision_config(action: str, rule: str = "nonfinite_rewards") -> str:
     return f"""version: 1
 sinks: [jsonl]
 snapshots: {{healthy_steps: 2, every: 2, keep: 2, where: memory}}
-rollback: {{max_rollbacks: 3, lr_scale: 0.5, skip_batches: 0}}
+rollback: {{max_rollbacks: 3, lr_scale: 0.5}}
 builtin_rules: {{nonfinite_grad: {{action: {action if rule == "grad" else "skip_step"}}}}}
 rules:
   - name: nonfinite_rewards
