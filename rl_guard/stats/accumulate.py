@@ -41,9 +41,6 @@ class StepAccumulator:
         self._segments: dict[Layout, list[torch.Tensor]] = {}
         self.device: torch.device | None = None
 
-    def __bool__(self) -> bool:  # "anything recorded this step?" without touching device values
-        return bool(self._segments)
-
     def add(self, partial: Partial) -> None:
         if not partial.sum and not partial.max:
             return

@@ -16,7 +16,7 @@ from ..errors import InputError
 from .constants import DEFAULT_CLIP_EPS
 
 TOKEN_FIELDS = ("logprobs", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy")
-SEQUENCE_FIELDS = ("rewards", "lengths", "truncated", "group_ids")
+SEQUENCE_FIELDS = ("rewards", "lengths", "truncated")
 
 
 class BatchError(InputError):
@@ -37,7 +37,7 @@ class TokenBatch:
     ``ref_logprobs`` (reference policy), ``entropy`` (per-token entropy of pi_theta, nats), ``advantages``
     (per token, or per sequence and broadcast), ``versions`` (policy version that produced each token or
     sequence; needs ``current_version``). Optional per sequence: ``rewards``, ``lengths``, ``truncated``
-    (no-EOS flag), ``group_ids`` (prompt id). ``eps_low``/``eps_high``: the clip range the trainer uses.
+    (no-EOS flag); group statistics come from ``SampleBatch.group_ids``. ``eps_low``/``eps_high``: the clip range.
     ``importance_sampling_level``: ``"token"`` or ``"sequence"`` (GSPO clips the sequence ratio).
     """
 
@@ -53,7 +53,6 @@ class TokenBatch:
     rewards: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
-    group_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     eps_low: float = DEFAULT_CLIP_EPS
     eps_high: float = DEFAULT_CLIP_EPS

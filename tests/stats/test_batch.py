@@ -50,7 +50,7 @@ def test_integer_mask_is_accepted_and_means_zero_or_one():
     assert raw.finish()["tokens.count"][0] == 2 * B
 
 
-@pytest.mark.parametrize("field", ["rewards", "lengths", "truncated", "group_ids"])
+@pytest.mark.parametrize("field", ["rewards", "lengths", "truncated"])
 def test_per_sequence_field_with_wrong_shape(field):
     with pytest.raises(BatchError, match=re.escape(f"{field} must be per-sequence shape (3,), got (4,)")):
         TokenBatch(lp(), mask(), **{field: torch.zeros(B + 1)})
