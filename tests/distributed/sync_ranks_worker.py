@@ -1,0 +1,61 @@
+"""One rank of the multi-process sync count: joins a gloo group, runs guard steps under the sync detector and
+writes every rank's events per step and call to rank<r>.json.
+
+Usage: python sync_ranks_worker.py RANK WORLD INIT_FILE OUT_DIR STEPS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync detector
+
+import dist_scenarios as sc  # noqa: E402
+from rl_guard import Guard  # noqa: E402
+from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector  # noqa: E402
+
+
+def main() -> int:
+    rank, world, init_file, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard.from_yaml(sc.MERGE_CFG, run_dir=out / f"run{rank}").attach(model, opt)
+    det = SyncDetector(documented={**DEFAULT_SITES, **RANK_HEADER})
+    record = []
+    for step in range(steps):
+        seen = {"observe": [], "check": [], "step_done": []}
+        for batch, _ in sc.rank_batches(11, step, rank):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            with det:
+                guard.observe(batch, loss=loss.detach())
+            seen["observe"] += det.take()
+            loss.backward()
+        with det:
+            guard.check()
+        seen["check"] += det.take()
+        opt.step()
+        opt.zero_grad()
+        with det:
+            guard.step_done()
+        seen["step_done"] += det.take()
+        record.append({call: [[e.kind, e.op, e.file, e.function, e.site] for e in events]
+                       for call, events in seen.items()})
+    guard.close()
+    result = {"steps": record, "internal_failures": guard.internal_failures, "world": guard.world_size}
+    (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
