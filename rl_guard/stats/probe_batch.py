@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import keys
-from .batch import TokenBatch
+from .batch import BatchError, TokenBatch
 from .chunks import Chunk, chunks
 from .constants import DEFAULT_LAG_EDGES
 from .kernels import (
@@ -82,7 +82,7 @@ def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_cl
     if b.lengths is None:
         ch.seq_add(acc.seq("length"), m)
     lp, v_lp = gated(ch.token(b.logprobs), gate)
-    n_lp = v_lp.sum()
+    _, n_lp = value_stats(acc, "logp", lp, v_lp)  # sampled-token log-probs: a jump means the policy moved
     del v_lp
     nonfinite(acc, "logprobs", n_mask, n_lp)
     # (log r zero-filled, validity, k3): a zero log-ratio never counts as clipped, so clipping needs no mask
@@ -164,6 +164,11 @@ def sequence_stats(p: Partial, lengths=None, truncated=None, rewards=None) -> No
     given = [t for t in (lengths, truncated, rewards) if t is not None]
     if not given:
         return
+    fields = {k: t for k, t in (("lengths", lengths), ("truncated", truncated), ("rewards", rewards)) if t is not None}
+    for name, t in fields.items():  # shapes only: no device value is read
+        if t.dim() != 1 or t.shape != given[0].shape:
+            raise BatchError(f"{name} must be one value per sequence, 1-D and as long as the other per-sequence "
+                             f"fields; got shape {tuple(t.shape)} (expected {(given[0].numel(),)})")
     acc = ChunkStats(given[0].numel(), given[0].device)
     _sequence_stats(acc, lengths, truncated, rewards)
     q = acc.partial()
