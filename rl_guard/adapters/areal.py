@@ -117,9 +117,10 @@ def install(engine, guard, shift_versions: bool = True):
             loss = loss_fn(logprobs, entropy, input_data, *args, **kwargs)
             version = kw.get("current_version")
             version = engine.get_version() if version is None else version
-            guard.observe(token_batch(logprobs, input_data, entropy, version, kw.get("eps_clip", DEFAULT_CLIP_EPS),
-                                      kw.get("eps_clip_higher"), kw.get("importance_sampling_level", "token"),
-                                      shift_versions), loss=loss.detach())
+            with guard.protect("observe (AReaL loss_fn inputs)"):  # a renamed AReaL key must not kill training
+                guard.observe(token_batch(logprobs, input_data, entropy, version, kw.get("eps_clip", DEFAULT_CLIP_EPS),
+                                          kw.get("eps_clip_higher"), kw.get("importance_sampling_level", "token"),
+                                          shift_versions), loss=loss.detach())
             return loss
         return guarded
 

@@ -12,7 +12,8 @@ hand-written step: ``guard_policy_loss`` at the PolicyLoss call, ``gate_optimize
 - ``training_step``: current log-probs and ``output.entropy`` (only with ``--actor.entropy_coef``; 0 = log only)
   from ``self.actor(..., return_output=True)``; ``self.actor_loss_fn(...)`` returns a 5-tuple;
   ``strategy.optimizer_step`` runs every micro-batch and DeepSpeed updates only at its accumulation boundary,
-  so the guard decides there. Under ZeRO ``p.grad`` is empty, so the ``grad/*`` family is absent.
+  so the guard decides there, before ``engine.step``. Under ZeRO the ``grad/*`` family comes from the optimizer's
+  gradient partitions (``rl_guard/adapters/deepspeed.py``).
 - Skip on ZeRO 1-3: the optimizer's own overflow path (gradient partitions freed, ``skipped_steps`` counted, LR
   schedule held; with fp16 the loss scale halves as on a real overflow). Elsewhere: gradients dropped.
 - Save / rollback: ``strategy.save_ckpt`` / ``load_ckpt`` with the guard's state in ``client_state["rl_guard"]``
@@ -68,7 +69,8 @@ def guard_policy_loss(guard, policy_loss, experience, log_probs, entropy=None, *
     out = policy_loss(log_probs, experience.action_log_probs, experience.advantages,
                       action_mask=experience.action_mask, rollout_log_probs=experience.rollout_log_probs,
                       **loss_batch_info)
-    guard.observe(token_batch(experience, log_probs, entropy, policy_loss), loss=out[0].detach())
+    with guard.protect("observe (OpenRLHF Experience)"):  # a renamed field must not kill training
+        guard.observe(token_batch(experience, log_probs, entropy, policy_loss), loss=out[0].detach())
     return out
 
 
@@ -105,22 +107,6 @@ def _engine(model):
     return getattr(model, "model", model)  # OpenRLHF's Actor wraps the DeepSpeed engine as .model
 
 
-def _run_suppressed(engine, step):
-    """The engine's step without the update: ZeRO 1-3 take their own overflow path (checked against deepspeed
-    0.19.6); otherwise the guard has already dropped the gradients."""
-    opt = getattr(engine, "optimizer", None)
-    if not (hasattr(opt, "overflow") and hasattr(opt, "check_overflow")):
-        return step()
-    def overflowed(*args, **kwargs):
-        opt.overflow = True
-    opt.check_overflow, opt.overflow = overflowed, True  # instance attribute shadows the method for one step
-    try:
-        return step()
-    finally:
-        del opt.check_overflow
-        opt.overflow = False
-
-
 def gate_optimizer_step(strategy, actor, guard) -> None:
     """Wrap ``strategy.optimizer_step`` (this instance): at the actor's accumulation boundaries only, check the
     guard, then apply, skip, roll back or halt."""
@@ -132,9 +118,12 @@ def gate_optimizer_step(strategy, actor, guard) -> None:
         boundary = getattr(engine, "is_gradient_accumulation_boundary", lambda: True)()  # plain optimizers: always
         if engine is not _engine(actor) or not boundary:  # another model (a critic), or DeepSpeed accumulates
             return original(optimizer, model, scheduler, *args, **kwargs)
-        decision = guard.check(defer_restore=True)
+        from .deepspeed import gradient_source, is_engine, suppressed_step
+
+        # Under ZeRO the gradients are the optimizer's partitions, not p.grad.
+        decision = guard.check(params=gradient_source(engine) if is_engine(engine) else None, defer_restore=True)
         call = functools.partial(original, optimizer, model, scheduler, *args, **kwargs)
-        out = call() if decision.apply_step else _run_suppressed(engine, call)
+        out = call() if decision.apply_step else suppressed_step(engine, call)
         guard.actions.restore_pending()
         guard.step_done()
         if decision.stop:
@@ -170,7 +159,9 @@ def install(trainer, guard, ckpt_dir: str | None = None):
     def loss_fn(original, log_probs, old_log_probs, advantages, *args, **kwargs):
         out = original(log_probs, old_log_probs, advantages, *args, **kwargs)
         if live["experience"] is not None:
-            guard.observe(token_batch(live["experience"], log_probs, live["entropy"], original), loss=out[0].detach())
+            with guard.protect("observe (OpenRLHF Experience)"):
+                guard.observe(token_batch(live["experience"], log_probs, live["entropy"], original),
+                              loss=out[0].detach())
         return out
 
     def training_step(original, experience, *args, **kwargs):
