@@ -149,8 +149,7 @@ def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = 
             loss = ((pg + beta * kl) * mask).sum() / mask.sum()
             if guard is not None:
                 guard.observe(TokenBatch(logp, mask, old_logprobs=old_logp, ref_logprobs=ref_logp, entropy=entropy,
-                                         advantages=adv, rewards=rewards, truncated=truncated,
-                                         group_ids=prompts), loss=loss)
+                                         advantages=adv, rewards=rewards, truncated=truncated), loss=loss)
             loss.backward()
             if fault == "inf_grad" and step == fault_step and it == 0:
                 model.mlp[-1].weight.grad[0, 0] = float("inf")

@@ -102,7 +102,7 @@ def run_ddp(config: str | None = "configs/grpo.yaml", steps: int = 30, fault: st
             if guard is not None:
                 guard.observe(TokenBatch(logp.detach(), mask, old_logprobs=old_logp, ref_logprobs=ref_logp,
                                          entropy=entropy.detach(), advantages=adv, rewards=rewards,
-                                         truncated=truncated, group_ids=prompts), loss=loss.detach())
+                                         truncated=truncated), loss=loss.detach())
             loss.backward()  # DDP all-reduces (averages) the gradients here
             if fault == "inf_grad" and step == fault_step and it == 0 and rank == fault_rank:
                 policy.mlp[-1].weight.grad[0, 0] = float("inf")
