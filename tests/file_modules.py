@@ -14,5 +14,9 @@ def load_module(name: str, path: Path):
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # a failed load must not leave a half-initialised module behind
+            raise
     return sys.modules[name]

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from file_modules import load_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "stats.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("rl_guard_benchmark_stats", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module("rl_guard_benchmark_stats", BENCH)
 
 
 def test_main_on_a_tiny_batch_writes_the_json_keys(bench, tmp_path, capsys):

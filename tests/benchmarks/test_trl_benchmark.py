@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
+
+from file_modules import load_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_overhead.py"
 
 
 def test_overhead_benchmark_runs_and_writes_json(tmp_path):
-    spec = importlib.util.spec_from_file_location("trl_overhead", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_module("trl_overhead", BENCH)
     out_file = tmp_path / "overhead.json"
     out = bench.main(["--runs", "1", "--steps", "2", "--json", str(out_file)])
     written = json.loads(out_file.read_text())

@@ -13,13 +13,18 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import HERE, REPO, child_env
+from file_modules import load_module
+
+_launch = load_module("distributed_launch", Path(__file__).with_name("conftest.py"))  # the multi-process tests' env
+HERE, REPO, child_env = _launch.HERE, _launch.REPO, _launch.child_env
 
 # find_spec, not importorskip: importing trl here would cost the test process seconds for nothing
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl"),
+              pytest.mark.slow]  # torchrun, two ranks importing trl and training: about a minute
 TIMEOUT = 170  # the ranks' own collective timeout (ddp_timeout) is 60 s
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # The recipe has fixed-length outputs (no EOS) and no lag of 9+: those two preset rules say they cannot fire.
 pytestmark = pytest.mark.filterwarnings("ignore:rl_guard.*cannot fire:RuntimeWarning")
 LAG_RULES = {"staleness_bound", "stale_token_share"}
-
-
 
 
 R = load_module("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")

@@ -2,11 +2,9 @@
 shipped preset: the right rule fires, the configured action happens, and no weight is ever non-finite."""
 
 import copy
-import importlib.util
 import math
 import random
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +14,11 @@ import torch
 from rl_guard import Guard
 from rl_guard.sinks import read_jsonl
 from bitwise import assert_same
+from file_modules import load_module
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "grpo.yaml")
-_spec = importlib.util.spec_from_file_location("pytorch_grpo_train", ROOT / "integrations" / "pytorch_grpo" / "train.py")
-recipe = sys.modules.setdefault("pytorch_grpo_train", importlib.util.module_from_spec(_spec))
-if not hasattr(recipe, "run"):
-    _spec.loader.exec_module(recipe)
+recipe = load_module("pytorch_grpo_train", ROOT / "integrations" / "pytorch_grpo" / "train.py")
 BUILTINS = {"nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs"}
 PRECURSORS = {"update_too_far", "ratio_extreme", "behaviour_mismatch", "grad_norm_spike", "grad_norm_vs_early_max",
               "update_too_aggressive"}
