@@ -1,51 +1,128 @@
-"""Gradient probe, called after backward and before ``optimizer.step()``.
+"""Gradient probe, called after backward and before the optimizer applies the update.
 
 Uses fused multi-tensor norms (``torch._foreach_norm``): a handful of kernels for the whole model, no
 per-parameter host sync. Metrics: ``grad/norm`` (total L2 norm over all gradients), ``grad/max_abs`` (max |g|),
-``grad/nonfinite`` (number of parameter tensors whose gradient holds a NaN or inf), ``grad/group<i>/norm``
+``grad/nonfinite`` (number of gradient tensors, or shards of them, holding a NaN or inf), ``grad/group<i>/norm``
 (L2 norm per optimizer parameter group).
+
+Where gradients live, and how ranks merge them (detected; ``sharded_grads`` in the YAML only overrides):
+
+- plain tensors (single process, DDP): every rank holds the same averaged gradient, so figures merge by max;
+- ``DTensor`` gradients (FSDP2 ``fully_shard``, tensor parallel; torch >= 2.4 ``torch.distributed.tensor``): the
+  local shard is probed and squared norms and counts merge by sum, each divided by the number of replicas along
+  the mesh's ``Replicate`` dimensions (HSDP), so a replicated value is counted once. Plain tensors next to
+  DTensors count as replicated over the whole group. Placements ``Partial`` are reduced first;
+- a gradient source (``GradientSource`` below): gradients kept outside ``p.grad``, such as DeepSpeed ZeRO's
+  per-rank partitions (``rl_guard.adapters.deepspeed``); the source says whether they are partitions.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from . import keys
 from .partial import Partial
+from .ranks import rank_and_world
 
 
-def _grads(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+@runtime_checkable
+class GradientSource(Protocol):
+    """Gradients held outside ``p.grad`` (engine-owned buffers). ``grad_groups()``: this rank's gradient tensors per
+    parameter group; ``sharded``: they are disjoint partitions (merge by sum); ``scale``: multiply by this to get
+    the true gradient (1 / loss scale under fp16); ``drop_grads()``: discard them (a skip)."""
+
+    sharded: bool
+    scale: float
+
+    def grad_groups(self) -> list[list[torch.Tensor]]: ...
+
+    def drop_grads(self) -> None: ...
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _local(g: torch.Tensor, dtensor) -> tuple[torch.Tensor, float | None]:
+    """The tensor this rank holds for ``g`` and, for a DTensor, the number of ranks holding the same values."""
+    if dtensor is None or not isinstance(g, dtensor):
+        return g, None
+    placements = list(g.placements)
+    if any(p.is_partial() for p in placements):  # pending sums (rare for gradients): reduce them first
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate() if p.is_partial() else p for p in placements]
+        g = g.redistribute(g.device_mesh, placements)
+    replicas = math.prod(g.device_mesh.size(i) for i, p in enumerate(placements) if p.is_replicate())
+    return g.to_local(), float(replicas)
+
+
+def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[dict[float, list[torch.Tensor]]], bool]:
+    """Per group, this rank's gradient tensors bucketed by weight, and whether ranks merge them by sum.
+
+    The weight (1 / replicas) makes a sum over ranks count every value once. ``sharded`` overrides detection:
+    True = every local tensor is a distinct shard (weight 1, sum), False = every rank holds the same values (max).
+    """
+    if isinstance(param_groups, GradientSource):
+        merge_sum = param_groups.sharded if sharded is None else sharded
+        return [{1.0: [g for g in group if g is not None and g.numel()]} for group in param_groups.grad_groups()], merge_sum
+    dtensor = _dtensor_class()
+    raw = [[p.grad for p in group if p.grad is not None] for group in param_groups]
+    has_dtensor = dtensor is not None and any(isinstance(g, dtensor) for group in raw for g in group)
+    merge_sum = has_dtensor if sharded is None else sharded
+    world = float(rank_and_world()[1])
+    out = []
+    for group in raw:
+        buckets: dict[float, list[torch.Tensor]] = {}
+        for g in group:
+            local, replicas = _local(g, dtensor)
+            if local.numel() == 0:  # an empty shard (more ranks than rows)
+                continue
+            # Under detection a plain tensor beside DTensors counts as replicated over the whole group.
+            weight = 1.0 / (world if replicas is None else replicas) if sharded is None and has_dtensor else 1.0
+            buckets.setdefault(weight, []).append(local)
+        out.append(buckets)
+    return out, merge_sum
 
 
 @torch.no_grad()
-def probe_grads(param_groups: list[list[torch.nn.Parameter]], pre_clip_norm=None, sharded: bool = False) -> Partial:
+def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -> Partial:
     """Sufficient statistics of the gradients, grouped as the optimizer groups them.
 
-    Data-parallel replicas hold identical (already averaged) gradients, so by default the figures merge across
-    ranks by max; with ``sharded=True`` (FSDP / ZeRO shards) squared norms and counts merge by sum.
+    ``param_groups``: lists of parameters (``param_groups_of``) or a ``GradientSource``. ``sharded``: None to
+    detect (see the module docstring), True / False to force sum / max merging across ranks.
     """
+    groups, merge_sum = local_grads(param_groups, sharded)
+    scale = float(getattr(param_groups, "scale", 1.0))
     p = Partial()
-    add = p.add_sum if sharded else p.add_max
+    add = p.add_sum if merge_sum else p.add_max
     sq_total, max_abs, bad = [], [], []
     # Constants are created on the gradients' device: a CPU tensor would need a blocking copy (a sync) later.
-    device = next((g.device for group in param_groups for g in _grads(group)), None)
-    for i, group in enumerate(param_groups):
-        grads = _grads(group)
-        if not grads:
+    device = next((g.device for group in groups for ts in group.values() for g in ts), None)
+    for i, group in enumerate(groups):
+        if not group:
             add(keys.grad_group(i), torch.zeros((), dtype=torch.float64, device=device))
             continue
-        l2 = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
-        linf = torch.stack(torch._foreach_norm(grads, math.inf)).double()
-        sq = (l2 * l2).sum()
+        sq_parts, linf_parts, bad_parts = [], [], []
+        for weight, grads in group.items():
+            l2 = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
+            linf = torch.stack(torch._foreach_norm(grads, math.inf)).double()
+            sq_parts.append((l2 * l2).sum() * (weight * scale * scale))
+            linf_parts.append(linf.max() * scale)
+            # A tensor with any NaN/inf has a non-finite L2 or inf norm.
+            bad_parts.append((~torch.isfinite(l2) | ~torch.isfinite(linf)).sum() * weight)
+        sq = torch.stack(sq_parts).sum()
         add(keys.grad_group(i), sq)
         sq_total.append(sq)
-        max_abs.append(linf.max())
-        # A tensor with any NaN/inf has a non-finite L2 or inf norm.
-        bad.append((~torch.isfinite(l2) | ~torch.isfinite(linf)).sum())
+        max_abs.append(torch.stack(linf_parts).max())
+        bad.append(torch.stack(bad_parts).sum())
     if sq_total:
         add(keys.GRAD.sq, torch.stack(sq_total).sum())
         p.add_max(keys.GRAD.max_abs, torch.stack(max_abs).max())
@@ -56,8 +133,10 @@ def probe_grads(param_groups: list[list[torch.nn.Parameter]], pre_clip_norm=None
     return p
 
 
-def param_groups_of(optimizer_or_params) -> list[list[torch.nn.Parameter]]:
-    """Parameter groups from an optimizer, a module, or an iterable of parameters."""
+def param_groups_of(optimizer_or_params):
+    """Parameter groups from an optimizer, a module, or an iterable of parameters; a ``GradientSource`` as is."""
+    if isinstance(optimizer_or_params, GradientSource):
+        return optimizer_or_params
     if hasattr(optimizer_or_params, "param_groups"):
         return [list(g["params"]) for g in optimizer_or_params.param_groups]
     if isinstance(optimizer_or_params, torch.nn.Module):
@@ -66,8 +145,21 @@ def param_groups_of(optimizer_or_params) -> list[list[torch.nn.Parameter]]:
 
 
 @torch.no_grad()
-def any_nonfinite_grad(param_groups: list[list[torch.nn.Parameter]]) -> bool:
-    """Host-side check used only on the guard's failure path (it synchronises)."""
-    grads = [g for group in param_groups for g in _grads(group)]
+def any_nonfinite_grad(param_groups) -> bool:
+    """Host-side check of this rank's gradients, used only on the guard's failure path (it synchronises)."""
+    groups, _ = local_grads(param_groups, sharded=True)
+    grads = [g for group in groups for ts in group.values() for g in ts]
     norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)) if grads else None
     return norms is not None and not bool(torch.isfinite(norms).all())
+
+
+def drop_grads(params) -> None:
+    """Discard the gradients so the optimizer step changes no weight and no moment (torch optimizers skip a
+    parameter without a gradient; a ``GradientSource`` drops its own buffers)."""
+    groups = param_groups_of(params)
+    if isinstance(groups, GradientSource):
+        groups.drop_grads()
+        return
+    for group in groups:
+        for p in group:
+            p.grad = None

@@ -1,0 +1,183 @@
+"""DeepSpeed: the guard decides inside ``engine.step``, before the optimizer, on the engine's own seams.
+
+Read against deepspeed 0.19.6, accelerate 1.15.0 and transformers 5.24.0 (imported lazily; core never imports
+deepspeed):
+
+- accelerate's ``DeepSpeedEngineWrapper.backward`` runs ``engine.backward(loss)`` and, at a sync step,
+  ``engine.step()``; ``DeepSpeedOptimizerWrapper.step`` is a no-op. transformers' ``Trainer._inner_training_loop``
+  calls ``training_step`` (the backward) before ``on_pre_optimizer_step``, so under DeepSpeed the update is
+  already applied when callbacks run. The seam that comes before it is ``engine.step`` itself: ``EngineGate``
+  wraps it on the one engine instance, and only at the accumulation boundary
+  (``engine.is_gradient_accumulation_boundary()``) checks the guard before calling the original.
+- ``DeepSpeedEngine.step`` -> ``_take_model_step`` -> ``optimizer.step()``; afterwards it reads
+  ``optimizer.overflow``: when set it counts ``skipped_steps`` and holds the LR schedule. ZeRO 1/2
+  (``DeepSpeedZeroOptimizer.step``) and ZeRO 3 (``DeepSpeedZeroOptimizer_Stage3.step`` via
+  ``_overflow_check_and_loss_scale_update``) test ``self.overflow`` after their own check (fp16 only, or
+  ``check_grad_overflow``) and, when it is set, free the gradient partitions and return before the optimizer and
+  before the parameter all-gather. ``suppressed_step`` sets that flag and shadows ``check_overflow`` for one
+  call, so a skipped step takes exactly DeepSpeed's overflow path on every rank (the guard's decision is the same
+  on every rank). Side effect under fp16 dynamic loss scaling: the loss scale is lowered as on a real overflow.
+- Gradients under ZeRO are not in ``p.grad``: before ``optimizer.step`` each rank holds its partition in
+  ``optimizer.averaged_gradients[group]`` (lists of tensors; ZeRO 1/2 and 3 without offload) or in the fp32
+  partition's ``.grad`` with CPU offload (``single_partition_of_fp32_groups`` for 1/2,
+  ``fp32_partitioned_groups_flat`` for 3). Under fp16 they carry the loss scale. ``ZeroGradients`` hands them
+  to the probe as disjoint partitions (merged by sum) scaled by ``1 / loss_scale``.
+- Without ZeRO (stage 0) the gradients are in ``p.grad``; a skip drops them before the engine's step, so a torch
+  optimizer leaves weights and moments alone (the engine still advances its LR schedule).
+- Snapshots, save-and-halt and rollback go through ``engine.save_checkpoint`` / ``load_checkpoint``
+  (``EngineCheckpointState``): ZeRO-3 parameters are partitioned, so ``state_dict()`` copies would be empty.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def zero_stage(engine) -> int:
+    return int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
+
+
+def is_engine(obj) -> bool:
+    """A DeepSpeed engine (duck-typed, so that checking never imports deepspeed)."""
+    return hasattr(obj, "is_gradient_accumulation_boundary") and hasattr(obj, "zero_optimization_stage")
+
+
+class ZeroGradients:
+    """This rank's ZeRO gradient partitions, as a ``rl_guard.stats.grads.GradientSource``."""
+
+    sharded = True  # every element of the flat gradient lives in exactly one rank's partition
+
+    def __init__(self, engine):
+        self.engine, self.optimizer = engine, engine.optimizer
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / self.optimizer.loss_scale if self.engine.fp16_enabled() else 1.0
+
+    def grad_groups(self) -> list[list[torch.Tensor]]:
+        opt = self.optimizer
+        flat = getattr(opt, "fp32_partitioned_groups_flat", None)  # ZeRO 3
+        if flat is None:
+            flat = getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO 1/2
+        offload = bool(getattr(opt, "offload_optimizer", False) or getattr(opt, "cpu_offload", False))
+        out = []
+        for i in range(len(flat)):
+            if offload:
+                out.append([flat[i].grad] if flat[i].grad is not None else [])
+            else:
+                out.append([g for g in (opt.averaged_gradients.get(i) or []) if g is not None])
+        return out
+
+    def drop_grads(self) -> None:
+        """Nothing here: ``EngineGate`` runs the step through ZeRO's overflow path, which frees the partitions."""
+
+
+def gradient_source(engine):
+    """What the guard probes at the engine's boundary: the ZeRO partitions, or the optimizer's ``p.grad``."""
+    return ZeroGradients(engine) if zero_stage(engine) > 0 else engine.optimizer
+
+
+def suppressed_step(engine, step):
+    """Run the engine's ``step`` without the update (see the module docstring)."""
+    opt = getattr(engine, "optimizer", None)
+    if not (hasattr(opt, "overflow") and hasattr(opt, "check_overflow")):
+        return step()  # gradients in p.grad: the guard's skip already dropped them (``drop_grads``)
+
+    def overflowed(*args, **kwargs):
+        opt.overflow = True
+
+    opt.check_overflow, opt.overflow = overflowed, True  # instance attribute shadows the method for one step
+    try:
+        return step()
+    finally:
+        del opt.check_overflow
+        opt.overflow = False
+
+
+class EngineGate:
+    """Wraps ``engine.step`` (this instance only): at the accumulation boundary, ``guard.check`` on the engine's
+    gradients, then the step as is or ``suppressed_step``. ``after(decision)`` runs after the step (OpenRLHF:
+    restore, step_done, halt); without it the caller collects the decision with ``take()`` (TRL's
+    ``on_pre_optimizer_step``)."""
+
+    def __init__(self, engine, guard, after=None):
+        self.engine, self.guard, self.after = engine, guard, after
+        self.decision = None
+        self._original = engine.step
+
+        @functools.wraps(self._original.__func__)
+        def step(*args, **kwargs):
+            return self._step(*args, **kwargs)
+
+        engine.step = step
+
+    def _step(self, *args, **kwargs):
+        if not self.engine.is_gradient_accumulation_boundary():
+            return self._original(*args, **kwargs)
+        decision = self.guard.check(params=gradient_source(self.engine), defer_restore=True)
+        call = functools.partial(self._original, *args, **kwargs)
+        out = call() if decision.apply_step else suppressed_step(self.engine, call)
+        self.decision = decision
+        if self.after is not None:
+            self.after(decision)
+        return out
+
+    def take(self):
+        """The decision taken inside the last boundary ``engine.step`` (once), or None."""
+        decision, self.decision = self.decision, None
+        return decision
+
+    def remove(self) -> None:
+        self.engine.__dict__.pop("step", None)
+
+
+def gate_accelerator(accelerator, guard) -> EngineGate | None:
+    """The gate for a trainer running under accelerate + DeepSpeed (``accelerator.deepspeed_engine_wrapped``), and
+    the guard's state moved to DeepSpeed checkpoints; None elsewhere."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        return None
+    engine = wrapped.engine
+    guard.attach_state(EngineCheckpointState(engine, guard))
+    return EngineGate(engine, guard)
+
+
+class EngineCheckpointState:
+    """The guard's state protocol over ``engine.save_checkpoint`` / ``load_checkpoint`` (collective: every rank
+    calls them at the same step, as every rank takes the same decision). A snapshot is a checkpoint tag."""
+
+    def __init__(self, engine, guard, ckpt_dir=None):
+        self.engine, self.guard = engine, guard
+        self.ckpt_dir = str(ckpt_dir or guard.run_dir / "deepspeed_snapshots")
+        self.model = engine.module
+
+    def capture(self, step: int) -> dict:
+        tag = f"rl_guard_step{step}"
+        self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state={"rl_guard": self.guard.state_dict()},
+                                    save_latest=False)
+        self._prune(keep=self.guard.config.snapshots["keep"] + 1)
+        return {"step": step, "tag": tag, "ckpt_dir": self.ckpt_dir}
+
+    def _prune(self, keep: int) -> None:
+        """Older tags than the snapshot ring can still name are removed (rank 0; save_checkpoint ends in a barrier)."""
+        if self.guard.rank != 0:
+            return
+        import shutil
+        from pathlib import Path
+
+        tags = sorted((p for p in Path(self.ckpt_dir).glob("rl_guard_step*") if p.is_dir()),
+                      key=lambda p: int(p.name.removeprefix("rl_guard_step")))
+        for old in tags[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
+        path, _ = self.engine.load_checkpoint(snap["ckpt_dir"], tag=snap["tag"], load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"rl_guard rollback: no DeepSpeed checkpoint {snap['tag']!r} under {snap['ckpt_dir']}")
+        if lr_scale != 1.0:
+            from ..control.state import scale_lr
+
+            scale_lr(self.engine.optimizer, self.engine.lr_scheduler, lr_scale)

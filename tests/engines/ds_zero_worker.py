@@ -1,0 +1,109 @@
+"""One rank of a real DeepSpeed ZeRO run on CPU (gloo), the guard gating ``engine.step``.
+
+Usage (one process per rank, env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): ds_zero_worker.py OUT STAGES
+with STAGES like ``2,3``. For every stage, three runs whose ``nonfinite_grad`` action is ``skip_step``,
+``checkpoint_and_halt`` or ``rollback`` (snapshots through ``engine.save_checkpoint``). At the fault step the last
+rank alone writes an inf into its own gradient partition after the backward (after DeepSpeed's reduce-scatter),
+before ``engine.step``. Writes OUT/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+from torch import distributed as dist
+
+from rl_guard import Guard
+from rl_guard.adapters.deepspeed import EngineCheckpointState, EngineGate, ZeroGradients
+
+STEPS, GAS = 4, 2
+FAULT_STEP = {"skip_step": 1, "checkpoint_and_halt": 1, "rollback": 2}  # rollback: a snapshot from step 0
+OUT, STAGES = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def engine(stage: int):
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+           # torch's Adam: no native DeepSpeed op to build
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
+    return deepspeed.initialize(model=model, config=cfg)[0]
+
+
+def weights(eng) -> dict:
+    """Digests of this rank's bf16 weights (its ZeRO-3 partitions, or the full module under ZeRO-2), of its fp32
+    master partition, and of the full weights gathered from every rank."""
+    ps = list(eng.module.parameters())
+    zero3 = eng.zero_optimization_stage() == 3
+    local = [(p.ds_tensor if zero3 else p).detach().clone() for p in ps]
+    with deepspeed.zero.GatheredParameters(ps, enabled=zero3):
+        full = [p.detach().clone() for p in ps]
+    opt = eng.optimizer
+    master = getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups
+    return {"local": _digest(local), "master": _digest([m.detach() for m in master]), "module": _digest(full),
+            "finite": all(bool(torch.isfinite(t.float()).all()) for t in local + full + list(master))}
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.float().contiguous().numpy().tobytes())  # bf16 -> fp32 is exact
+    return h.hexdigest()
+
+
+def run(stage: int, action: str) -> dict:
+    eng = engine(stage)
+    snapshots = "snapshots: {healthy_steps: 1, every: 100, keep: 1, where: memory}\n" if action == "rollback" else ""
+    guard = Guard.from_yaml(f"version: 1\nsinks: [jsonl]\n{snapshots}"
+                            f"builtin_rules: {{nonfinite_grad: {{action: {action}}}}}\n", run_dir=OUT / f"zero{stage}_{action}")
+    guard.attach(eng.module).attach_state(EngineCheckpointState(eng, guard))
+    gate = EngineGate(eng, guard)
+    steps = []
+    for step in range(STEPS):
+        before = weights(eng)
+        for micro in range(GAS):
+            g = torch.Generator().manual_seed(100 * step + 10 * micro + RANK)  # each rank its own data
+            x, y = torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
+            loss = ((eng(x.bfloat16()).float() - y) ** 2).mean()
+            guard.observe(loss=loss.detach())
+            eng.backward(loss)
+            if micro == GAS - 1 and step == FAULT_STEP[action] and RANK == WORLD - 1:
+                partition = next(t for group in ZeroGradients(eng).grad_groups() for t in group if t.numel())
+                partition.view(-1)[0] = math.inf
+            eng.step()
+        decision = gate.take()
+        guard.actions.restore_pending()
+        guard.step_done()
+        m = guard.last_logged
+        steps.append({"step": step, "action": decision.action, "apply": decision.apply_step, "stop": decision.stop,
+                      "grad_nonfinite": m.get("rl_guard/grad/nonfinite"), "grad_norm": m.get("rl_guard/grad/norm"),
+                      "ds_grad_norm": None if not decision.apply_step else float(eng.get_global_grad_norm()),
+                      "before": before, "after": weights(eng), "skipped_steps": eng.skipped_steps})
+        if decision.stop:
+            break
+    gate.remove()
+    return {"steps": steps, "checkpoint": guard.actions.last_checkpoint, "fault_step": FAULT_STEP[action],
+            "rollbacks": guard.controller.rollbacks}
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    result = {"rank": RANK, "world": dist.get_world_size()}
+    for stage in STAGES:
+        for action in FAULT_STEP:
+            result[f"zero{stage}_{action}"] = run(stage, action)
+    (OUT / f"rank{RANK}.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

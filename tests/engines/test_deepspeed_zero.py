@@ -1,0 +1,51 @@
+"""The guard on real DeepSpeed ZeRO-2 and ZeRO-3 engines: two CPU processes (gloo), bf16, torch's Adam.
+
+The last rank alone gets an inf in its own gradient partition after the reduce-scatter and before
+``engine.step``; the guard, gating ``engine.step`` (``rl_guard/adapters/deepspeed.py``), must take the same
+decision on both ranks and the step must leave every weight (module and fp32 master partition) bit for bit
+unchanged, through DeepSpeed's own overflow path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import run_ranks
+
+pytestmark = pytest.mark.slow  # two processes importing deepspeed: about 30 s
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks("ds_zero_worker.py", 2, tmp_path_factory.mktemp("zero"), "2,3")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("action", ["skip_step", "checkpoint_and_halt", "rollback"])
+def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, action):
+    runs = [r[f"zero{stage}_{action}"] for r in ranks]
+    fault = runs[0]["fault_step"]
+    for rank, run in enumerate(runs):
+        steps = run["steps"]
+        healthy = steps[0]
+        # healthy step: applied; the guard's norm over ZeRO partitions equals DeepSpeed's own global norm
+        assert healthy["action"] is None and healthy["before"]["module"] != healthy["after"]["module"]
+        assert healthy["grad_norm"] == pytest.approx(healthy["ds_grad_norm"], rel=1e-6)
+        bad = steps[fault]
+        assert bad["grad_nonfinite"] >= 1 and bad["action"] == action and not bad["apply"]
+        if action == "rollback":  # (the restored checkpoint also resets the engine's skipped_steps counter)  # back to the snapshot taken after step 0, i.e. the weights step 1 started from
+            assert bad["after"] == steps[1]["before"] and bad["before"] != bad["after"]
+            assert run["rollbacks"] == 1
+        else:  # the update that fired was dropped: weights and fp32 master partitions bitwise unchanged
+            assert bad["after"] == bad["before"]
+            assert bad["skipped_steps"] == 1  # through DeepSpeed's overflow path: no optimizer step, LR held
+        assert bad["after"]["finite"]
+        if action == "checkpoint_and_halt":
+            assert bad["stop"] and len(steps) == fault + 1
+            assert run["checkpoint"].endswith(f"step_{fault:08d}/rank{rank}.pt")
+        else:  # the run continues and the next update is applied
+            nxt = steps[fault + 1]
+            assert nxt["action"] is None and nxt["apply"] and nxt["after"]["module"] != nxt["before"]["module"]
+    # the same decision, metrics and full weights on every rank at every step
+    assert [[(s["action"], s["grad_nonfinite"], s["after"]["module"]) for s in run["steps"]] for run in runs] == \
+        [[(s["action"], s["grad_nonfinite"], s["after"]["module"]) for s in runs[0]["steps"]]] * 2
