@@ -15,8 +15,15 @@ so the ratio is reported as exactly 1), ``ref_per_token_logps`` (``beta != 0``),
 ``mask_truncated_completions``, ``reward_weights``, ``_buffered_inputs`` (cleared after a rollback so TRL
 regenerates rather than train on rollouts of the diverged policy); ``_calculate_rewards`` (per-function rewards,
 before TRL's nansum hides a NaN); ``log(logs)``. transformers ``Trainer``: ``_clip_grad_norm`` (pre-clip norm),
-events ``on_pre_optimizer_step`` / ``on_step_end``. A plain ``Trainer`` gets the gradient, loss and non-finite
-rules only. ``rollback.skip_batches`` is not applied: the trainer owns the data loader (TRL regenerates instead).
+events ``on_pre_optimizer_step`` / ``on_optimizer_step`` / ``on_step_end``; ``state.global_step``. A plain
+``Trainer`` gets the gradient, update, loss and non-finite rules only.
+
+``rl_guard/grad/norm`` is the pre-clip norm the trainer computed (what TRL logs as ``grad_norm``); the gradients
+the guard reads are already clipped, and their norm is ``grad/norm_postclip``. The update probe
+(``rl_guard/stats/update.py``) measures every optimizer step between ``on_pre_optimizer_step`` and
+``on_optimizer_step``. Step numbers the guard writes (incidents, ``metrics.jsonl``, checkpoints, console) are the
+trainer's ``global_step`` after the step, the x-axis of every ``report_to`` backend. At attach the adapter reports
+which rules can fire in the trainer's configuration (``trl_coverage.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ import torch
 from transformers import TrainerCallback
 
 from .. import Guard, TokenBatch
-from .trl_samples import samples_from_rewards
+from ..stats.grads import param_groups_of
+from ..stats.update import UpdateProbe, learning_rates
+from .trl_coverage import rule_coverage, trainer_configuration, write_coverage
+from .trl_samples import has_group_spread, samples_from_rewards
 
 SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
 logger = logging.getLogger("rl_guard")
@@ -61,6 +71,11 @@ class RLGuardCallback(TrainerCallback):
         self.guard = guard if isinstance(guard, Guard) else Guard.from_yaml(guard, run_dir=run_dir)
         self.trainer, self._originals = None, {}
         self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
+        self.update_probe = UpdateProbe(sharded=self.guard.config.sharded_grads)
+        self.coverage: list[dict] = []
+        self._batch_has_signal: bool | None = None  # did the last generation batch have a group with reward spread?
+        self._steps_without_signal = 0
+        self._lrs: list[float] = []
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
     def _find_trainer(self):
@@ -82,6 +97,8 @@ class RLGuardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         self.trainer = self._find_trainer()
         self.guard.attach(model, optimizer, lr_scheduler)
+        self._align_steps(state)
+        self._report_coverage()
         self._wrap("_get_per_token_logps_and_entropies", self._wrap_logps)
         self._wrap("compute_loss", self._wrap_loss)
         self._wrap("_calculate_rewards", self._wrap_rewards)
@@ -92,6 +109,24 @@ class RLGuardCallback(TrainerCallback):
 
             # The trainer logs the metrics to its wandb run; the guard adds alerts and the incident table.
             self.guard.sinks.add(WandbSink(metrics=False))
+
+    def _align_steps(self, state) -> None:
+        """Number guard steps as the trainer does: the step that ends with global_step = n is guard step n."""
+        _ = self.guard.sinks  # started first, so a fresh run is not mistaken for a resumed one
+        if self.guard.step == 0:
+            self.guard.controller.step = state.global_step + 1
+
+    def _report_coverage(self) -> None:
+        with self.guard.protect("coverage report"):
+            self._write_coverage()
+
+    def _write_coverage(self) -> None:
+        cfg = trainer_configuration(self.trainer)
+        self.coverage = rule_coverage(self.guard.controller.rules, cfg)
+        for row in self.coverage:  # reported now: no 'metric not reported' warning 20 steps later
+            self.guard.controller.missing_warned.update(row["absent_metrics"])
+        if self.guard.rank == 0:
+            print(write_coverage(self.guard.run_dir, cfg, self.coverage), flush=True)
 
     def on_train_end(self, args, state, control, **kw):
         for name in self._originals:
@@ -130,8 +165,9 @@ class RLGuardCallback(TrainerCallback):
                 # the (host-side) diagnostics the whole batch, identically on every rank.
                 start = self.trainer.accelerator.process_index * len(prompts)
                 self.guard.observe_sequences(rewards=total[start:start + len(prompts)])
-                self.guard.observe_samples(
-                    samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list))
+                samples = samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list)
+                self._batch_has_signal = has_group_spread(samples)
+                self.guard.observe_samples(samples)
             return per_func
         return wrapper
 
@@ -181,19 +217,40 @@ class RLGuardCallback(TrainerCallback):
     # -- acting before and after the optimizer step -------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kw):
         preclip, self._preclip = self._preclip, None
+        if optimizer is not None:
+            with self.guard.protect("update probe"):
+                lrs = self._lrs = learning_rates(optimizer)
+                host = self.update_probe.lr_metrics(lrs)
+                if self._batch_has_signal is not None:
+                    self._steps_without_signal = 0 if self._batch_has_signal else self._steps_without_signal + 1
+                    host["rl_guard/group/no_signal_steps"] = float(self._steps_without_signal)
+                self.guard.observe_partial(self.update_probe.pre_step(param_groups_of(optimizer), lrs), host)
         decision = self.guard.check(params=optimizer if optimizer is not None else model, pre_clip_norm=preclip,
                                     defer_restore=True)
         if decision.stop:  # should_save: the trainer also writes its own checkpoint of the halted state
             control.should_training_stop = control.should_save = True
         return control
 
-    def on_step_end(self, args, state, control, **kw):
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        if optimizer is not None:
+            with self.guard.protect("update probe"):
+                self.update_probe.post_step(param_groups_of(optimizer))
+        return control
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        decision = self.guard.last_decision
+        if optimizer is not None and (decision is None or decision.apply_step):
+            self.update_probe.accept(self._lrs)
         restored = self.guard.actions.restore_pending()
+        if restored is not None and optimizer is not None:
+            with self.guard.protect("update probe"):
+                self.update_probe.resync(param_groups_of(optimizer))  # a restore is not a change from outside
         if restored is not None:
             # Rollouts buffered from the diverged policy must not be trained on: TRL regenerates when this is None.
             if hasattr(self.trainer, "_buffered_inputs"):
                 self.trainer._buffered_inputs = None
-            logger.warning(f"rl_guard: rolled back to the healthy state of guard step {restored}; "
+            logger.warning(f"rl_guard: rolled back to the healthy state from before step {restored}; "
                            f"trainer global_step keeps counting ({state.global_step})")
         self.guard.step_done()
         return control
+

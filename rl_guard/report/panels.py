@@ -76,10 +76,10 @@ def grad_spikes(run: RunData) -> list[tuple[int, str, str]]:
 
 
 def draw_grad(ax, run: RunData) -> bool:
-    bottom = style.log_floor(run.column("grad/norm"), run.column("grad/norm_preclip"))
-    got = style.line(ax, run, "grad/norm", floor=bottom, color="#4c72b0", lw=1.6, label="grad norm (after clipping)")
-    got |= style.line(ax, run, "grad/norm_preclip", floor=bottom, color="#8172b3", lw=1.2, ls="--",
-                      label="grad norm before clip")
+    bottom = style.log_floor(run.column("grad/norm"), run.column("grad/norm_postclip"))
+    got = style.line(ax, run, "grad/norm", floor=bottom, color="#4c72b0", lw=1.6, label="grad norm (before clipping)")
+    got |= style.line(ax, run, "grad/norm_postclip", floor=bottom, color="#8172b3", lw=1.2, ls="--",
+                      label="grad norm after clipping")
     if not got:
         return False
     if bottom is not None:
@@ -87,7 +87,7 @@ def draw_grad(ax, run: RunData) -> bool:
     spikes = grad_spikes(run)
     pts: dict[tuple[str, bool], list[tuple[int, float]]] = {}
     for step, action, metric in spikes:
-        shown = metric if metric in ("rl_guard/grad/norm", "rl_guard/grad/norm_preclip") else "rl_guard/grad/norm"
+        shown = metric if metric in ("rl_guard/grad/norm", "rl_guard/grad/norm_postclip") else "rl_guard/grad/norm"
         y = run.value_at(shown, step)
         onedge = y is None or not np.isfinite(y)
         pts.setdefault((action, onedge), []).append((step, 1.0 if onedge else y))
@@ -186,7 +186,7 @@ PANELS: dict[str, Panel] = {
     "kl_ref": Panel("KL to the reference policy (k3)", "KL", _kl("kl_ref"), ("kl_ref/k3_mean", "kl_ref/k3_seq_max")),
     "clip": Panel("clipped token fractions", "fraction of tokens", draw_clip,
                   ("clip/low_frac", "clip/high_frac", "clip/region_frac")),
-    "grad": Panel("gradient norm (stars: gradient rules fired)", "norm", draw_grad, ("grad/norm", "grad/norm_preclip")),
+    "grad": Panel("gradient norm (stars: gradient rules fired)", "norm", draw_grad, ("grad/norm", "grad/norm_postclip")),
     "lag": Panel("token share per policy lag (versions behind)", "token share", draw_lag, ()),
     "reward": Panel("reward", "reward", draw_reward, ("reward/mean",)),
     "length": Panel("response length (tokens)", "tokens", draw_length, ("length/mean", "length/max")),

@@ -16,6 +16,7 @@ _FIELDS = (
     "low", "high", "clip",  # clip regions, per-lag clip counts
     "microbatches", "empty_microbatches", "ranks", "nonfinite",  # tokens / loss bookkeeping
     "sq", "max_abs", "preclip_sq",  # gradients
+    "base_sq", "param_sq", "drift_sq",  # update probe (stats/update.py)
 )
 
 
@@ -39,14 +40,17 @@ class Family:
 RATIO_FAMILIES = ("ratio", "seq_ratio", "importance_weight", "behave_imp_weight")
 KL_FAMILIES = ("kl_old", "kl_ref")
 _FAMILIES = {n: Family(n) for n in (*RATIO_FAMILIES, *KL_FAMILIES, "entropy", "clip", "adv", "length", "reward",
-                                    "tokens", "lag", "loss", "grad")}
+                                    "tokens", "lag", "loss", "grad",
+                                    "update", "logp")}
 RATIO, SEQ_RATIO, IMPORTANCE_WEIGHT, BEHAVE_IMP_WEIGHT = (_FAMILIES[n] for n in RATIO_FAMILIES)
 KL_OLD, KL_REF = (_FAMILIES[n] for n in KL_FAMILIES)
 ENTROPY, CLIP, ADV, LENGTH, REWARD = (_FAMILIES[n] for n in ("entropy", "clip", "adv", "length", "reward"))
 TOKENS, LAG, LOSS, GRAD = (_FAMILIES[n] for n in ("tokens", "lag", "loss", "grad"))
+UPDATE, LOGP = _FAMILIES["update"], _FAMILIES["logp"]
 
 INPUT_PREFIX, NONFINITE_SUFFIX = "input.", ".nonfinite"
 GRAD_GROUP_PREFIX = "grad.group"
+UPDATE_GROUP_PREFIX = "update.group"
 
 
 def of(name: str) -> Family:
@@ -65,3 +69,10 @@ def input_nonfinite(field: str) -> str:
 def grad_group(i: int) -> str:
     """Sum of squared gradients of optimizer parameter group ``i``."""
     return f"{GRAD_GROUP_PREFIX}{i}.sq"
+
+
+def update_group(i: int, field: str) -> str:
+    """Update-probe figure ``field`` (sq, base_sq, param_sq, lr) of optimizer parameter group ``i``."""
+    if field not in ("sq", "base_sq", "param_sq", "lr"):
+        raise KeyError(f"no update-group field {field!r}")
+    return f"{UPDATE_GROUP_PREFIX}{i}.{field}"

@@ -13,6 +13,7 @@ import numpy as np
 from . import keys
 from .constants import DEFAULT_LAG_EDGES, EXP_ARG_MAX
 from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, quantiles_from_counts
+from .update import summarize_update
 
 PREFIX = "rl_guard/"
 
@@ -145,6 +146,9 @@ def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[
     if n_seq and keys.LENGTH.truncated in raw:
         out.put("length/truncated_frac", _f(raw, keys.LENGTH.truncated) / n_seq)
     _values(out, raw, "reward", std=True)
+    _values(out, raw, "logp")
+    for name, value in summarize_update(raw).items():
+        out.put(name, value)
     _grad(out, raw)
     _loss(out, raw)
     hists = {}
@@ -156,16 +160,26 @@ def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[
 
 
 def _grad(out: _Out, raw) -> None:
+    # One meaning for grad/norm: the pre-clip total norm. Where the gradients are seen after the trainer clipped
+    # them, the trainer's own pre-clip norm is grad/norm and the norm seen here is grad/norm_postclip.
     if keys.GRAD.sq in raw:
-        out.put("grad/norm", math.sqrt(_f(raw, keys.GRAD.sq)))
+        measured = math.sqrt(_f(raw, keys.GRAD.sq))
+        if keys.GRAD.preclip_sq in raw:
+            # Clipping cannot make a finite norm non-finite: non-finite gradients here were corrupted after the
+            # trainer measured them, and the pre-clip figure no longer describes what the optimizer receives.
+            preclip = math.sqrt(_f(raw, keys.GRAD.preclip_sq))
+            out.put("grad/norm", preclip if math.isfinite(measured) else measured)
+            out.put("grad/norm_postclip", measured)
+        else:
+            out.put("grad/norm", measured)
         out.put("grad/max_abs", _f(raw, keys.GRAD.max_abs))
         out.put("grad/nonfinite", _f(raw, keys.GRAD.nonfinite))
         groups = sorted(k for k in raw if k.startswith(keys.GRAD_GROUP_PREFIX))
         if len(groups) > 1:
             for key in groups:
                 out.put(f"grad/{key.split('.')[1]}/norm", math.sqrt(_f(raw, key)))
-    if keys.GRAD.preclip_sq in raw:
-        out.put("grad/norm_preclip", math.sqrt(_f(raw, keys.GRAD.preclip_sq)))
+    elif keys.GRAD.preclip_sq in raw:
+        out.put("grad/norm", math.sqrt(_f(raw, keys.GRAD.preclip_sq)))
 
 
 def _loss(out: _Out, raw) -> None:

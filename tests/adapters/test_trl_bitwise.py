@@ -12,7 +12,7 @@ STEPS = 6
 def test_guarded_run_is_bitwise_identical_to_unguarded(grpo_run, same_state, tiny_model, tmp_path):
     plain = grpo_run(tmp_path / "plain", STEPS)
     guarded = grpo_run(tmp_path / "guarded", STEPS, guard=SILENT)
-    assert guarded.guard.step == STEPS and guarded.incidents() == []
+    assert guarded.guard.step == STEPS + 1 and guarded.incidents() == []  # the next step's number
     assert len(guarded.metrics()) == STEPS  # it did observe every step
     a, b = plain.trainer.model.state_dict(), guarded.trainer.model.state_dict()
     assert a.keys() == b.keys()

@@ -14,7 +14,8 @@ PRESET = demo_config("rollback", console_every=None)
 
 
 def fired_at(run, step: int) -> dict[str, str]:
-    return {i["rule"]: i["action"] for i in run.incidents() if i["step"] == step}
+    """Rules that fired in the step that began at global_step ``step`` (the guard writes it as ``step + 1``)."""
+    return {i["rule"]: i["action"] for i in run.incidents() if i["step"] == step + 1}
 
 
 def assert_update_dropped(states, step: int) -> None:
@@ -43,7 +44,7 @@ def test_inf_grad_skips_the_step(grpo_run, step_states, tmp_path):
     assert_update_dropped(states, 3)
     assert_update_applied(states, 4)  # training goes on
     assert run.trainer.state.global_step == 6 and run.guard.controller.skipped_steps == 1
-    record = next(m for m in run.metrics() if m["step"] == 3)
+    record = next(m for m in run.metrics() if m["step"] == 4)
     assert record["rl_guard/grad/nonfinite"] == 1 and record["rl_guard/grad/norm"] == math.inf
 
 
@@ -55,9 +56,9 @@ def test_nan_reward_skips_the_step_although_trl_logs_a_finite_reward(grpo_run, s
     assert {r: a for r, a in fired_at(run, 2).items() if a != "warn"} == {"nonfinite_rewards": "skip_step"}
     assert_update_dropped(states, 2)
     assert_update_applied(states, 3)
-    guard_record = next(m for m in run.metrics() if m["step"] == 2)
+    guard_record = next(m for m in run.metrics() if m["step"] == 3)
     assert guard_record["rl_guard/input/rewards/nonfinite"] == 1
-    assert all(m["rl_guard/input/rewards/nonfinite"] == 0 for m in run.metrics() if m["step"] != 2)
+    assert all(m["rl_guard/input/rewards/nonfinite"] == 0 for m in run.metrics() if m["step"] != 3)
     # TRL sums reward functions with nansum and drops NaN from its logs: its view of that step looks healthy.
     trl_log = next(h for h in run.trainer.state.log_history if h.get("step") == 3 and "reward" in h)
     assert math.isfinite(trl_log["reward"])
@@ -71,8 +72,10 @@ def test_ratio_drift_halts_with_a_loadable_checkpoint(grpo_run, step_states, sam
                    extra_callbacks=[states], num_iterations=1, steps_per_generation=2)
     assert run.injector.injected_at == [3]
     acted = {i["rule"]: i for i in run.incidents() if i["action"] != "warn"}
-    assert acted and {i["step"] for i in acted.values()} == {3}
-    assert set(acted) <= {"update_too_far", "ratio_extreme", "behaviour_mismatch"}, acted
+    assert acted and {i["step"] for i in acted.values()} == {4}  # the trainer's step 4 began at global_step 3
+    assert set(acted) <= {"update_too_far", "ratio_extreme", "behaviour_mismatch", "weights_changed_outside_optimizer",
+                          "logprob_jump", "entropy_spike"}, acted
+    assert "weights_changed_outside_optimizer" in acted  # the weights moved without an optimizer step
     assert {i["action"] for i in acted.values()} == {"checkpoint_and_halt"}
     assert run.trainer.state.global_step == 4  # stopped at the step that fired, not max_steps
     assert_update_dropped(states, 3)
@@ -80,10 +83,10 @@ def test_ratio_drift_halts_with_a_loadable_checkpoint(grpo_run, step_states, sam
         if incident["op"] == ">":
             assert incident["value"] > incident["threshold"], incident
     ckpt = torch.load(incident["checkpoint"], map_location="cpu", weights_only=True)
-    assert ckpt["step"] == 3 and ckpt["reason"] == "checkpoint_and_halt"
+    assert ckpt["step"] == 4 and ckpt["reason"] == "checkpoint_and_halt"
     for name, tensor in run.trainer.model.state_dict().items():
         assert torch.equal(ckpt["model"][name], tensor), name
     same_state(ckpt["optimizer"]["state"], states.end[3]["optimizer"]["state"], "optimizer moments")
-    assert ckpt["guard"]["controller"]["step"] == 3
+    assert ckpt["guard"]["controller"]["step"] == 4
     # The trainer saved its own checkpoint of the halted state too (``control.should_save``).
     assert (Path(run.trainer.args.output_dir) / "checkpoint-4" / "trainer_state.json").is_file()

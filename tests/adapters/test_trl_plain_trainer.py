@@ -55,6 +55,7 @@ def plain_run(tiny_model, step_states, tmp_path_factory):
     return trainer, callback.guard, states
 
 
+# Steps the guard writes are the trainer's global_step after the step: the step that starts at global_step s is s + 1.
 def _incidents(guard):
     from rl_guard.sinks.jsonl import read_jsonl
 
@@ -74,14 +75,14 @@ def _unchanged(states, step) -> bool:
 
 def test_inf_grad_is_skipped_by_the_grad_rules(plain_run):
     trainer, guard, states = plain_run
-    fired = {i["rule"]: i["action"] for i in _incidents(guard) if i["step"] == INF_GRAD_STEP}
+    fired = {i["rule"]: i["action"] for i in _incidents(guard) if i["step"] == INF_GRAD_STEP + 1}
     assert fired == {"nonfinite_grad": "skip_step", "grad_norm_ceiling": "skip_step"}
     assert _unchanged(states, INF_GRAD_STEP)
 
 
 def test_loss_rule_fires_on_a_finite_loss(plain_run):
     trainer, guard, _ = plain_run
-    first = [i for i in _incidents(guard) if i["step"] == 0]
+    first = [i for i in _incidents(guard) if i["step"] == 1]
     assert [(i["rule"], i["action"]) for i in first] == [("loss_above_one", "warn")]
     logged = next(h["loss"] for h in trainer.state.log_history if h.get("step") == 1 and "loss" in h)
     assert first[0]["value"] == pytest.approx(logged, rel=1e-5)
@@ -89,11 +90,11 @@ def test_loss_rule_fires_on_a_finite_loss(plain_run):
 
 def test_nan_loss_is_skipped(plain_run):
     trainer, guard, states = plain_run
-    fired = {i["rule"]: i["action"] for i in _incidents(guard) if i["step"] == NAN_LOSS_STEP}
+    fired = {i["rule"]: i["action"] for i in _incidents(guard) if i["step"] == NAN_LOSS_STEP + 1}
     # A NaN fires every rule on its metric, bypassing cooldown; the gradients of a NaN loss are NaN too.
     assert fired == {"nonfinite_loss": "skip_step", "loss_ceiling": "skip_step", "loss_above_one": "warn",
                      "nonfinite_grad": "skip_step", "grad_norm_ceiling": "skip_step"}
-    record = next(m for m in _metrics(guard) if m["step"] == NAN_LOSS_STEP)
+    record = next(m for m in _metrics(guard) if m["step"] == NAN_LOSS_STEP + 1)
     assert record["rl_guard/loss/nonfinite"] == 1
     assert _unchanged(states, NAN_LOSS_STEP)
 
@@ -103,14 +104,14 @@ def test_training_completes_with_loss_and_grad_metrics_only(plain_run):
     assert trainer.state.global_step == STEPS and guard.controller.skipped_steps == 2
     assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
     assert not _unchanged(states, STEPS - 1)  # later steps update the weights again
-    by_step = {h["step"] - 1: h for h in trainer.state.log_history if "loss" in h}
+    by_step = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     for record in _metrics(guard):
         names = {k.split("/")[1] for k in record if k.startswith("rl_guard/")}
-        assert names <= {"grad", "loss", "guard"}, names  # no token statistics without a token batch
-        if record["step"] not in (INF_GRAD_STEP, NAN_LOSS_STEP):
+        assert names <= {"grad", "loss", "guard", "update", "optim"}, names  # no token statistics without a token batch
+        if record["step"] - 1 not in (INF_GRAD_STEP, NAN_LOSS_STEP):
             log = by_step[record["step"]]
             assert record["rl_guard/loss/value"] == pytest.approx(log["loss"], rel=1e-5)
-            assert record["rl_guard/grad/norm_preclip"] == pytest.approx(log["grad_norm"], rel=1e-5)
+            assert record["rl_guard/grad/norm"] == pytest.approx(log["grad_norm"], rel=1e-5)
 
 
 def test_no_token_counts_without_a_token_batch(plain_run):

@@ -23,8 +23,8 @@ def test_guard_acts_before_the_unguarded_twin_goes_nonfinite(grpo_run, finite_ch
                        fault="lr_ramp", at_step=RAMP_FROM)
     acted = [i for i in guarded.incidents() if i["action"] != "warn"]
     assert acted, "the guard never acted"
-    act_step = acted[0]["step"]
-    first = [i for i in acted if i["step"] == act_step]
+    act_step = acted[0]["step"] - 1  # written as the trainer's global_step after the step; the checker counts from 0
+    first = [i for i in acted if i["step"] == act_step + 1]
     assert {i["rule"] for i in first}.isdisjoint(NONFINITE_RULES), first
     assert all(math.isfinite(i["value"]) for i in first), first
     assert act_step < blowup_step

@@ -52,7 +52,7 @@ def metrics_at(s: int) -> dict[str, float]:
         m[f"rl_guard/{fam}/k3_mean"] = 0.0 if s % 4 == 0 else 1e-3 * (1 + s)
         m[f"rl_guard/{fam}/k3_seq_max"] = 10 * m[f"rl_guard/{fam}/k3_mean"]
     m.update({"rl_guard/clip/low_frac": 0.05, "rl_guard/clip/high_frac": 0.1, "rl_guard/clip/region_frac": 0.15,
-              "rl_guard/grad/norm": 50.0 if s == 15 else 1.0, "rl_guard/grad/norm_preclip": 1.5,
+              "rl_guard/grad/norm": 50.0 if s == 15 else 1.0, "rl_guard/grad/norm_postclip": 1.5,
               "rl_guard/length/mean": 100.0 + s, "rl_guard/length/max": 200.0,
               "rl_guard/length/truncated_frac": 0.1})
     for i, b in enumerate(BUCKETS):

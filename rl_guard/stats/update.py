@@ -1,0 +1,223 @@
+"""Update-size probe: how far each optimizer step moved the weights, in every trainer configuration.
+
+Unlike the ratio and KL (which need an old or reference policy), the update itself always exists. Per optimizer
+step it reports ``update/rel`` = ||dtheta|| / ||theta|| (global and per parameter group), the parameter norm, the
+learning rate per group, and ``update/external_rel``: how far the weights moved *between* two optimizer steps
+(nothing but the optimizer, or a rollback, should move them; a changed weight there is a bug or a fault).
+
+No full copy of the weights is kept. Each parameter tensor with more than ``sample`` elements contributes a fixed
+random subset of ``sample`` element positions (drawn once, with a fixed seed, on the parameter's device); smaller
+tensors are taken whole. ``||dtheta_p||^2`` is estimated as ``numel / k x sum over the subset of dtheta^2``
+(unbiased under uniform sampling without replacement). The relative standard error of one tensor's squared-norm
+estimate is ``sqrt((kurt - 1) / k x (1 - k / numel))`` with ``kurt = E[d^4] / E[d^2]^2`` of the update entries:
+Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``k = 1024`` one tensor's *norm* is within ~2-3 %
+(one standard error), and the global norm, a sum over many tensors, closer still. A fault that changes only a
+handful of elements of a large tensor can fall outside the subset: the probe is for update *size*, not for
+locating single corrupted entries. ``||theta||`` is exact (one fused multi-tensor norm).
+
+All figures stay on the device and travel in the step's one device-to-host transfer: the update of step t is
+measured right after ``optimizer.step()`` and reported with step t+1's statistics (where a rule on it rolls back
+to a state from before step t). The learning rates are host floats read from the optimizer (no transfer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import keys
+from .partial import Partial
+
+DEFAULT_SAMPLE = 1024  # elements per parameter tensor; see the error note above
+GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
+
+
+class UpdateProbe:
+    """Call ``pre_step`` right before ``optimizer.step()`` (it returns the ``Partial`` to add to that step's
+    statistics), ``post_step`` right after it, and ``resync`` after the weights were restored (a rollback)."""
+
+    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool = False):
+        self.sample, self.seed, self.sharded = sample, seed, sharded
+        self._index: dict[int, torch.Tensor | None] = {}
+        self._weights: list[torch.Tensor] | None = None  # per group: numel / k for every sampled element
+        self._before: list[torch.Tensor] | None = None   # sampled weights right before the last optimizer step
+        self._after: list[torch.Tensor] | None = None    # sampled weights right after it
+        self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step
+        self._pending: Partial | None = None             # the last step's update, reported at the next pre_step
+        self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
+        self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
+        self._last_lrs: list[float] = []
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+    def _idx(self, p: torch.Tensor) -> torch.Tensor | None:
+        key = id(p)
+        if key not in self._index:
+            n = p.numel()
+            if n <= self.sample:
+                self._index[key] = None
+            else:
+                gen = torch.Generator(device="cpu").manual_seed(self.seed + len(self._index))
+                idx = torch.randperm(n, generator=gen)[: self.sample].sort().values
+                self._index[key] = idx.to(p.device)
+        return self._index[key]
+
+    @torch.no_grad()
+    def _take(self, groups) -> list[torch.Tensor]:
+        out, weights = [], []
+        for group in groups:
+            parts, w = [], []
+            for p in group:
+                idx = self._idx(p)
+                flat = p.detach().reshape(-1)
+                parts.append((flat if idx is None else flat.index_select(0, idx)).to(torch.float32, copy=True))
+                if self._weights is None:
+                    w.append(torch.full((parts[-1].numel(),), p.numel() / parts[-1].numel(), dtype=torch.float64,
+                                        device=p.device))
+            dev = group[0].device if group else None
+            out.append(torch.cat(parts) if parts else torch.zeros(0, device=dev))
+            weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=dev))
+        if self._weights is None:
+            self._weights = weights
+        return out
+
+    def _sq(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Estimated ||a - b||^2 per group."""
+        return [torch.dot(self._weights[i], (x.double() - y.double()).square()) for i, (x, y) in enumerate(zip(a, b))]
+
+    @staticmethod
+    def _param_sq(groups) -> list[torch.Tensor]:
+        sq = []
+        for group in groups:
+            if not group:
+                sq.append(torch.zeros((), dtype=torch.float64))
+                continue
+            norms = torch.stack(torch._foreach_norm([p.detach() for p in group], 2.0, dtype=torch.float64))
+            sq.append((norms * norms).sum())
+        return sq
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def pre_step(self, groups: list[list[torch.Tensor]], lrs: list[float]) -> Partial:
+        """The last step's update, the weight change since then, the current norms (device, no sync)."""
+        p = self._pending or Partial()
+        self._pending = None
+        add = p.add_sum if self.sharded else p.add_max
+        now = self._take(groups)
+        if self._after is not None and len(self._after) == len(now):
+            drift = self._sq(now, self._after)
+            add(keys.UPDATE.drift_sq, torch.stack(drift).sum())
+        self._base_sq = self._param_sq(groups)
+        for i, sq in enumerate(self._base_sq):
+            add(keys.update_group(i, "param_sq"), sq)
+        add(keys.UPDATE.param_sq, torch.stack(self._base_sq).sum())
+        self._before = now
+        self._last_lrs = list(lrs)
+        return p
+
+    @torch.no_grad()
+    def post_step(self, groups: list[list[torch.Tensor]]) -> None:
+        """Measure the update ``optimizer.step()`` just applied (kept on the device until the next pre_step)."""
+        if self._before is None:
+            return
+        after = self._take(groups)
+        p = Partial()
+        add = p.add_sum if self.sharded else p.add_max
+        sq = self._sq(after, self._before)
+        for i, (s, b) in enumerate(zip(sq, self._base_sq)):
+            add(keys.update_group(i, "sq"), s)
+            add(keys.update_group(i, "base_sq"), b)
+            lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
+            p.add_max(keys.update_group(i, "lr"), torch.full((), lr, dtype=torch.float64, device=s.device))
+        add(keys.UPDATE.sq, torch.stack(sq).sum())
+        add(keys.UPDATE.base_sq, torch.stack(self._base_sq).sum())
+        self._pending, self._after, self._before = p, after, None
+
+    @torch.no_grad()
+    def resync(self, groups: list[list[torch.Tensor]]) -> None:
+        """The weights were restored on purpose: measure later drift from here, and report no update."""
+        self._after, self._pending, self._before = self._take(groups), None, None
+
+    # -- learning rates (host floats) ----------------------------------------------------------------------------
+    def lr_metrics(self, lrs: list[float]) -> dict[str, float]:
+        """``optim/lr`` (largest group), ``optim/group<i>/lr`` (several groups), ``optim/lr_vs_max`` (this rate over
+        the largest rate the group applied before) and ``optim/lr_growth``: when a group's rate exceeds every rate it
+        applied before, its ratio to the smallest of its last ``GROWTH_STEPS`` applied rates (else 1). A scheduled
+        rate climbs only in a warm-up (a linear one from 0 by at most 4x over 3 steps, after its first 3 steps) and
+        otherwise stays below its past maximum (decay, restarts), so a large growth is a fault: a jump, or a ramp
+        that compounds. Only applied steps count (``accept``): a refused rate never becomes the norm."""
+        out = {"rl_guard/optim/lr": max(lrs) if lrs else math.nan}
+        if len(lrs) > 1:
+            out.update({f"rl_guard/optim/group{i}/lr": lr for i, lr in enumerate(lrs)})
+        vs_max, growth = [], []
+        for i, lr in enumerate(lrs):
+            past = self._lr_recent[i] if i < len(self._lr_recent) else []
+            top = self._lr_max[i] if i < len(self._lr_max) else 0.0
+            if top > 0:
+                vs_max.append(lr / top)
+            if past and min(past) > 0:
+                growth.append(lr / min(past) if lr > top else 1.0)
+        if vs_max:
+            out["rl_guard/optim/lr_vs_max"] = max(vs_max)
+        if growth:
+            out["rl_guard/optim/lr_growth"] = max(growth)
+        return out
+
+    def accept(self, lrs: list[float]) -> None:
+        """The step with these rates was applied: they join the history ``lr_metrics`` compares against."""
+        while len(self._lr_recent) < len(lrs):
+            self._lr_recent.append([])
+            self._lr_max.append(0.0)
+        for i, lr in enumerate(lrs):
+            self._lr_recent[i] = (self._lr_recent[i] + [lr])[-GROWTH_STEPS:]
+            self._lr_max[i] = max(self._lr_max[i], lr)
+
+    def state_dict(self) -> dict:
+        return {"lr_max": list(self._lr_max), "lr_recent": [list(r) for r in self._lr_recent]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._lr_max = list(state.get("lr_max", []))
+        self._lr_recent = [list(r) for r in state.get("lr_recent", [])]
+
+
+def learning_rates(optimizer) -> list[float]:
+    """Current learning rate per parameter group (host floats; a tensor LR on the host is read without a sync)."""
+    return [float(g["lr"]) for g in optimizer.param_groups]
+
+
+def summarize_update(raw: dict) -> dict[str, float]:
+    """Metrics (names without the ``rl_guard/`` prefix) from the merged update-probe statistics."""
+    out: dict[str, float] = {}
+
+    def f(key):
+        v = raw.get(key)
+        return None if v is None else float(v[0])
+
+    param_sq = f(keys.UPDATE.param_sq)
+    if param_sq is not None:
+        out["update/param_norm"] = math.sqrt(param_sq)
+        drift = f(keys.UPDATE.drift_sq)
+        if drift is not None and param_sq > 0:
+            out["update/external_rel"] = math.sqrt(drift / param_sq)
+    groups = sorted({k.split(".")[1] for k in raw if k.startswith(keys.UPDATE_GROUP_PREFIX)})
+    if len(groups) > 1:
+        for g in groups:
+            sq = f(f"update.{g}.param_sq")
+            if sq is not None:
+                out[f"update/{g}/param_norm"] = math.sqrt(sq)
+    sq, base = f(keys.UPDATE.sq), f(keys.UPDATE.base_sq)
+    if sq is None or base is None:
+        return out
+    out["update/norm"] = math.sqrt(sq)
+    if base > 0:
+        out["update/rel"] = math.sqrt(sq / base)
+    lrs = [f(f"update.{g}.lr") for g in groups]
+    lr = max((x for x in lrs if x is not None and math.isfinite(x)), default=None)
+    if lr and base > 0:
+        out["update/rel_per_lr"] = math.sqrt(sq / base) / lr
+    if len(groups) > 1:
+        for g in groups:
+            g_sq, g_base = f(f"update.{g}.sq"), f(f"update.{g}.base_sq")
+            if g_sq is not None and g_base:
+                out[f"update/{g}/rel"] = math.sqrt(g_sq / g_base)
+    return out
