@@ -3,9 +3,13 @@
 import subprocess
 import sys
 
+import pytest
+
 from rl_guard.sinks.jsonl import read_jsonl
 
 
+@pytest.mark.slow  # a 14-step GRPO run in a subprocess: about a minute on a loaded core
+@pytest.mark.timeout(660)  # above the subprocess's own 600 s limit, so that one reports first
 def test_demo_rolls_back_before_nan_and_the_report_renders(tmp_path):
     run_dir = tmp_path / "demo"
     out = subprocess.run([sys.executable, "-m", "rl_guard", "demo", "--steps", "14", "--fault-step", "7",
