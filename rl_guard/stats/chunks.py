@@ -136,6 +136,10 @@ class ChunkStats:
         else:
             self._sum[name] = t
 
+    def pop_sum(self, name: str) -> torch.Tensor:
+        """Removes and returns the summed vector ``name`` (a working total that is not itself a statistic)."""
+        return self._sum.pop(name)
+
     def max(self, name: str, t: torch.Tensor) -> None:
         self._max.setdefault(name, []).append(t)
 

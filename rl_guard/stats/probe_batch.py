@@ -14,36 +14,50 @@ from . import keys
 from .batch import BatchError, TokenBatch
 from .chunks import Chunk, chunks
 from .constants import DEFAULT_LAG_EDGES
+from .constants import EXP_CLAMP
 from .kernels import (
     ChunkStats,
     Partial,
     clip_by_lag,
+    clip_into,
     clip_stats,
-    count,
-    entropy_stats,
+    count_cells,
+    entropy_into,
     gated,
     kl_finish,
     kl_stats,
     lag_buckets,
+    lag_cell_lut,
+    lag_cells_into,
+    lag_finish,
+    lag_into,
     lag_lut,
-    lag_stats,
+    lag_region,
     log_ratio_terms,
     nonfinite,
+    ratio_into,
     ratio_stats,
     seq_log_ratio,
     validate_,
     value_stats,
+    values_into,
 )
+from .scratch import Scratch, field, invalid, valid, zero_filled
 
 
 @torch.no_grad()
 def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None) -> Partial:
     """All token-level sufficient statistics of one micro-batch (device tensors, no host sync)."""
     acc = ChunkStats(b.num_seqs, b.device)
+    ws = Scratch(b.device)
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
+    luts = (lut, lag_cell_lut(lut, len(lag_edges))) if lut is not None else None
     seq_clip = b.importance_sampling_level == "sequence" and b.old_logprobs is not None and b.prox_logprobs is None
     for ch in chunks(b, chunk_tokens):
-        _probe_chunk(acc, b, ch, lag_edges, lut, token_clip=not seq_clip)
+        ws.start(ch.n)
+        _probe_chunk(acc, ws, b, ch, lag_edges, luts, token_clip=not seq_clip)
+    if b.versions is not None and b.old_logprobs is not None:
+        lag_finish(acc, len(lag_edges), clipped=not seq_clip and b.advantages is not None)
     if b.old_logprobs is not None:
         kl_finish(acc, "kl_old")
         s_lr, s_ok = seq_log_ratio(acc, "kl_old")
@@ -73,45 +87,57 @@ def _mask(b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
     return m, m.view(torch.uint8).float().sub_(1.0).mul_(3e38).mul_(3e38)
 
 
-def _probe_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, edges, lut, token_clip: bool) -> None:
-    """All token probes of one chunk. Each field family lives in its own function so that its chunk-sized
-    temporaries are freed as soon as it returns (peak memory is a handful of chunk-sized tensors)."""
-    m, gate = _mask(b, ch)
-    n_mask = count(m)
+def _mask_into(ws: Scratch, b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's mask as 0/1 floats and its gate (0 or -inf), in ``ws`` (see ``_mask``)."""
+    m = ch.raw(b.mask)
+    m = m if m.dtype == torch.bool else m != 0
+    mf = ws("mask").copy_(m.view(torch.uint8))
+    return mf, torch.sub(mf, 1.0, out=ws("gate")).mul_(3e38).mul_(3e38)
+
+
+def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, lut, token_clip: bool) -> None:
+    """All token probes of one chunk, each writing into the chunk buffers of ``ws``."""
+    mf, gate = _mask_into(ws, b, ch)
+    n_mask = mf.sum()
     acc.sum(keys.TOKENS.count, n_mask)
     if b.lengths is None:
-        ch.seq_add(acc.seq("length"), m)
-    lp, v_lp = gated(ch.token(b.logprobs), gate)
-    _, n_lp = value_stats(acc, "logp", lp, v_lp)  # sampled-token log-probs: a jump means the policy moved
-    del v_lp
+        ch.seq_add(acc.seq("length"), mf)
+    lp = field(ws, "logp", ch.token(b.logprobs), gate)
+    n_lp = lp.numel() - invalid(ws, "logp.invalid", lp).sum()
+    values_into(acc, ws, "logp", lp, n_lp)  # sampled-token log-probs: a jump means the policy moved
     nonfinite(acc, "logprobs", n_mask, n_lp)
-    # (log r zero-filled, validity, k3): a zero log-ratio never counts as clipped, so clipping needs no mask
-    ratio = _old_family(acc, b, ch, lp, n_lp) if b.old_logprobs is not None else None
-    clip = ratio[:2] if ratio is not None else None
+    # (log r zero-filled, validity, count, k3): a zero log-ratio never counts as clipped, so clipping needs no mask
+    ratio = _old_family(acc, ws, b, ch, lp, n_lp) if b.old_logprobs is not None else None
+    clip = ratio[:3] if ratio is not None else None
     if b.prox_logprobs is not None:
-        clip = _prox_family(acc, b, ch, lp, n_lp, ratio)
+        z_iw, v_iw = _prox_family(acc, b, ch, lp, n_lp, ratio)
+        clip = (z_iw, v_iw, v_iw.sum())
     if b.ref_logprobs is not None:
-        _ref_family(acc, ch, b, lp, n_lp)
-    del lp
+        _ref_family(acc, ws, ch, b, lp, n_lp)
     if b.entropy is not None:
-        ent, v_ent = gated(ch.token(b.entropy), gate)
-        nonfinite(acc, "entropy", n_mask, entropy_stats(acc, ent, v_ent))
-        del ent, v_ent
+        ent = field(ws, "entropy", ch.token(b.entropy), gate)
+        n_ent = ent.numel() - invalid(ws, "entropy.invalid", ent).sum()
+        entropy_into(acc, ws, ent, n_ent)
+        nonfinite(acc, "entropy", n_mask, n_ent)
     clipped = None
     if b.advantages is not None:
-        clipped = _adv_family(acc, b, ch, gate, n_mask, clip if token_clip else None)
+        clipped = _adv_family(acc, ws, b, ch, gate, n_mask, clip if token_clip else None)
     if b.versions is not None:
-        lag, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
-        lag_stats(acc, lag, bucket, len(edges), ratio, clipped)
+        nb = len(edges)
+        if ratio is None:
+            bucket = lag_into(acc, ws, ch.token(b.versions), b.current_version, gate, edges, lut[0])
+            acc.sum(keys.LAG.tokens, count_cells(bucket, nb + 1)[:nb])
+        else:  # the bucket and region as an offset into the per-bucket cells of the log-ratio sketch
+            offset = lag_into(acc, ws, ch.token(b.versions), b.current_version, gate, edges, lut[1],
+                              region=lag_region(ws, ratio[1], clipped))
+            lag_cells_into(acc, ws, offset, nb, ratio[0], ratio[3])
 
 
-def _old_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp):
-    lr = lp - ch.token(b.old_logprobs)  # NaN wherever logprobs is invalid
-    v = validate_(lr)
-    z, e = log_ratio_terms(lr)
-    n = ratio_stats(acc, "ratio", lr, v, z, e, hist=b.versions is None)  # with versions: inside lag.hist
+def _old_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, lp, n_lp):
+    lr = torch.sub(lp, ch.token(b.old_logprobs), out=ws("ratio.lr"))  # non-finite wherever logprobs is invalid
+    z, v, e, n = ratio_into(acc, ws, "ratio", lr, hist=b.versions is None)  # with versions: inside lag.hist
     nonfinite(acc, "old_logprobs", n_lp, n)
-    return z, v, kl_stats(acc, ch, "kl_old", z, e, v, n)
+    return z, v, n, kl_stats(acc, ch, ws, "kl_old", z, e, v, n)
 
 
 def _prox_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
@@ -127,23 +153,29 @@ def _prox_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
     return z_iw, v_iw
 
 
-def _ref_family(acc, ch: Chunk, b: TokenBatch, lp, n_lp) -> None:
-    lr_ref = ch.token(b.ref_logprobs) - lp
-    v_ref = validate_(lr_ref)
-    n_ref = v_ref.sum()
-    nonfinite(acc, "ref_logprobs", n_lp, n_ref)
-    kl_stats(acc, ch, "kl_ref", *log_ratio_terms(lr_ref), v_ref, n_ref)
+def _ref_family(acc, ws: Scratch, ch: Chunk, b: TokenBatch, lp, n_lp) -> None:
+    lr = torch.sub(ch.token(b.ref_logprobs), lp, out=ws("kl_ref.lr"))
+    v = valid(ws, "kl_ref.v", lr)
+    n = v.sum()
+    nonfinite(acc, "ref_logprobs", n_lp, n)
+    z = zero_filled(ws, "kl_ref.z", lr)
+    e = torch.clamp(z, max=EXP_CLAMP, out=ws("kl_ref.e")).expm1_()
+    kl_stats(acc, ch, ws, "kl_ref", z, e, v, n)
 
 
-def _adv_family(acc, b: TokenBatch, ch: Chunk, gate, n_mask, clip):
-    """Advantage statistics; with ``clip = (clipped log-ratio, its validity)`` also the clip fractions."""
-    adv, v_adv = gated(ch.token(b.advantages), gate)
-    z, n_adv = value_stats(acc, "adv", adv, v_adv, squares=True)
-    nonfinite(acc, "advantages", n_mask, n_adv)
-    acc.sum(keys.ADV.zero, n_adv - z.count_nonzero())  # invalid entries are 0 in z
+def _adv_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, gate, n_mask, clip):
+    """Advantage statistics; with ``clip = (zero-filled log-ratio, its validity, its count)`` also the clip
+    fractions (returns the clipped tokens as 0/1 floats)."""
+    adv = field(ws, "adv", ch.token(b.advantages), gate)
+    bad = invalid(ws, "adv.invalid", adv)
+    n = adv.numel() - bad.sum()
+    z = values_into(acc, ws, "adv", adv, n, squares=True)
+    nonfinite(acc, "advantages", n_mask, n)
+    sign = torch.sign(z, out=ws("adv.sign"))
+    acc.sum(keys.ADV.zero, n - torch.dot(sign, sign))  # invalid entries are 0 in z
     if clip is None:
         return None
-    return clip_stats(acc, clip[0], adv, torch.dot(clip[1], v_adv), b.eps_low, b.eps_high)
+    return clip_into(acc, ws, *clip, sign, bad, b.eps_low, b.eps_high)
 
 
 def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut) -> None:

@@ -103,16 +103,20 @@ def cell_index(x: torch.Tensor, spec: SketchSpec, offset: torch.Tensor | None = 
     return k
 
 
-def count_cells(index: torch.Tensor, size: int) -> torch.Tensor:
-    """Exact counts (int64 ``[size]``) of an index tensor with values in ``[0, size)``.
+def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact counts (int64 ``[size]``) of an index tensor with values in ``[0, size)``; with ``weights``, the sum of
+    the weights that land in each cell instead (float64).
 
     ``bincount`` is the fastest exact counter on CPU, but on CUDA it reads the index maximum on the host to size
-    its output (a sync), so other devices use an ``index_add_`` of ones into a fixed-size vector.
+    its output (a sync), so other devices use an ``index_add_`` into a fixed-size vector.
     """
     if index.device.type == "cpu":
-        return torch.bincount(index, minlength=size)
-    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
-    return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
+        counts = torch.bincount(index, weights=weights, minlength=size)
+        return counts if weights is None else counts.to(torch.float64)
+    if weights is None:
+        ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
+        return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
+    return torch.zeros(size, dtype=torch.float64, device=index.device).index_add_(0, index, weights.to(torch.float64))
 
 
 @functools.lru_cache(maxsize=16)

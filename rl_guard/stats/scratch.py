@@ -1,0 +1,95 @@
+"""Chunk-sized buffers reused by every chunk of a micro-batch, and the elementwise primitives that write into them.
+
+On CPU a fresh chunk-sized temporary costs more than the arithmetic done in it: the allocator hands freed blocks
+back to the system and every new one is page-faulted in again, and an out-of-place result is written to memory
+that is not in cache. Every token probe therefore writes into a named buffer of a ``Scratch`` (``out=`` and
+in-place operations only); the buffers are allocated at the first chunk and reused by the others, so the extra
+memory is a fixed set of chunk-sized tensors whatever the batch size. A name is one role in one chunk: a value
+that a later probe of the same chunk reads (the log-ratio, its validity, k3, the advantage sign) has its own name.
+
+Validity travels inside the values: ``field`` adds the mask's gate (0 or -inf) to an input, so a value is
+non-finite exactly where the token is masked out or the input itself is NaN/inf; ``y * 0`` is then 0 or NaN, and
+``nan_to_num`` turns that into a 0/1 indicator, several times cheaper per element on CPU than boolean masks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .sketch import SketchSpec
+
+F32, I32 = torch.float32, torch.int32
+
+
+class Scratch:
+    """Named buffers of ``n`` elements (the current chunk's length); capacity is the first chunk's length, which
+    is the largest (``chunks`` yields full chunks first)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.n, self.cap = device, 0, None
+        self._bufs: dict = {}
+        self._views: dict = {}  # the buffers cut to the current chunk length
+
+    def start(self, n: int) -> None:
+        if self.cap is None:
+            self.cap = n
+        if n > self.cap:  # never happens with ``chunks``; stay correct if it does
+            self._bufs.clear()
+            self.cap = n
+        if n != self.n:
+            self._views.clear()
+        self.n = n
+
+    def __call__(self, name: str, dtype: torch.dtype = F32) -> torch.Tensor:
+        view = self._views.get((name, dtype))
+        if view is None:
+            buf = self._bufs.get((name, dtype))
+            if buf is None:
+                buf = self._bufs[(name, dtype)] = torch.empty(self.cap, dtype=dtype, device=self.device)
+            view = self._views[(name, dtype)] = buf[: self.n]
+        return view
+
+
+def field(ws: Scratch, name: str, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x + gate`` into ``ws(name)``: ``x`` where the token reaches the loss, non-finite where it does not or
+    where ``x`` is non-finite."""
+    return torch.add(x, gate, out=ws(name))
+
+
+def invalid(ws: Scratch, name: str, y: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``y`` is non-finite, 0.0 elsewhere (``y * 0`` is NaN exactly there)."""
+    return torch.mul(y, 0.0, out=ws(name)).nan_to_num_(1.0)
+
+
+def valid(ws: Scratch, name: str, y: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``y`` is finite, 0.0 elsewhere."""
+    return torch.mul(y, 0.0, out=ws(name)).add_(1.0).nan_to_num_(0.0)
+
+
+def zero_filled(ws: Scratch, name: str, y: torch.Tensor) -> torch.Tensor:
+    """``y`` with every non-finite entry replaced by 0."""
+    return torch.nan_to_num(y, 0.0, 0.0, 0.0, out=ws(name))
+
+
+def finite_max(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
+    """Largest finite entry of ``y`` (-inf if none)."""
+    if y.numel() == 0:
+        return y.new_full((), -math.inf)
+    return torch.nan_to_num(y, -math.inf, -math.inf, -math.inf, out=ws("extreme")).amax()
+
+
+def finite_min(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
+    """Smallest finite entry of ``y`` (+inf if none)."""
+    if y.numel() == 0:
+        return y.new_full((), math.inf)
+    return torch.nan_to_num(y, math.inf, math.inf, math.inf, out=ws("extreme")).amin()
+
+
+def cell_index_into(ws: Scratch, x: torch.Tensor, spec: SketchSpec) -> torch.Tensor:
+    """``sketch.cell_index`` of a finite fp32 ``x``, computed in ``ws`` (int32 ``ws("cell", I32)``)."""
+    a = torch.abs(x, out=ws("cell.a")).add_(spec.scale).clamp_(max=spec.top)
+    k = torch.bitwise_right_shift(a.view(I32), spec.shift, out=ws("cell", I32))
+    sign = torch.bitwise_right_shift(x.view(I32), 31, out=ws("cell.sign", I32))
+    return k.sub_(spec.base).bitwise_xor_(sign).add_(spec.bins // 2)
