@@ -10,9 +10,8 @@ are mapped (formulas: ``trl/trainer/grpo_trainer.py`` 1.16, ``_compute_loss`` an
 - ``completions/clipped_ratio``: share of completions without EOS = ``length/truncated_frac``;
 - ``completions/{mean,min,max}_length`` = ``length/{mean,min,max}``; ``reward``/``reward_std`` = ``reward/mean``/``std``;
 - ``sampling/importance_sampling_ratio/{mean,min,max}``: trainer-vs-vLLM weight = ``behave_imp_weight/...``;
-- ``loss`` = ``loss/value``; ``grad_norm``: the Trainer's norm *before* clipping = ``grad/norm_preclip``. Rules on
-  ``grad/norm`` (after clipping inside the Trainer) read it too, flagged as a stand-in: it is never smaller, so
-  a rule there fires at least as often as it would live.
+- ``loss`` = ``loss/value``; ``grad_norm``: the Trainer's total norm before clipping = ``grad/norm`` (the guard's
+  one meaning of it; the clipped norm the guard measures inside the Trainer is ``grad/norm_postclip``).
 
 Keys already named ``rl_guard/...`` (a guarded run merges its metrics into the trainer's logs) are taken as they
 are and win over mapped ones. Non-finite ``loss`` / ``grad_norm`` also give ``loss/nonfinite`` / ``grad/nonfinite``
@@ -40,11 +39,7 @@ TRL_KEYS: dict[str, str] = {
     "sampling/importance_sampling_ratio/min": "rl_guard/behave_imp_weight/min",
     "sampling/importance_sampling_ratio/max": "rl_guard/behave_imp_weight/max",
     "loss": "rl_guard/loss/value",
-    "grad_norm": "rl_guard/grad/norm_preclip",
-}
-# metric -> (source key, why it is only a stand-in)
-STAND_INS: dict[str, tuple[str, str]] = {
-    "rl_guard/grad/norm": ("grad_norm", "pre-clip norm (the live guard sees the post-clip one, never larger)"),
+    "grad_norm": "rl_guard/grad/norm",
 }
 NONFINITE_FROM = {"loss": "rl_guard/loss/nonfinite", "grad_norm": "rl_guard/grad/nonfinite"}
 
@@ -72,9 +67,5 @@ def map_record(raw: dict) -> tuple[dict[str, float], dict[str, str]]:
         if key in NONFINITE_FROM:
             mapped[NONFINITE_FROM[key]] = 0.0 if math.isfinite(x) else 1.0
             origin[NONFINITE_FROM[key]] = f"{key} non-finite"
-        for metric, (source, note) in STAND_INS.items():
-            if key == source:
-                mapped[metric] = x
-                origin[metric] = f"{source}: {note}"
     origin.update({k: "rl_guard" for k in native})
     return {**mapped, **native}, origin

@@ -17,10 +17,13 @@ def lines(result: Replay, config_name: str) -> list[str]:
     fired = result.steps_by_rule()
     for inp in result.inputs:
         steps_fired = fired.get(inp.rule, [])
+        escalated = [r["step"] for r in result.incidents if r["rule"] == inp.rule and r["escalated_from"]]
         if not inp.has_input:
             status = "NO INPUT in this history (it cannot fire)"
         elif steps_fired:
             status = f"fired {len(steps_fired)}x at step{'s' if len(steps_fired) > 1 else ''} {step_ranges(steps_fired)}"
+            if escalated:  # no trusted snapshot yet, or max_rollbacks spent
+                status += f" (escalated to checkpoint_and_halt at {step_ranges(escalated)})"
         else:
             status = "silent"
         out.append(f"  {inp.rule} -> {inp.action}: {status}")

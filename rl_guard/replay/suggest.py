@@ -74,10 +74,13 @@ def _threshold(spec: dict, cond: Condition, series, q: float, margin: float) -> 
                 f"{margin:g}x its width -> {new} (was {old}); healthy steps outside: {inside}")
     up = op in (">", ">=")
     base = float(np.quantile(values, q if up else 1 - q))
-    new = round_away(_beyond(base, margin, up), up)
-    beyond = int(np.sum(values > new if up else values < new))
-    old, spec["threshold"] = spec["threshold"], new
     label = f"p{100 * (q if up else 1 - q):g}"
+    if base == 0:  # e.g. a count that stays 0 when healthy: a margin on 0 has no scale, 0 itself would always fire
+        return f"{cond.metric}: {_healthy(values)}, {label} 0 gives no scale for a margin: kept"
+    new = round_away(_beyond(base, margin, up), up)
+    fires = {">": np.greater, ">=": np.greater_equal, "<": np.less, "<=": np.less_equal}[op]
+    beyond = int(np.sum(fires(values, new)))
+    old, spec["threshold"] = spec["threshold"], new
     how = f"x {margin:g}" if up else f"/ {margin:g}"
     return (f"{cond.metric}: {_healthy(values)}, {label} {base:.4g} {how} -> {new} (was {old}); "
             f"healthy steps beyond: {beyond}")

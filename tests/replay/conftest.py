@@ -1,0 +1,105 @@
+"""Real recorded runs for the replay tests: guarded demo runs (metrics.jsonl, incidents.jsonl, config.yaml) and a
+tiny unguarded TRL GRPOTrainer run (trainer_state.json and TensorBoard events written by transformers itself).
+
+Every run is a real ``GRPOTrainer`` on CPU with the demo's tiny Llama (built locally: no downloads).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def quiet_demo_yaml(**sections) -> str:
+    from rl_guard.demo.run import demo_config
+
+    return demo_config("rollback", console_every=None, **sections)
+
+
+@pytest.fixture(scope="session")
+def fault_demo(tmp_path_factory):
+    """The demo's own lr_blowup run: the guard rolls back live."""
+    from rl_guard.demo.run import run_demo
+
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    return run_demo(fault="lr_blowup", steps=20, fault_step=8, run_dir=run_dir, quiet=True, guard_yaml=quiet_demo_yaml())
+
+
+@pytest.fixture(scope="session")
+def healthy_demo(tmp_path_factory):
+    """A demo run with no fault: the healthy history for ``suggest``."""
+    from rl_guard.demo.run import run_demo
+
+    run_dir = tmp_path_factory.mktemp("healthy") / "run"
+    return run_demo(fault="none", steps=30, run_dir=run_dir, quiet=True, guard_yaml=quiet_demo_yaml())
+
+
+@pytest.fixture(scope="session")
+def trl_run(tmp_path_factory):
+    """An unguarded tiny GRPO run reporting to TensorBoard; its trainer_state.json is written the way the Trainer
+    writes it into every checkpoint (``TrainerState.save_to_json``)."""
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rl_guard.demo.tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
+
+    root = tmp_path_factory.mktemp("trl")
+    model = build_tiny_model(root / "model", seed=0)
+    args = GRPOConfig(output_dir=str(root / "out"), report_to=["tensorboard"],  # events under out/runs/<date>/
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
+                      bf16=False, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_steps=6,
+                      learning_rate=3e-3, beta=0.04, max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
+    trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0),
+                          reward_funcs=[repeat_last_digit_reward, length_penalty_reward])
+    trainer.pop_callback(PrinterCallback)  # keep test output short
+    trainer.train()
+    trainer.state.save_to_json(str(root / "trainer_state.json"))
+    return root, trainer
+
+
+def incidents_key(records, action_key="action"):
+    return [(r["step"], r["rule"], r[action_key], r.get("restored_to_step")) for r in records]
+
+
+@pytest.fixture(scope="session")
+def run_dir_of():
+    return lambda res: Path(res.run_dir)
+
+
+@pytest.fixture(scope="session")
+def grpo_pair(tmp_path_factory):
+    """``grpo_pair(guard_yaml, fault, at_step, steps)``: the same seeded tiny GRPO run twice, unguarded and with an
+    ``RLGuardCallback`` built from ``guard_yaml``; returns (plain trainer, guarded trainer, guard)."""
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rl_guard.adapters.trl import RLGuardCallback
+    from rl_guard.demo.faults import FaultInjector
+    from rl_guard.demo.tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
+
+    root = tmp_path_factory.mktemp("pair")
+    model = build_tiny_model(root / "model", seed=0)
+
+    def train(name: str, guard_yaml, fault: str, at_step: int, steps: int):
+        injector = FaultInjector(fault, at_step=at_step)
+        callbacks = [injector] + ([RLGuardCallback(guard_yaml, run_dir=str(root / name / "guard"))] if guard_yaml else [])
+        args = GRPOConfig(output_dir=str(root / name / "out"), report_to=[], per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=8, use_cpu=True, bf16=False, save_strategy="no",
+                          logging_steps=1, disable_tqdm=True, seed=0, max_steps=steps, learning_rate=3e-3, beta=0.04,
+                          max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
+        trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0), callbacks=callbacks,
+                              reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
+        trainer.pop_callback(PrinterCallback)
+        trainer.train()
+        return trainer, (callbacks[1].guard if guard_yaml else None)
+
+    def pair(guard_yaml: str, fault: str = "lr_blowup", at_step: int = 3, steps: int = 8):
+        plain, _ = train("plain", None, fault, at_step, steps)
+        guarded, guard = train("guarded", guard_yaml, fault, at_step, steps)
+        return plain, guarded, guard
+
+    return pair
