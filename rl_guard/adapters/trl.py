@@ -72,6 +72,7 @@ class RLGuardCallback(TrainerCallback):
         self.trainer, self._originals = None, {}
         self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
         self.update_probe = UpdateProbe(sharded=self.guard.config.sharded_grads)
+        self._engine_gate = None  # DeepSpeed: the decision is taken inside engine.step (adapters/deepspeed.py)
         self.coverage: list[dict] = []
         self._batch_has_signal: bool | None = None  # did the last generation batch have a group with reward spread?
         self._steps_without_signal = 0
@@ -104,6 +105,10 @@ class RLGuardCallback(TrainerCallback):
         self._wrap("_calculate_rewards", self._wrap_rewards)
         self._wrap("_clip_grad_norm", self._wrap_clip)
         self._wrap("log", self._wrap_log)
+        # -- DeepSpeed (rl_guard/adapters/deepspeed.py): the update runs inside backward, so gate engine.step --
+        from .deepspeed import gate_accelerator
+
+        self._engine_gate = gate_accelerator(self.trainer.accelerator, self.guard)
         if "wandb" in (args.report_to or []) and "wandb" not in self.guard.sinks.names:
             from ..sinks.wandb import WandbSink
 
@@ -129,6 +134,8 @@ class RLGuardCallback(TrainerCallback):
             print(write_coverage(self.guard.run_dir, cfg, self.coverage), flush=True)
 
     def on_train_end(self, args, state, control, **kw):
+        if self._engine_gate is not None:
+            self._engine_gate.remove()
         for name in self._originals:
             self.trainer.__dict__.pop(name, None)
         self._originals.clear()
@@ -217,6 +224,11 @@ class RLGuardCallback(TrainerCallback):
     # -- acting before and after the optimizer step -------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kw):
         preclip, self._preclip = self._preclip, None
+        if self._engine_gate is not None:  # DeepSpeed: decided inside engine.step, before the update
+            decision = self._engine_gate.take()
+            if decision is not None and decision.stop:
+                control.should_training_stop = control.should_save = True
+            return control
         if optimizer is not None:
             with self.guard.protect("update probe"):
                 lrs = self._lrs = learning_rates(optimizer)

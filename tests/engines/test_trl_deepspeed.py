@@ -1,0 +1,41 @@
+"""The TRL callback on a real ``GRPOTrainer`` under accelerate + DeepSpeed ZeRO-2 (CPU, gloo, torchrun).
+
+accelerate runs ``engine.step()`` inside ``backward``, before ``on_pre_optimizer_step``; the guard must decide
+inside ``engine.step`` instead. The last rank's backward at the fault step puts an inf into one gradient entry: the
+decision must be the same on every rank and the step must leave the weights (module and fp32 master partition)
+bit for bit as they were; the run then continues (skip) or stops after a checkpoint (halt).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from launch import run_torchrun
+
+pytestmark = [pytest.mark.slow,  # a torchrun launch of TRL + DeepSpeed: about 40 s
+              pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl")]
+FAULT_STEP = 1  # the script's constant (importing it here would import trl)
+
+
+@pytest.mark.parametrize("world, action", [(1, "checkpoint_and_halt"), (2, "skip_step")])
+def test_inf_gradient_dropped_before_deepspeed_applies_it(tmp_path, world, action):
+    ranks = run_torchrun("trl_deepspeed_run.py", world, tmp_path, action)
+    for r, res in enumerate(ranks):
+        assert (res["world"], res["backend"], res["zero_stage"]) == (world, "gloo", 2)
+        steps = {s["step"]: s for s in res["steps"]}
+        assert steps[0]["decision"][1] is None and steps[0]["before"]["module"] != steps[0]["after"]["module"]
+        bad = steps[FAULT_STEP]
+        assert bad["decision"] == [FAULT_STEP + 1, action]  # guard step n ends with global_step n
+        assert bad["grad_nonfinite"] >= 1
+        assert bad["after"] == bad["before"] and bad["after"]["finite"]  # weights and master partition untouched
+        assert res["skipped"] == 1  # DeepSpeed's own overflow path took the step
+        if action == "checkpoint_and_halt":
+            assert res["global_step"] == FAULT_STEP + 1 and bad["stop"]
+            assert res["checkpoint"].endswith(f"step_{FAULT_STEP + 1:08d}/rank{r}.pt")
+        else:  # continues: the next update is applied
+            nxt = steps[FAULT_STEP + 1]
+            assert nxt["decision"][1] is None and nxt["after"]["module"] != nxt["before"]["module"]
+    # one decision, one set of weights on every rank
+    assert len({str([(s["decision"], s["after"]["module"]) for s in res["steps"]]) for res in ranks}) == 1

@@ -1,0 +1,100 @@
+"""One rank of a tiny TRL ``GRPOTrainer`` under accelerate + DeepSpeed ZeRO-2 on CPU (gloo), guarded.
+
+Usage: torchrun --nproc_per_node N trl_deepspeed_run.py OUT ACTION ; ACTION is the ``nonfinite_grad`` action
+(``skip_step`` or ``checkpoint_and_halt``). At FAULT_STEP the last rank's backward gives one gradient entry an
+inf (a tensor hook, before DeepSpeed reduces it). Every optimizer step records the guard's decision and digests of
+this rank's weights (module and fp32 master partition) before and after. Writes OUT/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from rl_guard.adapters.trl import RLGuardCallback
+from rl_guard.demo.tiny import build_tiny_model, prompt_dataset, repeat_last_digit_reward
+
+FAULT_STEP, STEPS = 1, 3
+OUT, ACTION = Path(sys.argv[1]), sys.argv[2]
+DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+             "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}, "zero_allow_untested_optimizer": True,
+             "steps_per_print": 10**9}  # no "optimizer": the trainer's torch AdamW (no native op to build)
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Probe(TrainerCallback):
+    """Weights at every step's start and end, the inf injection, and the guard's decision per step."""
+
+    def __init__(self, guard_cb, rank: int, world: int):
+        self.guard_cb, self.rank, self.world, self.steps, self.hook = guard_cb, rank, world, [], None
+        self.before = self.decision = None
+
+    def weights(self, model):
+        opt = self.guard_cb.trainer.model_wrapped.optimizer  # the DeepSpeed ZeRO optimizer
+        return {"module": digest(model.parameters()), "master": digest(opt.single_partition_of_fp32_groups),
+                "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        self.before = self.weights(model)
+        if state.global_step == FAULT_STEP and self.rank == self.world - 1:
+            p = next(p for p in model.parameters() if p.requires_grad)
+
+            def inf_entry(g):
+                g = g.clone()
+                g.view(-1)[0] = math.inf
+                return g
+
+            self.hook = p.register_hook(inf_entry)
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        d = self.guard_cb.guard.last_decision  # taken inside engine.step, during this step's backward
+        self.decision = (d.step, d.action) if d else None
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        m = self.guard_cb.guard.last_metrics
+        self.steps.append({"step": state.global_step - 1, "decision": self.decision,
+                           "stop": bool(control.should_training_stop), "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
+                           "grad_norm": m.get("rl_guard/grad/norm"), "before": self.before,
+                           "after": self.weights(model)})
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model_path = build_tiny_model(OUT / f"model_rank{rank}", seed=0)
+    args = GRPOConfig(output_dir=str(OUT / "trainer"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, max_steps=STEPS, use_cpu=True, bf16=False, report_to=[],
+                      learning_rate=1e-3, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1, beta=0.0,
+                      ddp_timeout=60, deepspeed=DS_CONFIG)
+    guard_cb = RLGuardCallback(f"version: 1\nsinks: [jsonl]\nbuiltin_rules: {{nonfinite_grad: {{action: {ACTION}}}}}\n",
+                               run_dir=str(OUT / "guard"))
+    probe = Probe(guard_cb, rank, world)
+    trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward], args=args,
+                          train_dataset=prompt_dataset(64, seed=0), callbacks=[guard_cb, probe])
+    trainer.train()
+    result = {"rank": rank, "world": world, "backend": torch.distributed.get_backend(),
+              "zero_stage": trainer.model_wrapped.zero_optimization_stage(), "steps": probe.steps,
+              "global_step": trainer.state.global_step, "skipped": trainer.model_wrapped.skipped_steps,
+              "checkpoint": guard_cb.guard.actions.last_checkpoint}
+    (OUT / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
