@@ -26,7 +26,9 @@ AReaL internals relied on:
 - Skip: ``optimizer_zero_grad()`` and ``update_successful=0``, AReaL's own non-finite-norm path. Rollback restores
   the guard's snapshots of ``model`` / ``optimizer`` / ``lr_scheduler`` (``RecoverHandler`` has no hook for user
   state); the next ``update_weights`` ships them to inference. Halt raises ``GuardHalted`` (all ranks alike).
-  FSDP gradients are shards: set ``sharded_grads: true``. Exercised on CPU with a single-process engine only.
+  ``FSDPPPOActor``'s FSDP2 gradients are ``DTensor`` shards: detected and merged by sum
+  (``rl_guard/stats/grads.py``), the skip drops them before AReaL's own step. The engine itself is exercised on CPU
+  with a single process only; the DTensor path on two processes in ``tests/engines/test_fsdp2.py``.
 """
 
 from __future__ import annotations
