@@ -111,7 +111,7 @@ class Controller:
         if self.config.mode == "shadow":  # only say what it would do; every flag the loop reads stays neutral
             decision.would, decision.action = decision.action, None
             for f in decision.firings:
-                f.message = message(f.rule, f.verdict, self.step, self.rank, f"would {f.action} (shadow mode)")
+                f.message = message(f.rule, f.verdict, self.step, self.rank, f"would {f.action} (shadow mode)") + persistent
         # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
         # regime change must become the new normal for the spike detectors, or it would be refused forever.
         self.history.push({k: v for k, v in metrics.items() if k in self.watched})
@@ -148,7 +148,8 @@ class Controller:
         """Count the step (applied, skipped or rolled back) and advance the guard's step counter."""
         if decision.skip_step:
             self.skipped_steps += 1
-        self.dropped_streak = self.dropped_streak + 1 if decision.skip_step else 0
+        would_drop = decision.would not in (None, "warn")  # shadow: the streak the enforced run would have had
+        self.dropped_streak = self.dropped_streak + 1 if decision.skip_step or would_drop else 0
         if decision.rollback:
             self.rollbacks += 1
         self.step += 1

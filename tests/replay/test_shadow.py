@@ -42,3 +42,26 @@ def test_shadow_run_is_bitwise_identical_to_unguarded_and_records_what_it_would_
     assert_same(plain.lr_scheduler.state_dict(), shadowed.lr_scheduler.state_dict(), "scheduler")
     losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
     assert losses(plain) == losses(shadowed)
+
+
+@pytest.mark.slow  # a real GRPO run
+def test_demo_shadow_switch_and_replay_agree_on_what_would_have_happened(tmp_path, capsys):
+    """``rl-guard demo --shadow``: the incidents say what the guard would have done, and replaying the run's own
+    metrics.jsonl with its config.yaml (enforce semantics) gives the same rules, steps and actions, escalations
+    (no trusted snapshot, max_rollbacks, max_consecutive_skips) included."""
+    from rl_guard.cli import main
+    from rl_guard.replay import load_history, replay
+
+    run = tmp_path / "shadow"
+    main(["demo", "--shadow", "--steps", "16", "--fault-step", "6", "--run-dir", str(run)])
+    text = capsys.readouterr().out
+    live = read_jsonl(run / "incidents.jsonl")
+    would = [i for i in live if i["would"] != "warn"]
+    assert would and "shadow mode: the guard touched nothing" in text
+    assert f"it would have acted first at step {would[0]['step']}:" in text and would[0]["message"] in text
+    assert load_config(run / "config.yaml").mode == "shadow"
+    result = replay(load_history(run), load_config(run / "config.yaml"))
+    assert [(r["step"], r["rule"], r["action"], r["restored_to_step"]) for r in result.incidents] == \
+        [(i["step"], i["rule"], i["would"], i["would_restore_to_step"]) for i in live]
+    shadow_suffix = lambda m: m.replace("-> would ", "-> ").replace(" (shadow mode)", "")  # noqa: E731
+    assert [r["message"] for r in result.incidents] == [shadow_suffix(i["message"]) for i in live]
