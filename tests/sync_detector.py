@@ -4,7 +4,7 @@ On CPU nothing synchronises, so the detector models what a GPU would do. Two int
 
 * a ``TorchFunctionMode`` for reads made from Python: ``.cpu()``, ``.numpy()``, ``.tolist()``, ``__array__``,
   ``.item()``, ``bool/float/int/complex(t)``, ``__index__`` (``range(t)``, ``lst[t]``), ``format(t)``,
-  ``repr/str(t)``, and ``.to(...)`` towards the host (the string ``"cpu"``, or a device-side source);
+  ``repr/str(t)``, and ``.to("cpu")`` (named by the string: on a CPU run ``torch.device("cpu")`` is the device);
 * a ``TorchDispatchMode`` for what reaches the kernels: ``_local_scalar_dense`` (every scalar read, including
   ones made inside torch), ``equal`` / ``is_nonzero``, ops whose output shape depends on the data (``nonzero``,
   ``torch.where(cond)``, ``masked_select``, ``unique*``, ``repeat_interleave`` with tensor repeats and no
@@ -14,8 +14,9 @@ On CPU nothing synchronises, so the detector models what a GPU would do. Two int
 A call counted at the Python level hides the kernels it runs (``.item()`` is one event, not two).
 
 What a CPU run cannot tell: whether ``.to(some_device)`` or ``copy_`` moves data to the host, since every
-device is the CPU. ``mark_device(t)`` declares tensors device-side (the mark follows every op's outputs), so a
-copy from them into an unmarked CPU tensor is a transfer; with no marks only explicit host reads count. The
+device is the CPU. ``mark_device(t)`` declares tensors device-side (the mark follows every op's outputs, and
+tensors created with a ``device=`` given as a device object, i.e. on the data's device, get it too), so a
+``copy_`` from them into an unmarked CPU tensor is a transfer; with no marks only explicit host reads count. The
 CUDA test under ``torch.cuda.set_sync_debug_mode("error")`` covers real transfers.
 
 Documented sites: syncs the package makes on purpose are recognised by the function they happen in (its code
@@ -56,7 +57,7 @@ RANK_HEADER = {"rank header": (ranks.read_header.__code__, None)}
 CPU_ONLY_BINCOUNT = {"cpu-only bincount": (sketch.count_cells.__code__, {"aten.bincount.default"})}
 # Healthy snapshots (rollback rules) and checkpoints copy the training state to host memory by design, only on
 # the steps they are due (README, "Decisions").
-STATE_CAPTURE = {"state capture": (TrainState.capture.__code__, None)}
+STATE_CAPTURE = {"state capture": (TrainState.capture.__code__, {"Tensor.to(cpu)", "Tensor.cpu"})}
 DEFAULT_SITES = {**STEP_TRANSFER, **CPU_ONLY_BINCOUNT, **STATE_CAPTURE}
 
 # Python-level reads: (kind, name) by the function torch hands to the mode.
@@ -147,11 +148,17 @@ class _Functions(TorchFunctionMode):
         if found is None and func is _T.to and args:
             target, named = _target_device(args[1:], kwargs)
             src = args[0]
-            if target is not None and target.type == "cpu" and (named or src.device.type != "cpu" or d.is_device(src)):
-                found = ("host_read" if src.device.type == "cpu" and not d.is_device(src) else "device_to_host",
+            # On a CPU run a device object named "cpu" is the stand-in device itself, so only the string "cpu"
+            # (or a real non-CPU source) says "to the host".
+            if target is not None and target.type == "cpu" and (named or src.device.type != "cpu"):
+                found = ("device_to_host" if src.device.type != "cpu" or d.is_device(src) else "host_read",
                          "Tensor.to(cpu)")
         if found is None or d._inside:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            device = kwargs.get("device")
+            if d._marked and device is not None and not isinstance(device, str) and next(_tensors(args), None) is None:
+                d.mark_device(*_tensors(out))  # a buffer made on "the data's device" (a device object) is on the device
+            return out
         d._record(*found)
         d._inside += 1  # the kernels this read runs are the same event
         try:

@@ -36,10 +36,14 @@ def main() -> int:
         seen = {"observe": [], "check": [], "step_done": []}
         for batch, _ in sc.rank_batches(11, step, rank):
             loss = model(torch.randn(3, 4)).pow(2).mean()
+            value = loss.detach()
+            # what the guard is handed lives on the device: a copy of it into host memory would be a transfer
+            det.mark_device(value, *(v for v in vars(batch).values() if isinstance(v, torch.Tensor)))
             with det:
-                guard.observe(batch, loss=loss.detach())
+                guard.observe(batch, loss=value)
             seen["observe"] += det.take()
             loss.backward()
+        det.mark_device(*model.parameters(), *(p.grad for p in model.parameters()))
         with det:
             guard.check()
         seen["check"] += det.take()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rl_guard import Guard
+from rl_guard.control.state import TrainState
 from rl_guard.stats import accumulate, kernels
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.probe_batch import probe_batch
@@ -67,10 +68,14 @@ class Loop:
         for step in range(steps):
             seen = {"observe": [], "check": [], "step_done": []}
             for batch, loss in self.step_inputs(step):
+                value = loss.detach()
+                # Everything the guard is handed lives on the device: a copy of it into host memory is a transfer.
+                det.mark_device(value, *(v for v in vars(batch).values() if isinstance(v, torch.Tensor)))
                 with det:
-                    self.guard.observe(batch, loss=loss.detach())
+                    self.guard.observe(batch, loss=value)
                 seen["observe"] += det.take()
                 loss.backward()
+            det.mark_device(*self.model.parameters(), *(p.grad for p in self.model.parameters()))
             with det:
                 decision = self.guard.check()
             seen["check"] += det.take()
@@ -129,6 +134,10 @@ def _equal(args):
     torch.equal(args[1], args[1])
 
 
+def _copy_to_host(args):
+    torch.empty(args[1].shape).copy_(args[1])  # the loss is marked device-side (Loop.run)
+
+
 def _index(args):
     list(range(args[1].reshape(-1)[:1].long().clamp(0, 2)[0]))  # range(t) goes through __index__
 
@@ -136,6 +145,7 @@ def _index(args):
 @pytest.mark.parametrize("extra, kind, op", [
     (_mask_select, "data_dependent_shape", "aten.index.Tensor (boolean mask)"),
     (_equal, "compare", "aten.equal.default"),
+    (_copy_to_host, "device_to_host", "aten.copy_.default"),
     (_index, "scalar_read", "Tensor.__index__"),
 ])
 def test_an_injected_sync_inside_observe_is_caught(tmp_path, monkeypatch, extra, kind, op):
@@ -169,7 +179,8 @@ def test_a_copy_to_host_from_a_device_tensor_is_caught():
         kept = torch.empty(5)
         det.mark_device(kept)
         kept.copy_(stats)  # device -> device: not a sync
-        stats.to(torch.device("cpu"))
+        stats.to(torch.device("cpu"))  # on a CPU run, the stand-in device itself: not a transfer
+        stats.to("cpu")
         stats.cpu()
     assert [(e.kind, e.op) for e in det.events] == [
         ("device_to_host", "aten.copy_.default"), ("device_to_host", "Tensor.to(cpu)"), ("host_read", "Tensor.cpu")]
@@ -202,35 +213,42 @@ def test_a_documented_site_allows_only_its_own_ops():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_no_sync_on_cuda_under_sync_debug_mode(tmp_path, monkeypatch):
-    """observe -> check -> step_done on CUDA with every synchronisation an error, except inside ``to_host``."""
-    transfers = []
-    original = accumulate.to_host
+    """observe -> check -> step_done on CUDA with every synchronisation an error, except in the step's transfer
+    (``to_host``) and the healthy snapshot's copy to host memory (``TrainState.capture``)."""
+    allowed = []
 
-    def allowed_transfer(packed):
-        transfers.append(packed.device.type)
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return original(packed)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
+    def allow_syncs(name, fn):
+        def wrapper(*args, **kwargs):
+            allowed.append(name)
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        return wrapper
 
-    monkeypatch.setattr(accumulate, "to_host", allowed_transfer)
+    monkeypatch.setattr(accumulate, "to_host", allow_syncs("transfer", accumulate.to_host))
+    monkeypatch.setattr(TrainState, "capture", allow_syncs("snapshot", TrainState.capture))
     loop = Loop(tmp_path, device="cuda")
-    for step in range(STEPS):
-        inputs = loop.step_inputs(step)
+
+    def strict(call, *args, **kwargs):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for batch, loss in inputs:
-                loop.guard.observe(batch, loss=loss.detach())
-                loss.backward()
-            decision = loop.guard.check()
-            loop.guard.step_done()
+            return call(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+    for step in range(STEPS):
+        for batch, loss in loop.step_inputs(step):
+            strict(loop.guard.observe, batch, loss=loss.detach())
+            loss.backward()
+        decision = strict(loop.guard.check)
         if decision.apply_step:
             loop.opt.step()
         loop.opt.zero_grad()
-    assert transfers == ["cuda"] * STEPS
+        strict(loop.guard.step_done)
+        assert allowed == ["transfer"] + (["snapshot"] if step == SNAPSHOT_STEP else []), (step, allowed)
+        allowed.clear()
     assert loop.guard.internal_failures == 0 and loop.guard.step == STEPS
     assert loop.guard.last_metrics["rl_guard/tokens/microbatches"] == MICRO
