@@ -1,6 +1,7 @@
 """Subprocess for test_openrlhf_deepspeed.py: the OpenRLHF gate on a real DeepSpeed ZeRO engine (CPU, gloo).
 
-Usage: python openrlhf_deepspeed_worker.py <zero stage> <port> <out dir> [fp32|bf16]; prints one JSON line.
+Usage: python openrlhf_deepspeed_worker.py <stage:dtype,...> <port> <out dir>, e.g. ``1:fp32,2:bf16,3:bf16``;
+prints one JSON line: a dict per configuration (one process, so deepspeed is imported once).
 The strategy is OpenRLHF 0.11.2's own ``DeepspeedStrategy`` methods (backward / optimizer_step / save_ckpt /
 load_ckpt and what they call), cut out of the installed ``openrlhf/utils/deepspeed/deepspeed.py``; its
 cuda-sync barrier is a plain barrier on CPU.
@@ -17,8 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
-STAGE, PORT, OUT = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-BF16 = sys.argv[4:] == ["bf16"]
+CONFIGS, PORT, OUT_ROOT = sys.argv[1].split(","), sys.argv[2], Path(sys.argv[3])
+STAGE, BF16, OUT = 0, False, OUT_ROOT  # set per configuration in main()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
@@ -100,11 +101,23 @@ def guarded(name, action, snapshots=""):
 
 
 def main() -> None:
+    global STAGE, BF16, OUT
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    results = {}
+    for config in CONFIGS:
+        stage, dtype = config.split(":")
+        STAGE, BF16, OUT = int(stage), dtype == "bf16", OUT_ROOT / config.replace(":", "_")
+        results[config] = run_config()
+    print(json.dumps(results))
+
+
+def run_config() -> dict:
     out = {}
     eng, st, actor, guard = guarded("skip", "skip_step")
     window(actor, st, guard, [1, 2])
     w1, lr1 = weights(eng), eng.get_lr()[0]
+    # the guard's norm over this rank's ZeRO partitions against DeepSpeed's own (pre-clip) global norm
+    out.update(grad_norm=guard.last_logged.get("rl_guard/grad/norm"), ds_grad_norm=float(eng.get_global_grad_norm()))
     window(actor, st, guard, [3, 4], bad=True)
     out.update(guard_steps=guard.step, guard_skipped=guard.controller.skipped_steps, ds_skipped=eng.skipped_steps,
                micro_steps=eng.micro_steps, unchanged=same(w1, weights(eng)), lr_unchanged=eng.get_lr()[0] == lr1,
@@ -126,7 +139,7 @@ def main() -> None:
                tags=sorted(p.name for p in (OUT / "rollback" / "ckpt").iterdir() if p.is_dir()))
     _, states = st.load_ckpt(eng, str(OUT / "rollback" / "ckpt"), tag="rl_guard_step1")
     out["client_state_has_guard"] = "rl_guard" in states
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":
