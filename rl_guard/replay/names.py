@@ -13,6 +13,11 @@ are mapped (formulas: ``trl/trainer/grpo_trainer.py`` 1.16, ``_compute_loss`` an
 - ``loss`` = ``loss/value``; ``grad_norm``: the Trainer's total norm before clipping = ``grad/norm`` (the guard's
   one meaning of it; the clipped norm the guard measures inside the Trainer is ``grad/norm_postclip``).
 
+TRL computes the completion, reward and sampler statistics once per generation batch and logs them only on the
+step that generated it; the steps up to the next generation train on that same batch. ``carry_generation`` repeats
+those values over them, as the live guard would see that batch's statistics on each of its steps (a rule with
+``patience`` counts steps, not generations).
+
 Keys already named ``rl_guard/...`` (a guarded run merges its metrics into the trainer's logs) are taken as they
 are and win over mapped ones. Non-finite ``loss`` / ``grad_norm`` also give ``loss/nonfinite`` / ``grad/nonfinite``
 (1 or 0), so the built-in non-finite rules have input.
@@ -41,6 +46,10 @@ TRL_KEYS: dict[str, str] = {
     "loss": "rl_guard/loss/value",
     "grad_norm": "rl_guard/grad/norm",
 }
+GENERATION_KEYS = ("completions/clipped_ratio", "completions/mean_length", "completions/min_length",
+                   "completions/max_length", "reward", "reward_std", "sampling/importance_sampling_ratio/mean",
+                   "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+CARRIED = ", repeated over the steps that train on its generation"
 NONFINITE_FROM = {"loss": "rl_guard/loss/nonfinite", "grad_norm": "rl_guard/grad/nonfinite"}
 
 
@@ -69,3 +78,17 @@ def map_record(raw: dict) -> tuple[dict[str, float], dict[str, str]]:
             origin[NONFINITE_FROM[key]] = f"{key} non-finite"
     origin.update({k: "rl_guard" for k in native})
     return {**mapped, **native}, origin
+
+
+def carry_generation(rows: dict[int, dict], origin: dict[str, str]) -> None:
+    """Fill, in place, the generation-level metrics mapped from TRL keys on the steps between two generations."""
+    metrics = [TRL_KEYS[k] for k in GENERATION_KEYS if origin.get(TRL_KEYS[k]) == k]
+    last: dict[str, float] = {}
+    for step in sorted(rows):
+        for m in metrics:
+            if m in rows[step]:
+                last[m] = rows[step][m]
+            elif m in last:
+                rows[step][m] = last[m]
+    for m in metrics:
+        origin[m] += CARRIED

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .history import History, HistoryFormatError, ordered
-from .names import map_record
+from .names import carry_generation, map_record
 
 
 def read(path: Path) -> History:
@@ -34,4 +34,6 @@ def read(path: Path) -> History:
     for step, values in raw.items():
         rows[step], where = map_record(values)
         origin.update(where)
-    return History(dirs[0], "tensorboard", ordered({s: r for s, r in rows.items() if r}), origin)
+    rows = {s: r for s, r in rows.items() if r}
+    carry_generation(rows, origin)
+    return History(dirs[0], "tensorboard", ordered(rows), origin)

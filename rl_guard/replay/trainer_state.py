@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from .history import History, HistoryFormatError, ordered
-from .names import map_record
+from .names import carry_generation, map_record
 
 
 def read(path: Path) -> History:
@@ -27,4 +27,5 @@ def read(path: Path) -> History:
         if metrics:
             rows.setdefault(entry["step"], {}).update(metrics)
             origin.update(where)
+    carry_generation(rows, origin)
     return History(path, "trainer_state", ordered(rows), origin)

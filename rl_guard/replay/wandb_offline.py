@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 
 from .history import History, HistoryFormatError, ordered
-from .names import map_record
+from .names import carry_generation, map_record
 
 BLOCK = 32768
 STEP_KEYS = ("rl_guard/step", "train/global_step", "_step")
@@ -71,4 +71,5 @@ def read(path: Path) -> History:
         if metrics:
             rows.setdefault(int(step), {}).update(metrics)
             origin.update(where)
+    carry_generation(rows, origin)
     return History(files[0], "wandb offline", ordered(rows), origin)
