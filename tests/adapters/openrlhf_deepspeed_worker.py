@@ -25,6 +25,10 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK="0", WORLD_SIZ
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+
+# DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
+# it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 from torch import distributed as dist  # noqa: E402
 
 from rl_guard import Guard, TokenBatch  # noqa: E402

@@ -23,6 +23,10 @@ from torch import distributed as dist
 from rl_guard import Guard
 from rl_guard.adapters.deepspeed import EngineCheckpointState, EngineGate, ZeroGradients
 
+# DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
+# it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
 STEPS, GAS = 4, 2
 FAULT_STEP = {"skip_step": 1, "checkpoint_and_halt": 1, "rollback": 2}  # rollback: a snapshot from step 0
 OUT, STAGES = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
@@ -33,7 +37,8 @@ def engine(stage: int):
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},  # really partitioned
+           "bf16": {"enabled": True}, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
            # torch's Adam: no native DeepSpeed op to build
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}}
@@ -42,16 +47,16 @@ def engine(stage: int):
 
 def weights(eng) -> dict:
     """Digests of this rank's bf16 weights (its ZeRO-3 partitions, or the full module under ZeRO-2), of its fp32
-    master partition, and of the full weights gathered from every rank."""
+    master partition, and of every rank's bf16 weights through a blocking ``all_gather_object`` (full ZeRO-3
+    parameters read through ``GatheredParameters`` gave bytes that differed from run to run here on CPU / gloo)."""
     ps = list(eng.module.parameters())
-    zero3 = eng.zero_optimization_stage() == 3
-    local = [(p.ds_tensor if zero3 else p).detach().clone() for p in ps]
-    with deepspeed.zero.GatheredParameters(ps, enabled=zero3):
-        full = [p.detach().clone() for p in ps]
+    local = [(p.ds_tensor if eng.zero_optimization_stage() == 3 else p).detach().clone() for p in ps]
     opt = eng.optimizer
     master = getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups
-    return {"local": _digest(local), "master": _digest([m.detach() for m in master]), "module": _digest(full),
-            "finite": all(bool(torch.isfinite(t.float()).all()) for t in local + full + list(master))}
+    every = [None] * WORLD
+    dist.all_gather_object(every, _digest(local))
+    return {"local": _digest(local), "master": _digest([m.detach() for m in master]), "module": every,
+            "finite": all(bool(torch.isfinite(t.float()).all()) for t in local + list(master))}
 
 
 def _digest(tensors) -> str:

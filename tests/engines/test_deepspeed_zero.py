@@ -3,7 +3,7 @@
 The last rank alone gets an inf in its own gradient partition after the reduce-scatter and before
 ``engine.step``; the guard, gating ``engine.step`` (``rl_guard/adapters/deepspeed.py``), must take the same
 decision on both ranks and the step must leave every weight (module and fp32 master partition) bit for bit
-unchanged, through DeepSpeed's own overflow path.
+unchanged (every rank's bf16 weights and fp32 master partition), through DeepSpeed's own overflow path.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, acti
         assert healthy["grad_norm"] == pytest.approx(healthy["ds_grad_norm"], rel=1e-6)
         bad = steps[fault]
         assert bad["grad_nonfinite"] >= 1 and bad["action"] == action and not bad["apply"]
-        if action == "rollback":  # (the restored checkpoint also resets the engine's skipped_steps counter)  # back to the snapshot taken after step 0, i.e. the weights step 1 started from
+        if action == "rollback":  # back to the snapshot after step 0, the weights step 1 started from (the restored
+            # checkpoint also resets the engine's skipped_steps counter)
             assert bad["after"] == steps[1]["before"] and bad["before"] != bad["after"]
             assert run["rollbacks"] == 1
         else:  # the update that fired was dropped: weights and fp32 master partitions bitwise unchanged
@@ -46,6 +47,8 @@ def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, acti
         else:  # the run continues and the next update is applied
             nxt = steps[fault + 1]
             assert nxt["action"] is None and nxt["apply"] and nxt["after"]["module"] != nxt["before"]["module"]
-    # the same decision, metrics and full weights on every rank at every step
-    assert [[(s["action"], s["grad_nonfinite"], s["after"]["module"]) for s in run["steps"]] for run in runs] == \
-        [[(s["action"], s["grad_nonfinite"], s["after"]["module"]) for s in runs[0]["steps"]]] * 2
+    # the same decision and metrics on every rank at every step; under ZeRO-2 every rank holds the same full weights
+    assert [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in run["steps"]] for run in runs] == \
+        [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in runs[0]["steps"]]] * 2
+    if stage == 2:
+        assert all(len(set(s["after"]["module"])) == 1 for s in runs[0]["steps"])

@@ -15,12 +15,17 @@ import os
 import sys
 from pathlib import Path
 
+import deepspeed
 import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.tiny import build_tiny_model, prompt_dataset, repeat_last_digit_reward
+
+# DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
+# it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 FAULT_STEP, STEPS = 1, 3
 OUT, ACTION = Path(sys.argv[1]), sys.argv[2]
