@@ -40,7 +40,7 @@ def healthy_demo(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trl_run(tmp_path_factory):
-    """An unguarded tiny GRPO run reporting to TensorBoard; its trainer_state.json is written the way the Trainer
+    """An unguarded tiny GRPO run reporting to TensorBoard and (offline) wandb; its trainer_state.json is written the way the Trainer
     writes it into every checkpoint (``TrainerState.save_to_json``)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -49,14 +49,22 @@ def trl_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trl")
     model = build_tiny_model(root / "model", seed=0)
-    args = GRPOConfig(output_dir=str(root / "out"), report_to=["tensorboard"],  # events under out/runs/<date>/
+    (root / "wandb_home").mkdir()
+    args = GRPOConfig(output_dir=str(root / "out"), report_to=["tensorboard", "wandb"],  # events: out/runs/<date>/
                       per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
                       bf16=False, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_steps=6,
                       learning_rate=3e-3, beta=0.04, max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
     trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0),
                           reward_funcs=[repeat_last_digit_reward, length_penalty_reward])
     trainer.pop_callback(PrinterCallback)  # keep test output short
-    trainer.train()
+    with pytest.MonkeyPatch.context() as env:  # an offline wandb run under root/wandb_home/wandb/offline-run-*/
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_DIR", str(root / "wandb_home"))
+        env.setenv("WANDB_PROJECT", "rl_guard_replay")
+        trainer.train()
+        import wandb
+
+        wandb.finish()  # transformers leaves the run open for later logging; a script ends it like this
     trainer.state.save_to_json(str(root / "trainer_state.json"))
     return root, trainer
 

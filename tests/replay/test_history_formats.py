@@ -74,6 +74,24 @@ def test_trl_tensorboard_events_replay_like_the_trainer_state(trl_run):
     assert replay(tb, load_config(PROBE)).steps_by_rule() == replay(state, load_config(PROBE)).steps_by_rule()
 
 
+def test_trl_offline_wandb_run_replays_like_the_trainer_state(trl_run):
+    root, trainer = trl_run
+    state = load_history(root / "trainer_state.json")
+    deadline = time.monotonic() + 20  # wandb-core appends the last blocks after the run finished
+    while True:
+        try:  # transformers' wandb callback: train/<key> at train/global_step
+            history = load_history(root / "wandb_home")
+        except HistoryFormatError:  # no training row written yet
+            history = None
+        if history is not None and history.steps == state.steps or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert history.kind == "wandb offline" and history.steps == state.steps
+    for a, b in zip(history.records, state.records):
+        assert a == pytest.approx(b)
+    assert replay(history, load_config(PROBE)).steps_by_rule() == replay(state, load_config(PROBE)).steps_by_rule()
+
+
 def _through_sink(sink, run_dir, history):
     sink.start(run_dir)
     for rec in history.records:
