@@ -9,7 +9,8 @@ On CPU nothing synchronises, so the detector models what a GPU would do. Two int
   ones made inside torch), ``equal`` / ``is_nonzero``, ops whose output shape depends on the data (``nonzero``,
   ``torch.where(cond)``, ``masked_select``, ``unique*``, ``repeat_interleave`` with tensor repeats and no
   ``output_size``, ``bincount``, indexing with a boolean mask), device->host copies (``_to_copy`` / ``copy_``
-  from a non-CPU tensor or from a tensor marked device-side into a CPU one), and collectives (``c10d.*``).
+  from a non-CPU tensor or from a tensor marked device-side into a CPU one), blocking host->device copies
+  (CUDA synchronises the stream for those too), and collectives (``c10d.*``).
 
 A call counted at the Python level hides the kernels it runs (``.item()`` is one event, not two).
 
@@ -90,7 +91,7 @@ COPY_OPS = {aten._to_copy, aten.copy_, aten.copy, aten._copy_from, aten._copy_fr
 
 @dataclass(frozen=True)
 class Sync:
-    kind: str  # scalar_read, host_read, compare, data_dependent_shape, device_to_host, collective
+    kind: str  # scalar_read, host_read, compare, data_dependent_shape, device_to_host, host_to_device, collective
     op: str
     file: str  # the nearest caller outside torch (relative to the package when inside it)
     line: int
@@ -210,10 +211,18 @@ class _Kernels(TorchDispatchMode):
             target = kwargs.get("device")
             if target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu":
                 return "device_to_host", name
+            if target is not None and torch.device(target).type != "cpu" and args[0].device.type == "cpu" and (
+                    not kwargs.get("non_blocking")):
+                return "host_to_device", name
         elif packet in COPY_OPS and len(args) > 1 and isinstance(args[1], torch.Tensor):
             dst, src = args[0], args[1]
             if dst.device.type == "cpu" and not d.is_device(dst) and d.is_device(src):
                 return "device_to_host", name
+            # A blocking copy from host memory waits for the stream too (CUDA's memcpy_and_sync). A 0-dim source is
+            # a Python scalar written into a tensor (t[i] = 3): torch makes it on the CPU here but on the device
+            # for a CUDA tensor, so only copies of host arrays count.
+            if d.is_device(dst) and src.device.type == "cpu" and not d.is_device(src) and src.dim():
+                return "host_to_device", name
         if func.namespace == "c10d":
             return "collective", name
         return None

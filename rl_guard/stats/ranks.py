@@ -68,9 +68,11 @@ def _device(dist, like: torch.Tensor) -> torch.device:
 
 
 def _header(n_sums: int, n_maxes: int, failed: bool, device) -> torch.Tensor:
-    h = torch.zeros(HEADER, dtype=torch.float64)
-    h[:5] = torch.tensor([n_sums, -n_sums, n_maxes, -n_maxes, 1.0 if failed else 0.0], dtype=torch.float64)
-    return h.to(device)
+    # Filled on the device from Python numbers: a blocking host->device copy would wait for the stream (a sync).
+    h = torch.zeros(HEADER, dtype=torch.float64, device=device)
+    for i, v in enumerate((n_sums, -n_sums, n_maxes, -n_maxes, 1.0 if failed else 0.0)):
+        h[i] = v
+    return h
 
 
 class StepReducer:
