@@ -1,0 +1,64 @@
+"""Gradient probe: how the merge across ranks is chosen (detected, or ``sharded_grads``) and gradients held outside
+``p.grad`` (a ``GradientSource``, as the DeepSpeed adapter hands over ZeRO partitions). Multi-process DTensor and
+ZeRO runs are in ``tests/engines/``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from rl_guard.stats import keys
+from rl_guard.stats.grads import GradientSource, drop_grads, param_groups_of, probe_grads
+
+
+def _params(*grads):
+    out = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        out.append(p)
+    return out
+
+
+class Partitions:
+    """Gradient buffers owned by an engine: this rank's pieces, loss-scaled by 1 / scale."""
+
+    sharded = True
+
+    def __init__(self, groups, scale=1.0):
+        self.groups, self.scale, self.dropped = groups, scale, False
+
+    def grad_groups(self):
+        return self.groups
+
+    def drop_grads(self):
+        self.dropped = True
+
+
+def test_plain_gradients_merge_by_max_unless_declared_sharded():
+    groups = param_groups_of(_params(torch.tensor([3.0, 4.0])))
+    detected = probe_grads(groups)
+    assert keys.GRAD.sq in detected.max and keys.GRAD.sq not in detected.sum  # replicas: identical on every rank
+    forced = probe_grads(groups, sharded=True)  # the YAML override: each rank's p.grad is a distinct shard
+    assert keys.GRAD.sq in forced.sum and float(forced.sum[keys.GRAD.sq]) == 25.0
+
+
+def test_gradient_source_partitions_merge_by_sum_and_unscale():
+    rng = np.random.default_rng(0)
+    pieces = [rng.normal(size=5), rng.normal(size=3), rng.normal(size=4)]
+    scale = 2.0 ** -10  # fp16: the buffers hold loss-scaled gradients
+    src = Partitions([[torch.tensor(pieces[0] / scale, dtype=torch.float32),
+                       torch.tensor(pieces[1] / scale, dtype=torch.float32)],
+                      [torch.tensor(pieces[2] / scale, dtype=torch.float32), torch.empty(0)]], scale=scale)
+    assert isinstance(src, GradientSource) and param_groups_of(src) is src
+    p = probe_grads(src)
+    want = sum(float(np.sum(x.astype(np.float32).astype(np.float64) ** 2)) for x in pieces)
+    assert math.isclose(float(p.sum[keys.GRAD.sq]), want, rel_tol=1e-6)
+    assert math.isclose(float(p.max[keys.GRAD.max_abs]), max(np.abs(x).max() for x in pieces), rel_tol=1e-6)
+    assert float(p.sum[keys.GRAD.nonfinite]) == 0 and keys.grad_group(1) in p.sum
+    src.groups[1][0][2] = math.inf
+    assert float(probe_grads(src).sum[keys.GRAD.nonfinite]) == 1
+    drop_grads(src)  # a skip leaves the buffers to their owner
+    assert src.dropped
