@@ -10,15 +10,19 @@ advantages and versions, and a mask keeping ~75% of the tokens) it times, interl
   sequence ratio, entropy, p50/p99 per lag bucket) and one ``.item()`` per statistic. ``torch.quantile`` refuses
   inputs above 2^24 elements; that is reported as ``fails``.
 
-Time is process CPU time, minimum over repeats, one intra-op thread by default (``--threads``): on a shared machine
-wall time mostly measures the neighbours, and waiting worker threads make multi-threaded timings meaningless there
-(wall times are in the JSON output). Peak extra memory: the largest total size of live tensors allocated during one
-full step, replayed from ``torch.profiler`` memory events (every allocation and free of the CPU allocator, in time
-order; transient buffers inside one operator are not seen), in units of one fp32 per-token tensor (4 bytes/token).
-The process RSS can grow more (the C allocator keeps freed blocks for reuse); this measures what the statistics
-hold. Host transfers: ``.cpu()`` calls during a 4-micro-batch step (any other host read is reported separately).
+All three paths are timed the same way: each is run once to warm up, then ``--repeats`` rounds each run every path
+once in turn (so drifts in the machine's load hit all of them alike); the figures are the best run of each (the
+JSON also has the medians). With one intra-op thread (the default) the clock is process CPU time: on a shared
+machine wall time mostly measures the neighbours. With several threads (``--threads 1,2`` runs each in turn) it is
+wall time, since CPU time adds up over the threads. Peak extra memory: the largest total size of live tensors
+allocated during one full step, replayed from ``torch.profiler`` memory events (every allocation and free of the
+CPU allocator, in time order; transient buffers inside one operator are not seen), in units of one fp32 per-token
+tensor (4 bytes/token). Host transfers: ``.cpu()`` calls during a 4-micro-batch step (any other host read is
+reported separately). ``--device cuda`` runs the GPU path instead (``stats_cuda.py``: CUDA-event timing and the
+synchronisations of a whole guard step).
 
-Usage: ``python benchmarks/stats.py [--quick] [--json FILE] [--threads N]``.
+Usage: ``python benchmarks/stats.py [--quick] [--sizes 1M,4M,16M] [--repeats N] [--threads 1,2] [--json FILE]
+[--device cuda]``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -34,8 +40,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
@@ -48,9 +55,12 @@ ROWS = 64
 CURRENT_VERSION = 8
 SIZES = {"1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24, "64M": 1 << 26}
 QUICK_SIZES = ("1M", "4M")
+DEFAULT_SIZES = ("1M", "4M", "16M")
 
 
-def make_inputs(tokens: int, rows: int = ROWS, seed: int = 0) -> dict:
+def make_inputs(tokens: int, rows: int = ROWS, seed: int = 0, device: str = "cpu") -> dict:
+    if device != "cpu":
+        return {k: v.to(device) for k, v in make_inputs(tokens, rows, seed).items()}
     g = torch.Generator().manual_seed(seed)
     cols = max(1, tokens // rows)
     shape = (rows, cols)
@@ -91,8 +101,8 @@ def floor_pass(d: dict, chunk: int = 1 << 18) -> float:
 def naive_step(d: dict, eps_low: float = 0.2, eps_high: float = 0.2, edges=DEFAULT_LAG_EDGES) -> dict:
     """The usual trainer code: boolean selection, torch.quantile, one .item() per statistic."""
     out: dict = {}
-    qs = torch.tensor(QUANTILES)
     m = d["mask"]
+    qs = torch.tensor(QUANTILES, device=m.device)
 
     def family(name, x, quantiles=True):
         out[f"{name}/mean"] = x.mean().item()
@@ -140,7 +150,7 @@ def naive_step(d: dict, eps_low: float = 0.2, eps_high: float = 0.2, edges=DEFAU
         out[f"lag/{lo}/token_frac"] = sel.float().mean().item()
         rb = r[sel]
         if rb.numel():
-            p50, p99 = torch.quantile(rb, torch.tensor([0.5, 0.99])).tolist()
+            p50, p99 = torch.quantile(rb, torch.tensor([0.5, 0.99], device=m.device)).tolist()
             out[f"lag/{lo}/ratio_p50"], out[f"lag/{lo}/ratio_p99"] = p50, p99
             out[f"lag/{lo}/clip_frac"] = (low | high)[sel].float().mean().item()
             out[f"lag/{lo}/k3_mean"] = k3[sel].mean().item()
@@ -225,38 +235,64 @@ def _cpu_and_wall(fn) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
-def run(sizes: dict, repeats: int, naive_repeats: int) -> dict:
+def time_interleaved(fns: dict, repeats: int) -> dict:
+    """Process CPU and wall times of every function, each warmed up once and then run ``repeats`` times in
+    turn (one round runs each function once, so drifts in the machine's load hit all of them alike). A function
+    that raises (``torch.quantile`` above 2^24 elements) is dropped and its first error line kept."""
+    times = {name: {"cpu": [], "wall": []} for name in fns}
+    errors: dict = {}
+    for r in range(repeats + 1):
+        for name, fn in fns.items():
+            if name in errors:
+                continue
+            try:
+                cpu, wall = _cpu_and_wall(fn)
+            except RuntimeError as exc:  # torch.quantile: "quantile() input tensor is too large"
+                errors[name] = str(exc).splitlines()[0]
+                continue
+            if r:  # round 0 is the warm-up
+                times[name]["cpu"].append(cpu)
+                times[name]["wall"].append(wall)
+    return {"times": times, "errors": errors}
+
+
+def _stat(values: list, how) -> float | None:
+    return how(values) if values else None
+
+
+def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True) -> dict:
+    """``clock``: the time the ratios are taken from (``cpu``: process CPU time, right for one thread on a shared
+    machine; ``wall``: the only meaningful one with several threads, whose CPU times add up)."""
     rows, result = [], {}
     for label, tokens in sizes.items():
         d = make_inputs(tokens)
-        full_step(d), floor_pass(d)  # warm-up
-        best = {"full": (math.inf, math.inf), "floor": (math.inf, math.inf)}
-        for _ in range(repeats):  # interleaved so both see the same machine load
-            for name, fn in (("full", lambda: full_step(d)), ("floor", lambda: floor_pass(d))):
-                cpu, wall = _cpu_and_wall(fn)
-                best[name] = (min(best[name][0], cpu), min(best[name][1], wall))
-        t_naive = w_naive = None
-        try:
-            for _ in range(naive_repeats):
-                cpu, wall = _cpu_and_wall(lambda: naive_step(d))
-                t_naive, w_naive = min(t_naive or math.inf, cpu), min(w_naive or math.inf, wall)
-        except RuntimeError as exc:  # torch.quantile: "quantile() input tensor is too large"
-            t_naive, w_naive, result[f"naive_error_{label}"] = None, None, str(exc).splitlines()[0]
-        mem = peak_live_bytes(lambda: full_step(d)) / (4 * tokens)
-        (t_full, w_full), (t_floor, w_floor) = best["full"], best["floor"]
-        row = dict(size=label, tokens=tokens, full_s=t_full, floor_s=t_floor, naive_s=t_naive,
-                   speedup_vs_naive=(t_naive / t_full) if t_naive else None, floor_ratio=t_full / t_floor,
-                   peak_extra_mem_ratio=mem, full_wall_s=w_full, floor_wall_s=w_floor, naive_wall_s=w_naive,
-                   full_ns_per_token=t_full / tokens * 1e9)
+        timed = time_interleaved({"full": lambda: full_step(d), "floor": lambda: floor_pass(d),
+                                  "naive": lambda: naive_step(d)}, repeats)
+        t = timed["times"]
+        best = {name: _stat(t[name][clock], min) for name in t}
+        median = {name: _stat(t[name][clock], statistics.median) for name in t}
+        if "naive" in timed["errors"]:
+            result[f"naive_error_{label}"] = timed["errors"]["naive"]
+        row = dict(size=label, tokens=tokens, clock=clock, full_s=best["full"], floor_s=best["floor"],
+                   naive_s=best["naive"], full_median_s=median["full"], naive_median_s=median["naive"],
+                   speedup_vs_naive=best["naive"] / best["full"] if best["naive"] else None,
+                   speedup_vs_naive_median=median["naive"] / median["full"] if median["naive"] else None,
+                   floor_ratio=best["full"] / best["floor"], full_ns_per_token=best["full"] / tokens * 1e9,
+                   full_wall_s=_stat(t["full"]["wall"], min), naive_wall_s=_stat(t["naive"]["wall"], min))
+        if memory:
+            row["peak_extra_mem_ratio"] = peak_live_bytes(lambda: full_step(d)) / (4 * tokens)
         rows.append(row)
         for key in ("speedup_vs_naive", "floor_ratio", "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
-            result[f"{key}_{label}"] = row[key]
+            if key in row:
+                result[f"{key}_{label}"] = row[key]
         result["max_tokens_ok"] = tokens
         del d
     result["rows"] = rows
     counts = transfers_per_step()
     result["transfers_per_step"], result["other_host_reads_per_step"] = counts["transfers"], counts["other"]
     result["torch_threads"] = torch.get_num_threads()
+    result["repeats"], result["clock"] = repeats, clock
+    result["load_average"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return result
 
 
@@ -264,31 +300,51 @@ def print_table(result: dict) -> None:
     def f(v, fmt):
         return "fails" if v is None else format(v, fmt)
 
+    load = result.get("load_average")
+    print(f"{result['torch_threads']} intra-op thread(s), {result['clock']} time, best of {result['repeats']} "
+          f"interleaved runs after one warm-up each" + (f"; load average {load[0]:.1f}" if load else ""))
     print(f"{'tokens':>7} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} "
-          f"{'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
+          f"{'(median)':>9} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
     for r in result["rows"]:
         naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
         print(f"{r['size']:>7} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
-              f"{naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} {r['floor_ratio']:>12.2f} {r['peak_extra_mem_ratio']:>16.2f}")
-    print(f"host transfers per step: {result['transfers_per_step']} (other host reads: {result['other_host_reads_per_step']}); "
-          f"process CPU time, {result['torch_threads']} intra-op thread(s)")
+              f"{naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} {f(r['speedup_vs_naive_median'], '.1f'):>9} "
+              f"{r['floor_ratio']:>12.2f} {f(r.get('peak_extra_mem_ratio'), '.2f'):>16}")
+    print(f"host transfers per step: {result['transfers_per_step']} (other host reads: "
+          f"{result['other_host_reads_per_step']})")
 
 
 def main(argv=None, sizes: dict | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1M and 4M tokens only, fewer repeats (< 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="1M and 4M tokens only, fewer repeats (about a minute)")
+    ap.add_argument("--sizes", help=f"comma-separated sizes out of {', '.join(SIZES)} (default 1M,4M,16M)")
     ap.add_argument("--json", help="write the results to this file")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--threads", default="1", help="torch intra-op threads; a list (1,2) runs each in turn and "
+                    "reports the first at the top level (default 1)")
+    ap.add_argument("--repeats", type=int, help="timed runs of each path (default 5, quick 3)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (benchmarks/stats_cuda.py)")
     args = ap.parse_args(argv)
+    if args.device != "cpu":
+        from stats_cuda import main as cuda_main
+
+        return cuda_main(args)
     if sizes is None:
-        sizes = {k: SIZES[k] for k in QUICK_SIZES} if args.quick else SIZES
+        names = args.sizes.split(",") if args.sizes else (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+        sizes = {k: SIZES[k] for k in names}
+    repeats = args.repeats or (3 if args.quick else 5)
+    thread_counts = [int(n) for n in str(args.threads).split(",")]
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    results = {}
     try:
-        result = run(sizes, repeats=3 if args.quick else 7, naive_repeats=1)
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            results[n] = run(sizes, repeats, clock="cpu" if n == 1 else "wall", memory=n == thread_counts[0])
+            print_table(results[n])
     finally:
         torch.set_num_threads(threads)
-    print_table(result)
+    result = dict(results[thread_counts[0]])
+    if len(thread_counts) > 1:
+        result["by_threads"] = {str(n): r for n, r in results.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -160,24 +160,24 @@ class ChunkStats:
     def partial(self):
         """One ``Partial`` (float64 1-D tensors) of everything added.
 
-        Scalars are reduced in groups (one stack per dtype and chunk count, then one reduction and one cast),
-        because on a small micro-batch a few kernels per statistic would cost more than the statistics."""
-        sums = {k: v.to(F64) for k, v in self._sum.items() if not isinstance(v, list)}
-        sums.update(_grouped({k: v for k, v in self._sum.items() if isinstance(v, list)}, "sum"))
+        Scalars are reduced in groups (one stack per dtype and chunk count, one reduction and one cast) and handed
+        over as 1-element views of the group's vector, because on a small micro-batch a few kernels per statistic
+        would cost more than the statistics."""
+        vectors = {k: v.to(F64) for k, v in self._sum.items() if not isinstance(v, list)}
+        scalars = _grouped({k: v for k, v in self._sum.items() if isinstance(v, list)}, "sum")
         for name, cell in self._zero_cell.items():
-            sums[name][cell] -= sums.pop(f"{name}.fill")
+            vectors[name][cell : cell + 1] -= scalars.pop(f"{name}.fill")
         p = Partial()
-        for k, v in sums.items():
-            p.add_sum(k, v)
-        for k, v in _grouped(self._max, "amax").items():
-            p.add_max(k, v)
-        for k, v in _grouped(self._min, "amin").items():
-            p.add_min(k, v)
+        p.sum.update(vectors)
+        p.sum.update(scalars)
+        p.max.update(_grouped(self._max, "amax"))
+        p.max.update({"-" + k: v for k, v in _grouped(self._min, "amin", negate=True).items()})
         return p
 
 
-def _grouped(lists: dict, op: str) -> dict:
-    """``{name: [0-d tensors]}`` -> ``{name: float64 0-d view}`` reduced with ``op`` over each list."""
+def _grouped(lists: dict, op: str, negate: bool = False) -> dict:
+    """``{name: [0-d tensors]}`` -> ``{name: float64 1-element view}`` reduced with ``op`` over each list (and
+    negated: minima travel as negated maxima)."""
     groups: dict = {}
     for name, values in lists.items():
         groups.setdefault((values[0].dtype, len(values)), []).append(name)
@@ -188,5 +188,7 @@ def _grouped(lists: dict, op: str) -> dict:
         else:
             table = torch.stack([torch.stack(lists[n]) for n in names])  # [names, chunks]
             reduced = table.sum(1, dtype=F64) if op == "sum" else getattr(table, op)(1).to(F64)
-        out.update({n: reduced[i] for i, n in enumerate(names)})
+        if negate:
+            reduced = -reduced
+        out.update(zip(names, reduced.split(1)))
     return out

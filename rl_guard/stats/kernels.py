@@ -211,7 +211,7 @@ def rank_count(name: str, device) -> Partial:
 def values_into(acc: ChunkStats, ws: Scratch, name: str, y, n, squares: bool = False) -> torch.Tensor:
     """count ``n``, sum, (sum of squares), min, max of the finite entries of ``y``; returns ``y`` zero-filled."""
     key = keys.of(name)
-    z = zero_filled(ws, f"{name}.z", y)
+    z = zero_filled(ws, "z", y)  # a chunk temporary: read by the caller before the next family
     acc.sum(key.count, n)
     if squares:
         # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
@@ -233,7 +233,7 @@ def ratio_into(acc: ChunkStats, ws: Scratch, name: str, lr, hist: bool = True):
     n = v.sum()
     z = zero_filled(ws, f"{name}.z", lr)
     # expm1 keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32
-    e = torch.clamp(z, max=EXP_CLAMP, out=ws(f"{name}.e")).expm1_()
+    e = torch.clamp(z, max=EXP_CLAMP, out=ws("e")).expm1_()
     acc.sum(key.count, n)
     acc.sum(key.sum, e.sum() + n)  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
     acc.max(key.logmax, finite_max(ws, lr))
@@ -273,18 +273,18 @@ def lag_into(acc: ChunkStats, ws: Scratch, versions, current_version: int, gate,
     token's lag slot (int32): slot ``lag - edges[0]`` clamped into the edges, the last slot where the token or its
     version is invalid, plus ``len(slots) * region`` when a per-token ``region`` is given (``lag_cell_lut``).
     Exact in fp32 below 2^24."""
-    lag = torch.sub(gate, torch.round(versions, out=ws("lag.round")), out=ws("lag")).add_(float(current_version))
-    bad = invalid(ws, "lag.invalid", lag)
-    z = zero_filled(ws, "lag.z", lag)
+    lag = torch.sub(gate, torch.round(versions, out=ws("t0")), out=ws("t1")).add_(float(current_version))
+    bad = invalid(ws, "t2", lag)
+    z = zero_filled(ws, "z", lag)
     acc.sum(keys.LAG.sum, z.sum())  # fp32 per chunk: relative error ~1e-7 even for huge lags
     acc.max(keys.LAG.max, finite_max(ws, lag))
     lo, hi = edges[0], edges[-1]
-    slot = torch.clamp(z, lo, hi, out=ws("lag.slot")).add_(bad, alpha=hi + 1 - lo).clamp_(max=hi + 1)
+    slot = torch.clamp(z, lo, hi, out=ws("t3")).add_(bad, alpha=hi + 1 - lo).clamp_(max=hi + 1)
     if lo:
         slot.sub_(lo)
     if region is not None:
         slot.add_(region, alpha=hi + 2 - lo)
-    idx = ws("lag.idx", torch.int32).copy_(slot)
+    idx = ws("idx", torch.int32).copy_(slot)
     return torch.index_select(lut, 0, idx, out=ws("lag.bucket", torch.int32))  # several times faster than lut[idx]
 
 
@@ -308,7 +308,7 @@ def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, nb: int, z, k3) -> None
     idx = cell_index_into(ws, z, LOG_RATIO).add_(offset)
     size = 3 * (nb + 1) * LOG_RATIO.bins
     acc.sum("lag.cells", count_cells(idx, size))
-    acc.sum("lag.cells_k3", count_cells(idx, size, weights=ws("lag.k3", F64).copy_(k3)))  # float64 sums per cell
+    acc.sum("lag.cells_k3", count_cells(idx, size, weights=ws("f64", F64).copy_(k3)))  # float64 sums per cell
 
 
 def lag_finish(acc: ChunkStats, nb: int, clipped: bool) -> None:

@@ -103,7 +103,7 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
     if b.lengths is None:
         ch.seq_add(acc.seq("length"), mf)
     lp = field(ws, "logp", ch.token(b.logprobs), gate)
-    n_lp = lp.numel() - invalid(ws, "logp.invalid", lp).sum()
+    n_lp = lp.numel() - invalid(ws, "count", lp).sum()
     values_into(acc, ws, "logp", lp, n_lp)  # sampled-token log-probs: a jump means the policy moved
     nonfinite(acc, "logprobs", n_mask, n_lp)
     # (log r zero-filled, validity, count, k3): a zero log-ratio never counts as clipped, so clipping needs no mask
@@ -115,8 +115,8 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
     if b.ref_logprobs is not None:
         _ref_family(acc, ws, ch, b, lp, n_lp)
     if b.entropy is not None:
-        ent = field(ws, "entropy", ch.token(b.entropy), gate)
-        n_ent = ent.numel() - invalid(ws, "entropy.invalid", ent).sum()
+        ent = field(ws, "t0", ch.token(b.entropy), gate)
+        n_ent = ent.numel() - invalid(ws, "count", ent).sum()
         entropy_into(acc, ws, ent, n_ent)
         nonfinite(acc, "entropy", n_mask, n_ent)
     clipped = None
@@ -134,7 +134,7 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
 
 
 def _old_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, lp, n_lp):
-    lr = torch.sub(lp, ch.token(b.old_logprobs), out=ws("ratio.lr"))  # non-finite wherever logprobs is invalid
+    lr = torch.sub(lp, ch.token(b.old_logprobs), out=ws("t0"))  # non-finite wherever logprobs is invalid
     z, v, e, n = ratio_into(acc, ws, "ratio", lr, hist=b.versions is None)  # with versions: inside lag.hist
     nonfinite(acc, "old_logprobs", n_lp, n)
     return z, v, n, kl_stats(acc, ch, ws, "kl_old", z, e, v, n)
@@ -154,19 +154,19 @@ def _prox_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
 
 
 def _ref_family(acc, ws: Scratch, ch: Chunk, b: TokenBatch, lp, n_lp) -> None:
-    lr = torch.sub(ch.token(b.ref_logprobs), lp, out=ws("kl_ref.lr"))
-    v = valid(ws, "kl_ref.v", lr)
+    lr = torch.sub(ch.token(b.ref_logprobs), lp, out=ws("t0"))
+    v = valid(ws, "t1", lr)
     n = v.sum()
     nonfinite(acc, "ref_logprobs", n_lp, n)
-    z = zero_filled(ws, "kl_ref.z", lr)
-    e = torch.clamp(z, max=EXP_CLAMP, out=ws("kl_ref.e")).expm1_()
+    z = zero_filled(ws, "t2", lr)
+    e = torch.clamp(z, max=EXP_CLAMP, out=ws("e")).expm1_()
     kl_stats(acc, ch, ws, "kl_ref", z, e, v, n)
 
 
 def _adv_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, gate, n_mask, clip):
     """Advantage statistics; with ``clip = (zero-filled log-ratio, its validity, its count)`` also the clip
     fractions (returns the clipped tokens as 0/1 floats)."""
-    adv = field(ws, "adv", ch.token(b.advantages), gate)
+    adv = field(ws, "t0", ch.token(b.advantages), gate)
     bad = invalid(ws, "adv.invalid", adv)
     n = adv.numel() - bad.sum()
     z = values_into(acc, ws, "adv", adv, n, squares=True)

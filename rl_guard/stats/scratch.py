@@ -4,8 +4,10 @@ On CPU a fresh chunk-sized temporary costs more than the arithmetic done in it: 
 back to the system and every new one is page-faulted in again, and an out-of-place result is written to memory
 that is not in cache. Every token probe therefore writes into a named buffer of a ``Scratch`` (``out=`` and
 in-place operations only); the buffers are allocated at the first chunk and reused by the others, so the extra
-memory is a fixed set of chunk-sized tensors whatever the batch size. A name is one role in one chunk: a value
-that a later probe of the same chunk reads (the log-ratio, its validity, k3, the advantage sign) has its own name.
+memory is a fixed set of chunk-sized tensors whatever the batch size. A value that a later probe of the same chunk
+reads (the log-ratio, its validity, k3, the advantage sign) has its own name; the temporaries of one probe family
+(``t0``..``t3``, ``z``, ``e``, ``count``, ``extreme``, ``cell*``) are reused by the next family, which keeps the set
+small and the buffers warm in cache.
 
 Validity travels inside the values: ``field`` adds the mask's gate (0 or -inf) to an input, so a value is
 non-finite exactly where the token is masked out or the input itself is NaN/inf; ``y * 0`` is then 0 or NaN, and
