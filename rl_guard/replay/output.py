@@ -8,21 +8,25 @@ from ..report.summary import step_ranges
 from ..sinks.jsonl import INCIDENTS_FILE, METRICS_FILE, dumps
 from .loop import Replay
 
+SHOWN = 5  # messages printed per rule
+
 
 def lines(result: Replay, config_name: str) -> list[str]:
     h = result.history
     steps = h.steps
     out = [f"replay of {h.path} ({h.kind}, {len(steps)} steps, {steps[0]}-{steps[-1]}) with {config_name}", "",
-           "per rule: the steps it would have fired at, and its input (records holding the metric / all records)"]
+           "per rule: the steps it would have fired at, its input (records holding the metric / all records) and the "
+           f"messages it would have given (the first {SHOWN}; all of them with --json)"]
     fired = result.steps_by_rule()
     for inp in result.inputs:
         steps_fired = fired.get(inp.rule, [])
-        escalated = [r["step"] for r in result.incidents if r["rule"] == inp.rule and r["escalated_from"]]
+        mine = [r for r in result.incidents if r["rule"] == inp.rule]
+        escalated = [r["step"] for r in mine if r["action"] != inp.action]  # this rule's own action was escalated
         if not inp.has_input:
             status = "NO INPUT in this history (it cannot fire)"
         elif steps_fired:
             status = f"fired {len(steps_fired)}x at step{'s' if len(steps_fired) > 1 else ''} {step_ranges(steps_fired)}"
-            if escalated:  # no trusted snapshot yet, or max_rollbacks spent
+            if escalated:  # no trusted snapshot yet, max_rollbacks or max_consecutive_skips spent
                 status += f" (escalated to checkpoint_and_halt at {step_ranges(escalated)})"
         else:
             status = "silent"
@@ -31,8 +35,9 @@ def lines(result: Replay, config_name: str) -> list[str]:
             source = inp.sources.get(metric, "")
             note = "" if source in ("", "rl_guard") else f"  (from {source})"
             out.append(f"      {metric}: {n}/{len(steps)}{note}" + ("  not in this history" if n == 0 else ""))
-    out += ["", f"incidents ({len(result.incidents)}, as the guard would have logged them):"]
-    out += [f"  {r['message']}" + ("  [after the halt]" if r["after_halt"] else "") for r in result.incidents]
+        out += [f"      > {r['message']}" + ("  [after the halt]" if r["after_halt"] else "") for r in mine[:SHOWN]]
+        if len(mine) > SHOWN:
+            out.append(f"      > ... and {len(mine) - SHOWN} more")
     if result.halted_at is not None:
         out += ["", f"the run would have stopped at step {result.halted_at}; later incidents are what the rules say "
                     "on the recorded continuation"]

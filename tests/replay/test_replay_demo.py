@@ -38,7 +38,9 @@ def test_cli_prints_per_rule_steps_and_writes_records_and_report(fault_demo, tmp
                  "--report", str(report)]) == 0
     text = capsys.readouterr().out
     first = next(i for i in live if i["action"] != "warn")
-    assert f"  {first['rule']} -> {first.get('escalated_from') or first['action']}: fired" in text
+    configured = {i.rule: i.action for i in replay(load_history(run), load_config(run / "config.yaml")).inputs}
+    assert f"  {first['rule']} -> {configured[first['rule']]}: fired" in text
+    assert f"      > {first['message']}" in text  # under its rule
     assert first["message"] in text
     assert "update_too_aggressive -> rollback: silent" in text or "update_too_aggressive -> rollback: fired" in text
     records = [json.loads(line) for line in out.read_text().splitlines()]
