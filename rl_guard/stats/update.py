@@ -68,6 +68,8 @@ class UpdateProbe:
         for group in groups:
             parts, w = [], []
             for p in group:
+                if p.numel() == 0:  # e.g. a parameter partitioned away from this rank (ZeRO-3): nothing local
+                    continue
                 idx = self._idx(p)
                 flat = p.detach().reshape(-1)
                 parts.append((flat if idx is None else flat.index_select(0, idx)).to(torch.float32, copy=True))

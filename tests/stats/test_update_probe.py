@@ -113,3 +113,15 @@ def test_lr_growth_stays_low_on_schedules_and_flags_jumps_and_ramps():
     # A refused rate (not accepted) never becomes the reference: the jump stays visible on the next step too.
     refused = _growth(jump[:12] + [1e1], accept=lambda i: i != 10)
     assert refused[12] == pytest.approx(1e4)
+
+
+def test_a_parameter_with_no_local_elements_is_left_out():
+    groups = _model()
+    groups[1].append(torch.nn.Parameter(torch.empty(0)))  # e.g. partitioned away from this rank
+    probe = UpdateProbe()
+    probe.pre_step(groups, [0.1, 0.1])
+    with torch.no_grad():
+        groups[1][0].add_(1.0)
+    probe.post_step(groups)
+    got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
+    assert got["rl_guard/update/norm"] == pytest.approx(math.sqrt(5.0), rel=1e-6)
