@@ -35,7 +35,7 @@ verl 0.9.1 internals relied on (``verl/workers/engine_workers.py``, ``verl/worke
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib.metadata
 import math
 import os
 
@@ -152,5 +152,13 @@ def register(make_guard=guard_from_env) -> None:
     TrainingWorker.set_loss_fn = set_loss_fn
 
 
-if importlib.util.find_spec("verl") is not None:  # imported by verl as external_lib: hook in at once
+def _verl_installed() -> bool:
+    try:
+        importlib.metadata.distribution("verl")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+if _verl_installed():  # imported by verl as external_lib: hook in at once
     register()
