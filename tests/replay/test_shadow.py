@@ -98,3 +98,21 @@ def test_shadow_in_the_plain_pytorch_recipe_is_bitwise_the_unguarded_run_at_ever
     assert [i for i in incidents if i["would"] != "warn"], incidents  # it would have acted
     assert res.steps_run == 12 and len(shadowed) == len(plain) == 24
     assert_same(plain, shadowed, "per-step state")
+
+
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_the_failure_policy_only_records_in_shadow_mode(mode, tmp_path):
+    """fail_mode: closed drops the update of a step whose check failed; in shadow mode it only says it would have."""
+    from rl_guard import Guard
+
+    model = torch.nn.Linear(3, 2)
+    guard = Guard.from_yaml(f"version: 1\nmode: {mode}\nfail_mode: closed\nrules: []\n", run_dir=tmp_path)
+    guard.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="internal failure"):
+        decision = guard.check(params=object())  # not parameters: the gradient probe fails inside the guard
+    if mode == "shadow":  # the loop applies the step; the gradients are untouched
+        assert (decision.action, decision.would, decision.apply_step) == (None, "skip_step", True)
+        assert all(p.grad is not None for p in model.parameters())
+    else:
+        assert (decision.action, decision.would, decision.apply_step) == ("skip_step", None, False)
