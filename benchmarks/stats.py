@@ -325,6 +325,8 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (benchmarks/stats_cuda.py)")
     args = ap.parse_args(argv)
     if args.device != "cpu":
+        if str(ROOT / "benchmarks") not in sys.path:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
         from stats_cuda import main as cuda_main
 
         return cuda_main(args)

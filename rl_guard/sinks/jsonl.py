@@ -3,15 +3,23 @@
 Format: one JSON object per line, append-only. Metrics lines are `{"step": s, name: value...}`.
 Non-finite floats are written as the JSON strings "nan", "inf" and "-inf" (plain JSON has
 no NaN/Infinity); `read_jsonl` turns exactly those strings back into floats.
-Every write is followed by `flush()` so a crash loses at most the line being written;
-`fsync=True` additionally forces it to disk (costs a disk round trip per step).
+Metrics lines are buffered in the process and written every `flush_every` steps (default 10), at once
+on a step that fired a rule (`rl_guard/guard/fired` > 0) or recorded an incident (the lines before it
+and the line after it), on `finish()` and at
+interpreter exit, so the step itself pays for encoding one line, not for a system call. A crash of the process
+(even SIGKILL) loses at most the last `flush_every - 1` steps' lines; the files are readable at any time, a
+partial last line from a crash mid-write included. Incidents are written and flushed at once.
+`flush_every=1` writes every line as it comes; `fsync=True` additionally forces every write to disk (a disk
+round trip per write).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import weakref
 import pathlib
 import warnings
 from typing import Any
@@ -55,6 +63,12 @@ def to_jsonable(obj: Any) -> Any:
         except (TypeError, ValueError, RuntimeError):
             pass
     return str(obj)  # never fail a training step over an odd type in a record
+
+
+def _metric_value(v: Any) -> Any:
+    if type(v) is float:  # the common case, without the generic conversion
+        return v if math.isfinite(v) else _encode_float(v)
+    return to_jsonable(v)
 
 
 def dumps(obj: Any) -> str:
@@ -127,18 +141,23 @@ def _repair(path: pathlib.Path, max_step: int | None) -> set[int]:
 
 
 class JsonlSink(Sink):
-    """Append-only jsonl writer; resume-safe (no duplicated steps)."""
+    """Append-only jsonl writer; resume-safe (no duplicated steps); metrics buffered for ``flush_every`` steps."""
 
     name = "jsonl"
 
-    def __init__(self, fsync: bool = False, keep_lost_incidents: bool = True) -> None:
+    def __init__(self, fsync: bool = False, keep_lost_incidents: bool = True, flush_every: int = 10) -> None:
         super().__init__()
+        if int(flush_every) < 1:
+            raise ValueError(f"flush_every must be a positive number of steps, got {flush_every!r}")
         self.fsync = fsync
+        self.flush_every = int(flush_every)
         # Incidents after the resume step are kept by default: they are the audit trail
         # of why the lost run was rolled back, not data that gets recomputed.
         self.keep_lost_incidents = keep_lost_incidents
         self._metrics = self._incidents = None
         self._steps: set[int] = set()
+        self._pending: list[str] = []
+        self._flush_next = False  # an incident was recorded: its step's line is written at once too
 
     def start(self, run_dir: pathlib.Path, resume_step: int | None = None) -> None:
         super().start(run_dir, resume_step)
@@ -158,26 +177,47 @@ class JsonlSink(Sink):
             )
         self._metrics = open(mpath, "a", encoding="utf-8")
         self._incidents = open(ipath, "a", encoding="utf-8")
+        # A run that ends without finish() (a script that returns, an exception) still writes what it buffered.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (lambda sink: sink and sink.flush())(ref())
+        atexit.register(self._atexit)
 
-    def _write(self, f, obj: dict) -> None:
-        f.write(dumps(obj) + "\n")
+    def _write(self, f, text: str) -> None:
+        f.write(text)
         f.flush()
         if self.fsync:
             os.fsync(f.fileno())
+
+    def flush(self) -> None:
+        """Write the buffered metrics lines now."""
+        if self._pending and self._metrics is not None and not self._metrics.closed:
+            lines, self._pending = "".join(self._pending), []
+            self._write(self._metrics, lines)
 
     def log(self, values: dict[str, float], step: int, histograms: Histograms | None = None) -> None:
         step = int(step)
         if step in self._steps:
             return  # already recorded (resumed run replaying a step)
         # Histograms are not stored here: the tensorboard/wandb sinks handle them.
-        self._write(self._metrics, {"step": step, **{k: v for k, v in values.items() if k != "step"}})
+        record = {"step": step}
+        record.update((str(k), _metric_value(v)) for k, v in values.items() if k != "step")
+        self._pending.append(json.dumps(record, allow_nan=False, ensure_ascii=False) + "\n")
         self._steps.add(step)
+        if len(self._pending) >= self.flush_every or self._flush_next or values.get("rl_guard/guard/fired", 0) > 0:
+            self._flush_next = False
+            self.flush()
 
     def incident(self, record: dict) -> None:
-        self._write(self._incidents, record)
+        self.flush()  # the steps before an incident are the ones worth reading after a crash
+        self._write(self._incidents, dumps(record) + "\n")
+        self._flush_next = True
 
     def finish(self) -> None:
+        self.flush()
         for f in (self._metrics, self._incidents):
             if f is not None and not f.closed:
                 f.close()
         self._metrics = self._incidents = None
+        if getattr(self, "_atexit", None) is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None

@@ -2,7 +2,11 @@
 
 import json
 import math
+import signal
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,14 +22,88 @@ def _run(run_dir, steps, resume_step=None, base=1.0, **kw):
     return sink
 
 
-def test_one_line_per_step_and_flushed_before_finish(tmp_path):
-    sink = _run(tmp_path, range(1, 4))
+def test_one_line_per_step_written_as_it_comes_with_flush_every_1(tmp_path):
+    sink = _run(tmp_path, range(1, 4), flush_every=1)
     # No finish(): a crash right now must still leave every completed line on disk.
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
     assert [json.loads(l)["step"] for l in lines] == [1, 2, 3]
     assert json.loads(lines[1]) == {"step": 2, "rl_guard/ratio/p50": 1.02, "rl_guard/guard/fired": 0.0}
     assert list(json.loads(lines[0]))[0] == "step"
     sink.finish()
+
+
+def _steps_on_disk(run_dir):
+    return [r["step"] for r in read_jsonl(run_dir / METRICS_FILE)] if (run_dir / METRICS_FILE).exists() else []
+
+
+def test_metrics_buffered_for_flush_every_steps_and_flushed_on_firing_incident_and_finish(tmp_path):
+    sink = JsonlSink(flush_every=4)
+    sink.start(tmp_path)
+    for s in range(3):
+        sink.log({"rl_guard/x": 1.0, "rl_guard/guard/fired": 0.0}, s)
+    assert _steps_on_disk(tmp_path) == []  # buffered
+    sink.log({"rl_guard/x": 1.0, "rl_guard/guard/fired": 0.0}, 3)
+    assert _steps_on_disk(tmp_path) == [0, 1, 2, 3]  # the 4th step writes the four lines at once
+    sink.log({"rl_guard/x": 1.0, "rl_guard/guard/fired": 0.0}, 4)
+    sink.log({"rl_guard/x": 2.0, "rl_guard/guard/fired": 1.0}, 5)  # a rule fired: written at once
+    assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4, 5]
+    sink.log({"rl_guard/x": 1.0, "rl_guard/guard/fired": 0.0}, 6)
+    sink.incident({"step": 7, "rule": "r", "message": "m"})  # the steps before an incident go first
+    assert _steps_on_disk(tmp_path) == list(range(7))
+    assert [i["step"] for i in read_jsonl(tmp_path / INCIDENTS_FILE)] == [7]
+    sink.log({"rl_guard/x": 1.0, "rl_guard/guard/fired": 0.0}, 7)  # the incident's step: written at once
+    assert _steps_on_disk(tmp_path) == list(range(8))
+    sink.log({"rl_guard/x": 1.0, "rl_guard/guard/fired": 0.0}, 8)
+    assert _steps_on_disk(tmp_path) == list(range(8))
+    sink.finish()
+    assert _steps_on_disk(tmp_path) == list(range(9))
+
+
+def test_flush_every_must_be_positive():
+    with pytest.raises(ValueError, match="flush_every"):
+        JsonlSink(flush_every=0)
+
+
+_CHILD = """
+import sys, time
+from rl_guard.sinks.jsonl import JsonlSink
+sink = JsonlSink(flush_every={n})
+sink.start({run_dir!r})
+for s in range({steps}):
+    sink.log({{"rl_guard/x": float(s), "rl_guard/guard/fired": float(s in {fired})}}, s)
+    print(s, flush=True)
+{tail}
+"""
+
+
+def _child(tmp_path, n, steps, fired=(), tail="time.sleep(120)"):
+    code = _CHILD.format(n=n, run_dir=str(tmp_path), steps=steps, fired=set(fired) or "()", tail=tail)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.parametrize("fired", [(), (14,)])
+def test_a_killed_process_loses_at_most_the_last_flush_every_steps(tmp_path, fired):
+    """SIGKILL gives the process no chance to flush: what is on disk is what the buffering already wrote."""
+    n, steps = 10, 23
+    child = _child(tmp_path, n, steps, fired)
+    try:
+        reported = [int(child.stdout.readline()) for _ in range(steps)]  # every step was logged
+        assert reported == list(range(steps))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    on_disk = _steps_on_disk(tmp_path)
+    assert on_disk == list(range(len(on_disk)))  # a prefix of the run, every line complete
+    assert steps - len(on_disk) <= n - 1  # at most the last flush_every - 1 steps lost
+    assert on_disk == (list(range(20)) if not fired else list(range(15)))  # flushed at 10, 20 / at 14 (fired)
+
+
+def test_a_process_that_exits_without_finish_writes_its_buffer(tmp_path):
+    child = _child(tmp_path, 10, 3, tail="")
+    child.communicate(timeout=60)
+    assert child.returncode == 0
+    assert _steps_on_disk(tmp_path) == [0, 1, 2]
 
 
 def test_nonfinite_round_trip_is_valid_json(tmp_path):

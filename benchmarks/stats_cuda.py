@@ -1,0 +1,148 @@
+"""The statistics benchmark on a GPU: ``python benchmarks/stats.py --device cuda [--json FILE]``.
+
+* Time per step of the same three paths as on CPU (``full``, ``floor``, ``naive``) on 8M tokens by default
+  (``--sizes``), measured with CUDA events around each call, after one warm-up, over interleaved repeats (best and
+  median reported). ``full`` ends with the step's one device->host transfer, so its events cover all its work.
+* Synchronisations of a whole guard cycle: a real ``Guard`` with the async preset (every statistic family, lag
+  buckets, rules) observes four micro-batches of the 8M-token batch with their losses, then ``check()`` probes
+  the gradients, transfers once and evaluates the rules; ``step_done()`` is counted apart (a snapshot, when one
+  is due, copies the state to host memory on purpose). Counted with ``torch.cuda.set_sync_debug_mode("warn")``:
+  every synchronising CUDA call warns once per call. The expected count for ``observe -> check`` is 1.
+
+Without CUDA it prints why and exits cleanly (returns ``{"skipped": reason}``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import warnings
+from pathlib import Path
+
+import torch
+
+from stats import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step
+
+SIZES_GPU = {**SIZES, "8M": 1 << 23}
+ASYNC_PRESET = "async"
+
+
+def _event_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_paths(d: dict, repeats: int) -> dict:
+    fns = {"full": lambda: full_step(d), "floor": lambda: floor_pass(d), "naive": lambda: naive_step(d)}
+    times: dict = {name: [] for name in fns}
+    errors: dict = {}
+    for r in range(repeats + 1):  # round 0 warms up
+        for name, fn in fns.items():
+            if name in errors:
+                continue
+            try:
+                ms = _event_ms(fn)
+            except RuntimeError as exc:  # torch.quantile refuses inputs above 2^24 elements
+                errors[name] = str(exc).splitlines()[0]
+                continue
+            if r:
+                times[name].append(ms)
+    out = {f"{name}_ms": min(v) if v else None for name, v in times.items()}
+    out.update({f"{name}_ms_median": statistics.median(v) if v else None for name, v in times.items()})
+    if out["naive_ms"]:
+        out["speedup_vs_naive"] = out["naive_ms"] / out["full_ms"]
+    out["floor_ratio"] = out["full_ms"] / out["floor_ms"]
+    out["errors"] = errors
+    return out
+
+
+class _SyncCounter:
+    """Counts the warnings of ``set_sync_debug_mode("warn")`` raised inside the block (on CUDA; elsewhere it only
+    runs the block, which lets the cycle be exercised without a GPU)."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings(record=True)
+        self.records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        self.syncs = [str(w.message).splitlines()[0] for w in self.records if "synchroniz" in str(w.message).lower()]
+
+
+def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, device: str = "cuda") -> dict:
+    """Synchronisations per step of ``observe`` (all micro-batches) + ``check``, and of ``step_done``."""
+    import tempfile
+
+    from rl_guard import Guard
+    from rl_guard.stats.batch import TokenBatch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    guard = Guard.from_yaml(ASYNC_PRESET, run_dir=tempfile.mkdtemp(prefix="rl_guard_cuda_")).attach(model, opt)
+    d = make_inputs(tokens, device=device)
+    rows = d["mask"].shape[0] // micro_batches
+    batches = [TokenBatch(**{k: v[i * rows:(i + 1) * rows] for k, v in d.items()}, current_version=CURRENT_VERSION)
+               for i in range(micro_batches)]
+    x = torch.randn(32, 64, device=device)
+    per_step = []
+    for _ in range(steps):
+        losses = [model(x).pow(2).mean() for _ in batches]
+        with _SyncCounter(device) as cycle:
+            for batch, loss in zip(batches, losses):
+                guard.observe(batch, loss=loss.detach())
+                loss.backward()
+            decision = guard.check()
+        if decision.apply_step:
+            opt.step()
+        opt.zero_grad()
+        with _SyncCounter(device) as done:
+            guard.step_done()
+        per_step.append({"observe_check": len(cycle.syncs), "step_done": len(done.syncs),
+                         "observe_check_calls": cycle.syncs})
+    guard.close()
+    return {"per_step": per_step, "internal_failures": guard.internal_failures}
+
+
+def main(args) -> dict:
+    if not torch.cuda.is_available():
+        reason = "CUDA is not available on this machine: the GPU benchmark was not run"
+        print(reason)
+        return {"skipped": reason}
+    names = args.sizes.split(",") if args.sizes else ["8M"]
+    repeats = args.repeats or 5
+    result = {"device": torch.cuda.get_device_name(), "repeats": repeats, "rows": []}
+    for label in names:
+        tokens = SIZES_GPU[label]
+        d = make_inputs(tokens, device="cuda")
+        row = {"size": label, "tokens": tokens, **time_paths(d, repeats)}
+        result["rows"].append(row)
+        for key in ("full_ms", "floor_ms", "naive_ms", "speedup_vs_naive", "floor_ratio"):
+            result[f"{key}_{label}"] = row.get(key)
+        del d
+        torch.cuda.empty_cache()
+        naive = "fails" if row["naive_ms"] is None else f"{row['naive_ms']:.2f}"
+        print(f"{label}: full {row['full_ms']:.2f} ms/step, floor {row['floor_ms']:.2f}, naive {naive} "
+              f"(CUDA events, best of {repeats})")
+    sync = guard_cycle_syncs(SIZES_GPU[names[0]])
+    result["syncs"] = sync
+    result["syncs_observe_check"] = max(s["observe_check"] for s in sync["per_step"])
+    print(f"synchronisations per observe -> check cycle ({names[0]} tokens, 4 micro-batches): "
+          f"{[s['observe_check'] for s in sync['per_step']]}; in step_done: {[s['step_done'] for s in sync['per_step']]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
