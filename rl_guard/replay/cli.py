@@ -65,5 +65,20 @@ def suggest_main(args: argparse.Namespace) -> int:
     except (ConfigError, HistoryFormatError) as exc:
         print(f"rl-guard suggest: {exc}", file=sys.stderr)
         return 2
+    for h in histories:
+        acted = _acted(h)
+        if acted:
+            print(f"rl-guard suggest: warning: {h.path} is not a healthy run: its guard acted {acted} time(s) "
+                  "(incidents.jsonl); thresholds from it will tolerate that fault", file=sys.stderr)
     print(to_yaml(suggest(config, histories, quantile=args.quantile, margin=args.margin), histories, args))
     return 0
+
+
+def _acted(history) -> int:
+    """Non-warn incidents the guard logged next to a metrics.jsonl (0 for other formats)."""
+    from ..sinks.jsonl import INCIDENTS_FILE, read_jsonl
+
+    path = history.path.parent / INCIDENTS_FILE
+    if history.kind != "rl_guard metrics.jsonl" or not path.is_file():
+        return 0
+    return sum((r.get("would") or r.get("action")) not in (None, "warn") for r in read_jsonl(path))

@@ -96,6 +96,13 @@ def test_quantile_one_is_silent_on_the_healthy_run_and_the_yaml_loads(healthy_de
     assert "# rl_guard/entropy/mean: 30 healthy steps, range [" in text
 
 
+def test_a_history_the_guard_acted_on_is_flagged(fault_demo, healthy_demo, capsys):
+    assert main(["suggest", str(healthy_demo.run_dir), str(fault_demo.run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert f"{fault_demo.run_dir / 'metrics.jsonl'} is not a healthy run" in err
+    assert str(healthy_demo.run_dir) not in err
+
+
 def test_several_histories_pool_their_steps(healthy_demo, fault_demo):
     a, b = load_history(healthy_demo.run_dir), load_history(fault_demo.run_dir)
     one = suggest(load_config(RULES), [a], quantile=1.0, margin=1.0)
