@@ -57,18 +57,30 @@ class History:
         self.maxlen, self.early = maxlen, early
         self.recent: dict[str, deque] = {}
         self.first: dict[str, list] = {}
+        self._rings: dict[str, _Ring] = {}  # the same values as ``recent``, readable as an array without copying
 
     def values(self, metric: str) -> list[float]:
         return list(self.recent.get(metric, ()))
+
+    def last(self, metric: str, n: int) -> np.ndarray:
+        """The last ``n`` values (fewer if fewer are known) as a read-only float64 view, oldest first."""
+        ring = self._rings.get(metric)
+        return ring.last(n) if ring is not None else _EMPTY
 
     def push(self, metrics: dict[str, float]) -> None:
         for name, v in metrics.items():
             if not math.isfinite(v):
                 continue
-            self.recent.setdefault(name, deque(maxlen=self.maxlen)).append(float(v))
+            v = float(v)
+            recent = self.recent.get(name)
+            if recent is None:
+                recent = self.recent[name] = deque(maxlen=self.maxlen)
+                self._rings[name] = _Ring(self.maxlen)
+            recent.append(v)
+            self._rings[name].append(v)
             first = self.first.setdefault(name, [])
             if len(first) < self.early:
-                first.append(float(v))
+                first.append(v)
 
     def state_dict(self) -> dict:
         # Copies: a state dict must not change when training goes on after it was taken.
@@ -78,6 +90,36 @@ class History:
     def load_state_dict(self, state: dict) -> None:
         self.recent = {k: deque(v, maxlen=self.maxlen) for k, v in state["recent"].items()}
         self.first = {k: list(v) for k, v in state["first"].items()}
+        self._rings = {}
+        for k, values in self.recent.items():
+            ring = self._rings[k] = _Ring(self.maxlen)
+            for v in values:
+                ring.append(v)
+
+
+_EMPTY = np.zeros(0)
+_EMPTY.flags.writeable = False
+
+
+class _Ring:
+    """Fixed-size history of one metric in a doubled buffer: every value is written at ``i`` and ``i + size``, so
+    the last ``n`` values are always one contiguous slice (rules read windows without building lists)."""
+
+    __slots__ = ("buf", "size", "i", "n")
+
+    def __init__(self, size: int):
+        self.buf, self.size, self.i, self.n = np.empty(2 * size), size, 0, 0
+
+    def append(self, v: float) -> None:
+        self.buf[self.i] = self.buf[self.i + self.size] = v
+        self.i = (self.i + 1) % self.size
+        self.n = min(self.n + 1, self.size)
+
+    def last(self, n: int) -> np.ndarray:
+        n = min(n, self.n)
+        view = self.buf[self.i + self.size - n : self.i + self.size]
+        view.flags.writeable = False
+        return view
 
 
 class Condition:
@@ -119,10 +161,10 @@ class Condition:
             limit = factor * max(early)
             return verdict(x >= limit, self.metric, x, ">=", limit, f"{factor:g} x early max {_fmt(max(early))} "
                            f"(first {window} steps)")
-        past = history.values(self.metric)[-window:]
+        past = history.last(self.metric, window)
         if len(past) < s["min_history"]:
             return Verdict(False, "", self.metric, x)
-        center, scale, label = _center_scale(method, np.asarray(past, dtype=np.float64), window)
+        center, scale, label = _center_scale(method, past, window)
         scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
         z = (x - center) / scale
         k = float(s["threshold"])
@@ -144,8 +186,8 @@ def _center_scale(method: str, arr: np.ndarray, window: int) -> tuple[float, flo
         return center, (1.4826 * mad if mad > 0 else 1.2533 * float(np.mean(dev))), "robust z"
     alpha = 2.0 / (window + 1.0)
     center, var = float(arr[0]), 0.0
-    for v in arr[1:]:
-        d = float(v) - center
+    for v in arr[1:].tolist():  # Python floats: several times faster to loop over than numpy scalars
+        d = v - center
         center += alpha * d
         var = (1 - alpha) * (var + alpha * d * d)
     return center, math.sqrt(var), "EMA z"
