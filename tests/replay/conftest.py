@@ -1,5 +1,6 @@
-"""Real recorded runs for the replay tests: guarded demo runs (metrics.jsonl, incidents.jsonl, config.yaml) and a
-tiny unguarded TRL GRPOTrainer run (trainer_state.json and TensorBoard events written by transformers itself).
+"""Real recorded runs for the replay tests: guarded demo runs (metrics.jsonl, incidents.jsonl, config.yaml), a tiny
+unguarded TRL GRPOTrainer run (trainer_state.json, TensorBoard events and an offline wandb run written by
+transformers itself), and a seeded unguarded/guarded pair for the shadow-mode comparison.
 
 Every run is a real ``GRPOTrainer`` on CPU with the demo's tiny Llama (built locally: no downloads).
 """
@@ -7,7 +8,6 @@ Every run is a real ``GRPOTrainer`` on CPU with the demo's tiny Llama (built loc
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -71,11 +71,6 @@ def trl_run(tmp_path_factory):
 
 def incidents_key(records, action_key="action"):
     return [(r["step"], r["rule"], r[action_key], r.get("restored_to_step")) for r in records]
-
-
-@pytest.fixture(scope="session")
-def run_dir_of():
-    return lambda res: Path(res.run_dir)
 
 
 @pytest.fixture(scope="session")
