@@ -7,7 +7,12 @@ alike. Only ``trainer.train()`` is timed (model loading and trainer construction
 * ``overhead_ratio``: median over pairs of guarded / unguarded wall time (target <= 1.05);
 * ``overhead_ratio_cpu``: the same with process CPU time (less sensitive to neighbours on a shared machine);
 * ``guard_time_frac``: time spent inside the guard's own calls (statistics, gradient probe, transfer, rules,
-  logging, snapshots) over the guarded run's wall time, measured directly with ``perf_counter``.
+  logging, snapshots) over the guarded run's wall time, measured directly with ``perf_counter``;
+* ``guard_ms_per_step``: that time per optimizer step, split by part: ``statistics`` (observe calls and the
+  adapter's TokenBatch translation), ``grad_probe``, ``transfer`` (the one device->host copy and its packing),
+  ``summarize`` (host formulas), ``rules``, ``sinks``, ``diagnostics`` (generation batches only), ``snapshots``
+  and ``other`` (the rest of check/step_done). A nested timed call counts in its own part only;
+* ``step_ms``: median wall time per optimizer step, unguarded and guarded.
 
 A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs
 ~0.1 s. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
@@ -33,27 +38,62 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TARGET = 1.05
-GUARD_CALLS = ("observe", "observe_sequences", "observe_samples", "check", "step_done")
 
 
-class _Timer:
-    """Accumulates the wall time of wrapped calls (nested calls are counted once)."""
+PARTS = ("statistics", "grad_probe", "transfer", "summarize", "rules", "sinks", "diagnostics", "snapshots", "other")
+
+
+class _Breakdown:
+    """Wall time of the guard's calls, split by part. Each wrapped call adds its own (exclusive) time to its part:
+    time spent in a nested wrapped call goes to the nested call's part, so the parts add up to the total."""
 
     def __init__(self):
-        self.total, self._depth = 0.0, 0
+        self.parts = dict.fromkeys(PARTS, 0.0)
+        self._stack: list[list[float]] = []  # per open call: [time spent in nested wrapped calls]
 
-    def wrap(self, fn):
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def wrap(self, fn, part: str):
         def timed(*args, **kwargs):
-            self._depth += 1
+            self._stack.append([0.0])
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self.total += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                nested = self._stack.pop()[0]
+                self.parts[part] += elapsed - nested
+                if self._stack:
+                    self._stack[-1][0] += elapsed
 
         return timed
+
+
+def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
+    """(owner, attribute, part) of every function the breakdown times; the owners are the modules and classes the
+    guard calls through, patched for the guarded run only."""
+    from rl_guard import guard as guard_module
+    from rl_guard.adapters import trl as adapter
+    from rl_guard.adapters.trl import RLGuardCallback
+    from rl_guard.control.controller import Controller
+    from rl_guard.control.state import TrainState
+    from rl_guard.diagnostics import RunDiagnostics
+    from rl_guard.sinks.base import SinkSet
+    from rl_guard.stats.accumulate import StepAccumulator
+
+    return [
+        (guard_module.Guard, "observe", "statistics"), (guard_module.Guard, "observe_sequences", "statistics"),
+        (RLGuardCallback, "_token_batch", "statistics"),
+        (guard_module.Guard, "check", "other"), (guard_module.Guard, "step_done", "other"),
+        (guard_module.Guard, "observe_samples", "diagnostics"), (adapter, "samples_from_rewards", "diagnostics"),
+        (RunDiagnostics, "update", "diagnostics"),
+        (guard_module, "probe_grads", "grad_probe"), (StepAccumulator, "finish", "transfer"),
+        (guard_module, "summarize", "summarize"), (Controller, "decide", "rules"),
+        (SinkSet, "log", "sinks"), (SinkSet, "incident", "sinks"), (SinkSet, "finish", "sinks"),
+        (TrainState, "capture", "snapshots"),
+    ]
 
 
 def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0) -> dict:
@@ -69,30 +109,31 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
                       max_completion_length=8, max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
                       report_to=[], learning_rate=3e-3, save_strategy="no", seed=seed, beta=0.04, num_iterations=2,
                       steps_per_generation=2, disable_tqdm=True, max_grad_norm=1.0)
-    callbacks, timer = [], _Timer()
+    callbacks, bd, patched = [], _Breakdown(), []
     if guarded:
-        callback = adapter.RLGuardCallback(demo_config("rollback", console_every=None), run_dir=str(work / "guard"))
-        for name in GUARD_CALLS:
-            setattr(callback.guard, name, timer.wrap(getattr(callback.guard, name)))
-        callback._token_batch = timer.wrap(callback._token_batch)
-        callbacks.append(callback)
+        for owner, name, part in _guard_patches(bd):
+            original = getattr(owner, name)
+            patched.append((owner, name, original))
+            setattr(owner, name, bd.wrap(original, part))
+        callbacks.append(adapter.RLGuardCallback(demo_config("rollback", console_every=None),
+                                                 run_dir=str(work / "guard")))
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
                           args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.pop_callback(PrinterCallback)
-    original_samples = adapter.samples_from_rewards
-    adapter.samples_from_rewards = timer.wrap(original_samples)
     try:
         wall, cpu = time.perf_counter(), time.process_time()
         trainer.train()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
-        adapter.samples_from_rewards = original_samples
+        for owner, name, original in patched:
+            setattr(owner, name, original)
     acted = 0
     if guarded:
         incidents = work / "guard" / "incidents.jsonl"
         lines = incidents.read_text().splitlines() if incidents.exists() else []
         acted = sum('"action": "warn"' not in line for line in lines)
-    return {"wall": wall, "cpu": cpu, "guard": timer.total, "steps": trainer.state.global_step, "acted": acted}
+    return {"wall": wall, "cpu": cpu, "guard": bd.total, "parts": dict(bd.parts), "steps": trainer.state.global_step,
+            "acted": acted}
 
 
 def main(argv=None) -> dict:
@@ -128,12 +169,20 @@ def main(argv=None) -> dict:
         "overhead_ratio_cpu": statistics.median(g["cpu"] / p["cpu"] for p, g in pairs),
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads,
+        "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
+                              for part in PARTS},
+        "step_ms": {"unguarded": statistics.median(1e3 * p["wall"] / p["steps"] for p, _ in pairs),
+                    "guarded": statistics.median(1e3 * g["wall"] / g["steps"] for _, g in pairs)},
         "guard_acted": sum(g["acted"] for _, g in pairs),
         "wall_s": {"unguarded": [p["wall"] for p, _ in pairs], "guarded": [g["wall"] for _, g in pairs]},
     }
     print(f"median wall-time ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
           f"CPU-time ratio {out['overhead_ratio_cpu']:.3f}; time inside the guard {100 * out['guard_time_frac']:.1f}% "
           f"of the guarded run ({runs} pairs x {steps} steps)")
+    out["guard_ms_per_step"]["total"] = sum(out["guard_ms_per_step"][part] for part in PARTS)
+    print(f"guard ms per step (median over pairs; a step takes {out['step_ms']['unguarded']:.1f} ms unguarded):")
+    for part, ms in out["guard_ms_per_step"].items():
+        print(f"  {part:<12} {ms:7.3f}")
     if out["guard_acted"]:
         print(f"note: the guard acted {out['guard_acted']} time(s); those runs did different work")
     if args.json:

@@ -20,4 +20,11 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path):
     assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
     assert 0 < written["guard_time_frac"] < 1  # the guard did run, and did not take the whole run
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
+    parts = written["guard_ms_per_step"]
+    assert set(parts) == {*bench.PARTS, "total"} and all(v >= 0 for v in parts.values())
+    assert parts["statistics"] > 0 and parts["grad_probe"] > 0 and parts["rules"] > 0 and parts["sinks"] > 0
+    assert parts["total"] == sum(parts[p] for p in bench.PARTS)
+    # The parts account for the guard's whole time: total per step x steps = the measured time inside the guard.
+    guarded_wall = written["wall_s"]["guarded"][0]
+    assert abs(parts["total"] * 2 / 1e3 - written["guard_time_frac"] * guarded_wall) < 1e-6
     assert len(written["wall_s"]["guarded"]) == len(written["wall_s"]["unguarded"]) == 1
