@@ -13,6 +13,7 @@ import pytest
 
 from file_modules import load_module
 
+pytestmark = pytest.mark.slow  # two processes importing torch and the guard: 20-45 s on a loaded machine
 HERE = Path(__file__).resolve().parent
 child_env = load_module("distributed_launch", HERE / "conftest.py").child_env  # the other multi-process tests' env
 STEPS = 3
