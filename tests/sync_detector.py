@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from types import CodeType
 
@@ -292,13 +291,3 @@ class SyncDetector:
     def take(self) -> list[Sync]:
         out, self.events = self.events, []
         return out
-
-    def undocumented(self, events=None) -> list[Sync]:
-        return [e for e in (self.events if events is None else events) if e.site is None]
-
-    def at(self, site: str, events=None) -> list[Sync]:
-        return [e for e in (self.events if events is None else events) if e.site == site]
-
-    @staticmethod
-    def summary(events) -> Counter:
-        return Counter((e.kind, e.op, e.where) for e in events)
