@@ -1,7 +1,8 @@
 """One micro-batch -> one ``Partial``: wires the pure probes to the fields a ``TokenBatch`` carries.
 
 The batch is walked in fixed-size chunks (``chunks.py``); each chunk reads every input tensor once and runs all
-token probes on it, so extra memory is a few chunk-sized temporaries whatever the batch size. Per-sequence sums
+token probes on it (``token_probes.py``), writing into chunk-sized buffers that every chunk reuses (``scratch.py``),
+so extra memory is a fixed set of chunk-sized tensors whatever the batch size. Per-sequence sums
 are accumulated in ``[S]`` vectors and reduced after the last chunk. GSPO's sequence-level clipping needs the
 whole sequence's log-ratio first, so it takes a second, lighter pass.
 """
@@ -19,27 +20,29 @@ from .kernels import (
     ChunkStats,
     Partial,
     clip_by_lag,
-    clip_into,
     clip_stats,
     count_cells,
-    entropy_into,
     gated,
     kl_finish,
     kl_stats,
     lag_buckets,
-    lag_cell_lut,
-    lag_cells_into,
-    lag_finish,
-    lag_into,
     lag_lut,
-    lag_region,
     log_ratio_terms,
     nonfinite,
-    ratio_into,
     ratio_stats,
     seq_log_ratio,
     validate_,
     value_stats,
+)
+from .token_probes import (
+    clip_into,
+    entropy_into,
+    lag_cell_lut,
+    lag_cells_into,
+    lag_finish,
+    lag_into,
+    lag_region,
+    ratio_into,
     values_into,
 )
 from .scratch import Scratch, field, invalid, valid, zero_filled
