@@ -24,8 +24,9 @@ verl 0.9.1 internals relied on (``verl/workers/engine_workers.py``, ``verl/worke
 - ``BaseEngine.train_batch``: ``optimizer_zero_grad``, ``forward_backward_batch``, then ``optimizer_step`` once per
   mini-batch on every rank. The guard decides there, before the engine clips and steps (FSDP2 ``DTensor`` gradients
   are merged over ranks). Skip / halt / rollback drop the gradients and the optimizer never runs, on every rank
-  alike (verl's own ``optimizer_step`` only refuses a non-finite grad norm). A halt raises ``GuardHalted``, which
-  Ray returns to the driver. Rollback restores the guard's in-memory snapshots of the FSDP module, optimizer and LR
+  alike (verl's own ``optimizer_step`` only refuses a non-finite grad norm). As on verl's own refusal, the LR
+  scheduler still advances (``TrainingWorker.train_batch`` steps it). A halt raises ``GuardHalted``, which Ray
+  returns to the driver. Rollback restores the guard's in-memory snapshots of the FSDP module, optimizer and LR
   scheduler; the next ``update_weights`` ships them to the rollout engine.
 - Metrics: ``train_batch``'s ``outputs["metrics"]`` gets the step's ``rl_guard/*``; verl reduces them with its own
   actor metrics and prefixes them ``actor/`` (``RayPPOTrainer._update_actor``), so every configured
@@ -144,8 +145,12 @@ def register(make_guard=guard_from_env) -> None:
     def set_loss_fn(self, loss_fn, *args, **kwargs):
         out = original(self, loss_fn, *args, **kwargs)
         name = getattr(getattr(loss_fn, "func", loss_fn), "__name__", "")
-        if name in ACTOR_LOSSES and getattr(self, "rl_guard", None) is None:
-            install(self, make_guard())
+        if name in ACTOR_LOSSES:
+            guard = getattr(self, "rl_guard", None)
+            if guard is None:
+                install(self, make_guard())
+            else:  # a later loss for a guarded worker is observed too
+                self.loss_fn = observing(self.loss_fn, guard)
         return out
 
     set_loss_fn.rl_guard = True
