@@ -18,7 +18,8 @@ def replay_main(args: argparse.Namespace) -> int:
     """0 on success; 2 when the history or the config cannot be read (the reason on stderr)."""
     from ..control.config import load_config
     from ..errors import ConfigError
-    from .history import HistoryFormatError, load_history
+    from .history import HistoryFormatError
+    from .load import load_history
     from .loop import replay
     from .output import lines, write_incidents, write_report
 
@@ -53,7 +54,8 @@ def add_suggest_arguments(ap: argparse.ArgumentParser) -> None:
 def suggest_main(args: argparse.Namespace) -> int:
     from ..control.config import load_config
     from ..errors import ConfigError
-    from .history import HistoryFormatError, load_history
+    from .history import HistoryFormatError
+    from .load import load_history
     from .suggest import suggest, to_yaml
 
     if not 0 < args.quantile <= 1 or args.margin < 1:
