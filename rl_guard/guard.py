@@ -258,8 +258,10 @@ class Guard:
         if unguarded == was_unguarded:
             return
         if unguarded:
-            then = ("checkpointed and halted" if self.config.fail_mode == "closed" else
-                    "training continues WITHOUT the guard's checks (set fail_mode: closed to halt instead)")
+            if self.config.fail_mode == "open":
+                then = "training continues WITHOUT the guard's checks (set fail_mode: closed to halt instead)"
+            else:
+                then = "would checkpoint and halt (shadow mode)" if self.config.mode == "shadow" else "checkpointed and halted"
             message = (f"[rl_guard] UNGUARDED at step {self.step}: internal failure on {self.failing_steps} consecutive "
                        f"steps (last: {self._last_failure}); {then}")
         else:
