@@ -136,11 +136,11 @@ def quantiles_from_counts(
         return [math.nan] * len(qs)
     cum = np.cumsum(counts)
     edges_u = _edges_u(spec)
+    # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank
+    ranks = [max(1.0, math.ceil(q * n * (1.0 - 1e-12))) for q in qs]
+    cells = np.searchsorted(cum, np.asarray(ranks) - 0.5).tolist()  # one search for every quantile
     out = []
-    for q in qs:
-        # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank
-        rank = max(1.0, math.ceil(q * n * (1.0 - 1e-12)))
-        cell = int(np.searchsorted(cum, rank - 0.5))
+    for cell in cells:
         u = 0.5 * (edges_u[cell] + edges_u[cell + 1])
         value = math.copysign(math.expm1(abs(u)) * spec.scale, u)
         if cell == 0:
