@@ -72,7 +72,8 @@ def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[dict[fl
     """
     if isinstance(param_groups, GradientSource):
         merge_sum = param_groups.sharded if sharded is None else sharded
-        return [{1.0: [g for g in group if g is not None and g.numel()]} for group in param_groups.grad_groups()], merge_sum
+        groups = param_groups.grad_groups()
+        return [{1.0: [g for g in group if g is not None and g.numel()]} for group in groups], merge_sum
     dtensor = _dtensor_class()
     raw = [[p.grad for p in group if p.grad is not None] for group in param_groups]
     has_dtensor = dtensor is not None and any(isinstance(g, dtensor) for group in raw for g in group)
@@ -128,7 +129,8 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
         p.add_max(keys.GRAD.max_abs, torch.stack(max_abs).max())
         add(keys.GRAD.nonfinite, torch.stack(bad).sum())
     if pre_clip_norm is not None:
-        norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=None if torch.is_tensor(pre_clip_norm) else device)
+        on = None if torch.is_tensor(pre_clip_norm) else device
+        norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=on)
         p.add_max(keys.GRAD.preclip_sq, norm * norm)
     return p
 

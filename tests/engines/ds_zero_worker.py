@@ -70,7 +70,8 @@ def run(stage: int, action: str) -> dict:
     eng = engine(stage)
     snapshots = "snapshots: {healthy_steps: 1, every: 100, keep: 1, where: memory}\n" if action == "rollback" else ""
     guard = Guard.from_yaml(f"version: 1\nsinks: [jsonl]\n{snapshots}"
-                            f"builtin_rules: {{nonfinite_grad: {{action: {action}}}}}\n", run_dir=OUT / f"zero{stage}_{action}")
+                            f"builtin_rules: {{nonfinite_grad: {{action: {action}}}}}\n",
+                            run_dir=OUT / f"zero{stage}_{action}")
     guard.attach(eng.module).attach_state(EngineCheckpointState(eng, guard))
     gate = EngineGate(eng, guard)
     steps = []

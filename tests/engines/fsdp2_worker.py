@@ -4,8 +4,8 @@ Usage (env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): fsdp2_worker.py OUT. 
 ``DTensor`` shards; the guard detects them (no ``sharded_grads``), merges the shards' squared norms by sum and
 drops the update with ``p.grad = None``. For each ``nonfinite_grad`` action (``skip_step``,
 ``checkpoint_and_halt``, ``rollback``) the last rank alone writes an inf into its own gradient shard after the
-backward (after FSDP's reduce-scatter) at the fault step. A reference: the full-gradient norm gathered from every shard. Writes
-OUT/rank<r>.json.
+backward (after FSDP's reduce-scatter) at the fault step. A reference: the full-gradient norm gathered from every
+shard. Writes OUT/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 

@@ -76,7 +76,8 @@ class Probe(TrainerCallback):
             self.hook = None
         m = self.guard_cb.guard.last_metrics
         self.steps.append({"step": state.global_step - 1, "decision": self.decision,
-                           "stop": bool(control.should_training_stop), "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
+                           "stop": bool(control.should_training_stop),
+                           "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
                            "grad_norm": m.get("rl_guard/grad/norm"), "before": self.before,
                            "after": self.weights(model)})
 
