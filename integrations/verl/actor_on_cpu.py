@@ -9,7 +9,8 @@ Llama built locally). Each step is what ``RayPPOTrainer`` sends a worker: old lo
 step). Steps: healthy, inf gradient (last rank only), healthy, NaN reward (last rank only), a reward jump that
 ``guard.yaml`` answers with a rollback, then a reward collapse it answers with checkpoint-and-halt. Around each
 update every rank records sha256 digests of its FSDP parameter shards and optimizer state (``--out``/rankN.json);
-the launcher prints, per step, the guard's action and whether the weights moved on each rank.
+the launcher prints, per step, the guard's action and whether the weights moved on each rank. Rank 0 logs every
+update's metrics through verl's ``Tracking`` (tensorboard, ``--out``/tensorboard) the way ``RayPPOTrainer`` does.
 
 Not verl's: the CPU platform (``cpu_platform.py``, registered through verl's plugin API) and the gloo process group
 started here, because verl's ``initialize_global_process_group_ray`` asks for ``cpu:gloo,cpu:nccl`` and a CPU
@@ -91,7 +92,8 @@ def digest(worker) -> dict:
         h = hashlib.sha256()
         for t in tensors:
             t = t.to_local() if hasattr(t, "to_local") else t
-            h.update(t.detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes())  # a copy: numpy must not share FSDP storage
+            # a copy: a numpy view would make FSDP's storage non-resizable
+            h.update(t.detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
     engine = worker.actor.engine
     params = list(engine.module.parameters())
@@ -108,7 +110,24 @@ def inf_grad_hook(worker):
     return worker.actor.engine.module.get_input_embeddings().register_forward_hook(poison)
 
 
-def step(worker, n: int, fault: str | None) -> dict:
+def tracker(out: Path):
+    """verl's own ``Tracking`` with its tensorboard backend, as ``RayPPOTrainer.fit`` builds it (rank 0 only)."""
+    from verl.utils.tracking import Tracking
+
+    os.environ["TENSORBOARD_DIR"] = str(out / "tensorboard")
+    return Tracking(project_name="rl_guard_verl_cpu", experiment_name="actor", default_backend=["tensorboard"])
+
+
+def log_like_the_trainer(logger, metrics: dict, step: int) -> None:
+    """What ``RayPPOTrainer`` does with ``update_actor``'s metrics: ``_update_actor`` prefixes them ``actor/``,
+    ``fit`` reduces them (``reduce_metrics``) and hands them to ``Tracking.log``."""
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    logger.log(data=reduce_metrics(rename_dict(dict(metrics), "actor/")), step=step)
+
+
+def step(worker, n: int, fault: str | None, logger=None) -> dict:
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -124,6 +143,8 @@ def step(worker, n: int, fault: str | None) -> dict:
                                         mini_batch_size=B * WORLD, epochs=1, seed=42,
                                         dataloader_kwargs={"shuffle": False}, compute_loss=True))
         metrics = tu.get(out, "metrics") if out is not None else {}
+        if logger is not None:
+            log_like_the_trainer(logger, metrics, step=n + 1)
         record["metrics"] = {k: [float(x) for x in (v if isinstance(v, list) else [v])] for k, v in metrics.items()
                              if k.startswith("rl_guard/") or k in ("grad_norm", "loss")}
     except Exception as exc:  # noqa: BLE001 - a halt is expected to surface here
@@ -151,8 +172,11 @@ def run_rank(rank: int, world: int, out: Path) -> None:
     worker = ActorRolloutRefWorker(verl_config(), role="actor")
     worker.init_model()  # verl imports external_lib here; the guard installs itself when the PPO loss is set
     result = {"guarded": getattr(worker.actor, "rl_guard", None) is not None, "world": world, "steps": []}
+    logger = tracker(out) if rank == 0 else None
     for n, fault in enumerate(FAULTS):
-        result["steps"].append(step(worker, n, fault))
+        result["steps"].append(step(worker, n, fault, logger))
+    if logger is not None:
+        logger.finish()
     torch.distributed.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

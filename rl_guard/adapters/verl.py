@@ -28,6 +28,10 @@ verl 0.9.1 internals relied on (``verl/workers/engine_workers.py``, ``verl/worke
   scheduler still advances (``TrainingWorker.train_batch`` steps it). A halt raises ``GuardHalted``, which Ray
   returns to the driver. Rollback restores the guard's in-memory snapshots of the FSDP module, optimizer and LR
   scheduler; the next ``update_weights`` ships them to the rollout engine.
+- Engines: FSDP2 (``DTensor`` shards, detected) is exercised on CPU; FSDP1 (``strategy=fsdp``, verl's default)
+  keeps flat shards as plain tensors, so ``sharded_grads`` is set for it (hybrid sharding would count the
+  replicas' norms twice: set ``sharded_grads`` yourself there); FSDP1 needs a GPU to run. Other engines
+  (Megatron, ...) are refused at install, loudly.
 - Metrics: ``train_batch``'s ``outputs["metrics"]`` gets the step's ``rl_guard/*``; verl reduces them with its own
   actor metrics and prefixes them ``actor/`` (``RayPPOTrainer._update_actor``), so every configured
   ``trainer.logger`` backend (console, wandb, tensorboard, ...) receives ``actor/rl_guard/...``.
@@ -68,7 +72,8 @@ def token_batch(model_output, data, config=None) -> TokenBatch:
     policy_loss = getattr(config, "policy_loss", None) or {}
     clip = getattr(config, "clip_ratio", DEFAULT_CLIP_EPS)
     return TokenBatch(
-        logprobs=logp, mask=mask, old_logprobs=behaviour.detach(), prox_logprobs=None if prox is None else prox.detach(),
+        logprobs=logp, mask=mask, old_logprobs=behaviour.detach(),
+        prox_logprobs=None if prox is None else prox.detach(),
         ref_logprobs=td.get("ref_log_prob", None), entropy=entropy, advantages=td["advantages"],
         rewards=None if scores is None else (scores * mask).sum(-1), lengths=mask.sum(-1),
         eps_low=float(getattr(config, "clip_ratio_low", None) or clip),
@@ -94,8 +99,15 @@ def install(worker, guard):
     """Guard one actor ``TrainingWorker`` (its engine built, its loss set): observe the loss, gate the optimizer
     step, merge metrics into the engine's outputs. Instance attributes only."""
     require("verl", "verl", *SUPPORTED["verl"])
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
     engine = worker.engine
+    if not isinstance(engine, FSDPEngine):  # loud, not an unguarded run
+        raise RuntimeError(f"rl_guard.adapters.verl guards verl's FSDP engines (actor strategy fsdp / fsdp2), "
+                           f"not {type(engine).__name__}")
     guard.attach(engine.module, engine.optimizer, engine.lr_scheduler)
+    if guard.config.sharded_grads is None and type(engine.module).__name__ == "FullyShardedDataParallel":
+        guard.config.sharded_grads = True  # FSDP1 flat parameters: plain tensors, disjoint shards (sum over ranks)
     worker.loss_fn = observing(worker.loss_fn, guard)
     original_step, original_train = engine.optimizer_step, engine.train_batch
 

@@ -3,7 +3,8 @@
 recipe ``integrations/verl/actor_on_cpu.py`` with its ``guard.yaml``.
 
 Faults are injected on the last rank only; every rank must drop the update: its parameter shards and optimizer
-state are bitwise what they were before ``update_actor`` (sha256 digests taken by each rank).
+state are bitwise what they were before ``update_actor`` (sha256 digests taken by each rank). The guard's metrics
+must reach verl's own ``Tracking`` logger as ``actor/rl_guard/...``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
@@ -51,6 +53,7 @@ def test_verl_actor_drops_faulty_updates_on_every_rank(world, tmp_path, monkeypa
                 assert s["metrics"]["rl_guard/guard/fired"] == [0.0] * world
             else:  # dropped bitwise on every rank, also where nothing was wrong
                 assert s["before"] == s["after"], f"rank {rank}: the {s['fault']} update reached the weights"
+        check_translation(steps[0]["metrics"], world)
         by_fault = {s["fault"]: s for s in steps}
         assert "GuardHalted" in by_fault["halt"]["raised"], by_fault["halt"]
         for fault in ("inf_grad", "nan_reward", "rollback"):
@@ -65,3 +68,35 @@ def test_verl_actor_drops_faulty_updates_on_every_rank(world, tmp_path, monkeypa
                      (4, "reward_jump", "rollback"), (5, "reward_collapse", "checkpoint_and_halt")], fired
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*/rank*.pt"))
     assert saved == [f"rank{r}.pt" for r in range(world)], saved
+    # verl's own Tracking (tensorboard backend), fed as RayPPOTrainer feeds it, holds the guard's figures
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["actor/rl_guard/guard/fired"] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0), (5, 1.0)]
+    assert scalars["actor/rl_guard/grad/nonfinite"][1] == (2, float(world))
+    assert scalars["actor/rl_guard/input/rewards/nonfinite"][3] == (4, 1.0)
+
+
+def check_translation(metrics: dict, world: int) -> None:
+    """The first step's statistics against float64 references built from the same rollout batches: verl's response
+    mask, per-sequence rewards (``token_level_scores`` summed over the response) and lengths reach the guard, and the
+    ratio is 1 because the old log-probs were recomputed by the same weights."""
+    scores, lengths = [], []
+    for r in range(world):
+        actor_on_cpu.RANK, actor_on_cpu.WORLD = r, world
+        batch = actor_on_cpu.rollout(0, None)
+        mask = batch["response_mask"].numpy().astype(np.float64)
+        scores.append((batch["token_level_scores"].numpy().astype(np.float64) * mask).sum(-1))
+        lengths.append(mask.sum(-1))
+    scores, lengths = np.concatenate(scores), np.concatenate(lengths)
+    assert metrics["rl_guard/tokens/count"] == [lengths.sum()] * world
+    assert np.allclose(metrics["rl_guard/reward/mean"], scores.mean(), rtol=1e-6, atol=0)
+    assert np.allclose(metrics["rl_guard/length/mean"], lengths.mean(), rtol=1e-12, atol=0)
+    assert np.allclose(metrics["rl_guard/ratio/mean"], 1.0, rtol=0, atol=1e-6)
+    assert np.allclose(metrics["rl_guard/kl_old/k3_mean"], 0.0, rtol=0, atol=1e-9)
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
