@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 
-from conftest import REPO
 from dist_scenarios import RECIPE_STEPS
+from file_modules import ROOT, load_module
 from rl_guard.demo.run import PRESET
 
-sys.path.insert(0, str(REPO / "integrations" / "pytorch_grpo"))
-import train  # noqa: E402
+train = load_module("pytorch_grpo_train", ROOT / "integrations" / "pytorch_grpo" / "train.py")
 
 
 def test_healthy_ddp_run_matches_single_process(launched, tmp_path):
