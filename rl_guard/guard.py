@@ -228,7 +228,9 @@ class Guard:
         if self.config.fail_mode == "closed":
             unguarded = self.failing_steps + 1 >= self.config.max_internal_failures
             decision.action = "checkpoint_and_halt" if unguarded else "skip_step"
-        elif params is not None and any_nonfinite_grad(param_groups_of(params)):
+        elif params is not None and ranks.any_rank(any_nonfinite_grad(param_groups_of(params))):
+            # Agreed across ranks: under sharded gradients (ZeRO, FSDP) each rank sees only its own shard, and ranks
+            # deciding differently would hang in the engine's next collective.
             decision.action = "skip_step"
         self.last_metrics, self.last_histograms, self.last_decision = self.controller.counters(), {}, decision
         with self.protect("fail-safe action"):

@@ -153,14 +153,21 @@ def abstain() -> None:
     dist.all_reduce(buf, op=dist.ReduceOp.MAX)
 
 
-def raise_if_any_rank_failed(error: Exception | None, what: str) -> None:
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one MAX all-reduce of 4 bytes, then a host read: only
+    on the rare paths that need it, a checkpoint save or the guard's failure path, never on the per-step path)."""
     dist = _dist()
-    failed = torch.tensor([1.0 if error is not None else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0])
     if dist is not None:
         if dist.get_backend() == "nccl":
-            failed = failed.cuda()
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
+
+
+def raise_if_any_rank_failed(error: Exception | None, what: str) -> None:
+    failed = any_rank(error is not None)
     if error is not None:
         raise RuntimeError(f"{what} failed on this rank: {error!r}") from error
-    if failed.item() > 0:  # a sync, but only on a checkpoint save (halt / stop), never on the per-step path
+    if failed:
         raise RuntimeError(f"{what}: another rank failed to save; stopping all ranks")
