@@ -75,7 +75,7 @@ def token_batch(model_output, data, config=None) -> TokenBatch:
         logprobs=logp, mask=mask, old_logprobs=behaviour.detach(),
         prox_logprobs=None if prox is None else prox.detach(),
         ref_logprobs=td.get("ref_log_prob", None), entropy=entropy, advantages=td["advantages"],
-        rewards=None if scores is None else (scores * mask).sum(-1), lengths=mask.sum(-1),
+        rewards=None if scores is None else torch.where(mask, scores, 0.0).sum(-1), lengths=mask.sum(-1),
         eps_low=float(getattr(config, "clip_ratio_low", None) or clip),
         eps_high=float(getattr(config, "clip_ratio_high", None) or clip),
         importance_sampling_level="sequence" if policy_loss.get("loss_mode", "vanilla") == "gspo" else "token")
