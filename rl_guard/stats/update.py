@@ -62,9 +62,15 @@ class UpdateProbe:
                 self._index[key] = idx.to(p.device)
         return self._index[key]
 
+    @staticmethod
+    def _device(groups):
+        # Empty groups get their zeros on the parameters' device: stacking a CPU zero with device tensors would fail.
+        return next((p.device for group in groups for p in group), None)
+
     @torch.no_grad()
     def _take(self, groups) -> list[torch.Tensor]:
         out, weights = [], []
+        device = self._device(groups)
         for group in groups:
             parts, w = [], []
             for p in group:
@@ -76,9 +82,8 @@ class UpdateProbe:
                 if self._weights is None:
                     w.append(torch.full((parts[-1].numel(),), p.numel() / parts[-1].numel(), dtype=torch.float64,
                                         device=p.device))
-            dev = group[0].device if group else None
-            out.append(torch.cat(parts) if parts else torch.zeros(0, device=dev))
-            weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=dev))
+            out.append(torch.cat(parts) if parts else torch.zeros(0, device=device))
+            weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=device))
         if self._weights is None:
             self._weights = weights
         return out
@@ -87,14 +92,14 @@ class UpdateProbe:
         """Estimated ||a - b||^2 per group."""
         return [torch.dot(self._weights[i], (x.double() - y.double()).square()) for i, (x, y) in enumerate(zip(a, b))]
 
-    @staticmethod
-    def _param_sq(groups) -> list[torch.Tensor]:
-        sq = []
+    def _param_sq(self, groups) -> list[torch.Tensor]:
+        sq, device = [], self._device(groups)
         for group in groups:
-            if not group:
-                sq.append(torch.zeros((), dtype=torch.float64))
+            local = [p.detach() for p in group if p.numel()]
+            if not local:
+                sq.append(torch.zeros((), dtype=torch.float64, device=device))
                 continue
-            norms = torch.stack(torch._foreach_norm([p.detach() for p in group], 2.0, dtype=torch.float64))
+            norms = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64))
             sq.append((norms * norms).sum())
         return sq
 

@@ -118,10 +118,12 @@ def test_lr_growth_stays_low_on_schedules_and_flags_jumps_and_ramps():
 def test_a_parameter_with_no_local_elements_is_left_out():
     groups = _model()
     groups[1].append(torch.nn.Parameter(torch.empty(0)))  # e.g. partitioned away from this rank
+    groups.append([])  # and an optimizer group holding nothing on this rank
     probe = UpdateProbe()
-    probe.pre_step(groups, [0.1, 0.1])
+    probe.pre_step(groups, [0.1, 0.1, 0.1])
     with torch.no_grad():
         groups[1][0].add_(1.0)
     probe.post_step(groups)
-    got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
+    got = _metrics(probe.pre_step(groups, [0.1, 0.1, 0.1]))
     assert got["rl_guard/update/norm"] == pytest.approx(math.sqrt(5.0), rel=1e-6)
+    assert got["rl_guard/update/group2/param_norm"] == 0.0
