@@ -309,7 +309,7 @@ def print_table(result: dict) -> None:
         naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
         print(f"{r['size']:>7} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
               f"{naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} {f(r['speedup_vs_naive_median'], '.1f'):>9} "
-              f"{r['floor_ratio']:>12.2f} {f(r.get('peak_extra_mem_ratio'), '.2f'):>16}")
+              f"{r['floor_ratio']:>12.2f} {format(r['peak_extra_mem_ratio'], '.2f') if 'peak_extra_mem_ratio' in r else '-':>16}")
     print(f"host transfers per step: {result['transfers_per_step']} (other host reads: "
           f"{result['other_host_reads_per_step']})")
 
