@@ -11,6 +11,7 @@ step). Steps: healthy, inf gradient (last rank only), healthy, NaN reward (last 
 update every rank records sha256 digests of its FSDP parameter shards and optimizer state (``--out``/rankN.json);
 the launcher prints, per step, the guard's action and whether the weights moved on each rank. Rank 0 logs every
 update's metrics through verl's ``Tracking`` (tensorboard, ``--out``/tensorboard) the way ``RayPPOTrainer`` does.
+At the end each rank saves and reloads a verl checkpoint (``--out``/checkpoint), which carries the guard's state.
 
 Not verl's: the CPU platform (``cpu_platform.py``, registered through verl's plugin API) and the gloo process group
 started here, because verl's ``initialize_global_process_group_ray`` asks for ``cpu:gloo,cpu:nccl`` and a CPU
@@ -177,6 +178,14 @@ def run_rank(rank: int, world: int, out: Path) -> None:
         result["steps"].append(step(worker, n, fault, logger))
     if logger is not None:
         logger.finish()
+    # verl's checkpoint path carries the guard's state: save, disturb the guard, load it back
+    guard = worker.actor.rl_guard
+    saved = {"step": guard.step, "skipped_steps": guard.controller.skipped_steps}
+    worker.save_checkpoint(str(out / "checkpoint" / "actor"), global_step=len(FAULTS))
+    guard.controller.step, guard.controller.skipped_steps = 0, 0
+    worker.load_checkpoint(str(out / "checkpoint" / "actor"))
+    result["resume"] = {"saved": saved, "loaded": {"step": guard.step,
+                                                   "skipped_steps": guard.controller.skipped_steps}}
     torch.distributed.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -32,6 +32,8 @@ verl 0.9.1 internals relied on (``verl/workers/engine_workers.py``, ``verl/worke
   keeps flat shards as plain tensors, so ``sharded_grads`` is set for it (hybrid sharding would count the
   replicas' norms twice: set ``sharded_grads`` yourself there); FSDP1 needs a GPU to run. Other engines
   (Megatron, ...) are refused at install, loudly.
+- Checkpoints: ``engine.save_checkpoint`` / ``load_checkpoint`` (the trainer's ``save_freq`` saves and its
+  resume) also write / read the guard's state, ``<checkpoint>/rl_guard/rank<r>.pt``.
 - Metrics: ``train_batch``'s ``outputs["metrics"]`` gets the step's ``rl_guard/*``; verl reduces them with its own
   actor metrics and prefixes them ``actor/`` (``RayPPOTrainer._update_actor``), so every configured
   ``trainer.logger`` backend (console, wandb, tensorboard, ...) receives ``actor/rl_guard/...``.
@@ -43,6 +45,7 @@ import functools
 import importlib.metadata
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -132,9 +135,34 @@ def install(worker, guard):
             outputs["metrics"].update({k: [v] for k, v in guard.last_logged.items()})
         return outputs
 
+    original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(local_path, *args, **kwargs):  # verl's periodic saves carry the guard's state too
+        out = original_save(local_path, *args, **kwargs)
+        with guard.protect("save guard state"):
+            path = guard_state_path(local_path, guard.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(guard.state_dict(), path)
+        return out
+
+    @functools.wraps(original_load)
+    def load_checkpoint(local_path, *args, **kwargs):  # resume: counters, rule history, snapshots
+        out = original_load(local_path, *args, **kwargs)
+        path = guard_state_path(local_path, guard.rank)
+        if path.exists():
+            guard.load_state_dict(torch.load(path, weights_only=False))  # written by save_checkpoint above
+        return out
+
     engine.optimizer_step, engine.train_batch = optimizer_step, train_batch
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
     worker.rl_guard = guard
     return guard
+
+
+def guard_state_path(local_path, rank: int) -> Path:
+    """Where a verl checkpoint (``<default_local_dir>/global_step_N/actor``) keeps this rank's guard state."""
+    return Path(local_path) / "rl_guard" / f"rank{rank}.pt"
 
 
 def guard_from_env():

@@ -54,6 +54,9 @@ def test_verl_actor_drops_faulty_updates_on_every_rank(world, tmp_path, monkeypa
             else:  # dropped bitwise on every rank, also where nothing was wrong
                 assert s["before"] == s["after"], f"rank {rank}: the {s['fault']} update reached the weights"
         check_translation(steps[0]["metrics"], world)
+        # verl's save_checkpoint / load_checkpoint carry the guard's state (the worker disturbed it in between)
+        assert res["resume"]["loaded"] == res["resume"]["saved"] == {"step": len(steps), "skipped_steps": 4}
+        assert (tmp_path / "checkpoint" / "actor" / "rl_guard" / f"rank{rank}.pt").exists()
         by_fault = {s["fault"]: s for s in steps}
         assert "GuardHalted" in by_fault["halt"]["raised"], by_fault["halt"]
         for fault in ("inf_grad", "nan_reward", "rollback"):
