@@ -19,7 +19,6 @@ import time
 from ..stats import ranks
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
-from .state import TrainState
 from .shadow import SnapshotPlan, snapshot_due
 
 
@@ -97,15 +96,7 @@ class Actions:
             return self.plan.after_step(decision.would, self.guard.step)
         due = snapshot_due(n, cfg)
         if self.guard.state is not None and due and self._uses_snapshots():
-            state = self.guard.state
-            if isinstance(state, TrainState):
-                # The snapshot this push would drop lends its buffers (taken out first: a capture that fails
-                # half-way leaves one snapshot fewer, never a half-overwritten one).
-                old = self.snapshots.take_oldest_if_full()
-                old = old if old is not self.pending_restore else None
-                self.snapshots.push(state.capture(self.guard.step + 1, reuse=old))
-            else:
-                self.snapshots.push(state.capture(self.guard.step + 1))
+            self.snapshots.push(self.guard.state.capture(self.guard.step + 1))
 
     def _uses_snapshots(self) -> bool:
         return any(r.action == "rollback" for r in self.guard.controller.rules)

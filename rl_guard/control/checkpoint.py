@@ -73,13 +73,6 @@ class SnapshotRing:
             if isinstance(old, Path):
                 old.unlink(missing_ok=True)
 
-    def take_oldest_if_full(self) -> dict | None:
-        """Removes and returns the oldest in-memory snapshot when the ring is full (the next push would drop it),
-        so its buffers can receive the next snapshot; None otherwise."""
-        if self.where != "disk" and len(self._items) >= self.keep > 0:
-            return self._items.popleft()
-        return None
-
     def latest(self, before_step: int | None = None) -> dict | None:
         """The newest snapshot, or the newest one whose step is below ``before_step``."""
         items = [i for i, s in zip(self._items, self.steps()) if before_step is None or s < before_step]

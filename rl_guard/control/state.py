@@ -16,22 +16,13 @@ import numpy as np
 import torch
 
 
-def _to_host(obj, into=None):
-    """A host copy of ``obj``; tensors are copied into the matching tensors of ``into`` (a snapshot of the same
-    structure that is no longer needed) where shapes and dtypes agree, so a snapshot does not allocate and
-    page-fault the whole model again."""
+def _to_host(obj):
     if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        if (isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.shape == src.shape
-                and into.dtype == src.dtype and into.stride() == src.stride()):
-            return into.copy_(src)
-        return src.to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        into = into if isinstance(into, dict) else {}
-        return {k: _to_host(v, into.get(k)) for k, v in obj.items()}
+        return {k: _to_host(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        into = into if type(into) is type(obj) and len(into) == len(obj) else [None] * len(obj)
-        return type(obj)(_to_host(v, w) for v, w in zip(obj, into))
+        return type(obj)(_to_host(v) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -71,12 +62,10 @@ class TrainState:
     scheduler: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def capture(self, step: int, reuse: dict | None = None) -> dict:
-        """A host copy of the state; ``reuse``: a snapshot being discarded, whose tensors receive the copy."""
-        r = reuse or {}
-        snap = {"step": step, "model": _to_host(self.model.state_dict(), r.get("model")), "rng": rng_state()}
+    def capture(self, step: int) -> dict:
+        snap = {"step": step, "model": _to_host(self.model.state_dict()), "rng": rng_state()}
         if self.optimizer is not None:
-            snap["optimizer"] = _to_host(self.optimizer.state_dict(), r.get("optimizer"))
+            snap["optimizer"] = _to_host(self.optimizer.state_dict())
         if self.scheduler is not None:
             snap["scheduler"] = _to_host(self.scheduler.state_dict())
         snap["extra"] = {k: _to_host(v.state_dict()) for k, v in self.extra.items()}
