@@ -1,6 +1,12 @@
 """AReaL adapter: guard AReaL's decoupled-PPO actor on its train engine (e.g. ``FSDPPPOActor``).
 
-Supported: areal >= 1.0, < 1.1 (matched against 1.0.4)::
+Supported: areal >= 1.0, < 1.1 (matched against 1.0.4). In either launch mode, with no edit of AReaL::
+
+    from rl_guard.adapters.areal_trainer import PPOTrainer   # instead of: from areal import PPOTrainer
+
+(the actor becomes ``rl_guard.adapters.areal_engine.GuardedFSDPPPOActor``, which calls ``install`` on itself in
+the process that owns it; snapshots go through the engine's own save / load). By hand, on an engine in this
+process (SPMD mode)::
 
     guard = Guard.from_yaml(async_yaml(config.rollout.max_head_offpolicyness), run_dir=...)
     install(actor, guard)          # actor: the engine whose train_batch / optimizer_step PPOActor calls
@@ -24,11 +30,11 @@ AReaL internals relied on:
   it at admission (``StalenessManager``), so ``lag/max`` above it means the bound did not hold: ``lag_rule``, or
   ``async_yaml(n)``, which sets the async preset's ``staleness_bound`` threshold to ``n``.
 - Skip: ``optimizer_zero_grad()`` and ``update_successful=0``, AReaL's own non-finite-norm path. Rollback restores
-  the guard's snapshots of ``model`` / ``optimizer`` / ``lr_scheduler`` (``RecoverHandler`` has no hook for user
-  state); the next ``update_weights`` ships them to inference. Halt raises ``GuardHalted`` (all ranks alike).
+  the guard's snapshots of ``model`` / ``optimizer`` / ``lr_scheduler``; ``GuardedFSDPPPOActor`` takes them
+  through the engine's own ``save`` / ``load`` (DCP) instead (``areal_engine.EngineState``); the next ``update_weights`` ships them to inference. Halt raises ``GuardHalted`` (all ranks alike).
   ``FSDPPPOActor``'s FSDP2 gradients are ``DTensor`` shards: detected and merged by sum
-  (``rl_guard/stats/grads.py``), the skip drops them before AReaL's own step. The engine itself is exercised on CPU
-  with a single process only; the DTensor path on two processes in ``tests/engines/test_fsdp2.py``.
+  (``rl_guard/stats/grads.py``), the skip drops them before AReaL's own step. ``tests/adapters/areal/`` runs the real
+  ``FSDPPPOActor`` on CPU (gloo) with one and two processes.
 """
 
 from __future__ import annotations
@@ -109,6 +115,12 @@ def install(engine, guard, shift_versions: bool = True):
     """Wrap ``engine.train_batch`` (observe every ``loss_fn`` call) and ``engine.optimizer_step`` (the gate), on
     this instance only; the originals run unchanged with the same arguments."""
     check_versions()
+    if not hasattr(engine, "optimizer_step") and hasattr(engine, "train_engine"):  # a TrainController
+        raise TypeError(
+            f"rl_guard: {type(engine).__name__} is AReaL's single-controller proxy; its engines live in worker "
+            "processes. Build the trainer with `from rl_guard.adapters.areal_trainer import PPOTrainer` (instead of "
+            "`from areal import PPOTrainer`): the workers then import rl_guard.adapters.areal_engine."
+            "GuardedFSDPPPOActor, which installs the guard itself.")
     guard.attach(engine.model, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
     original_train_batch, original_step = engine.train_batch, engine.optimizer_step
 

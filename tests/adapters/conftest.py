@@ -29,6 +29,23 @@ try:
 except importlib.metadata.PackageNotFoundError:
     collect_ignore = ["verl"]
 
+
+def _own_environment(framework: str, transformers_ok) -> bool:
+    """AReaL (transformers <= 5.3) and OpenRLHF (== 5.15.0) pin transformers apart from the main environment's and
+    from each other: their real-engine tests run in .venv-areal / .venv-openrlhf (the README's test command)."""
+    try:
+        importlib.metadata.distribution(framework)
+        version = tuple(int(x) for x in importlib.metadata.version("transformers").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return transformers_ok(version)
+
+
+if not _own_environment("areal", lambda v: (5, 0) <= v <= (5, 3)):
+    collect_ignore.append("areal")
+if not _own_environment("openrlhf", lambda v: v == (5, 15)):
+    collect_ignore.append("openrlhf")
+
 # Settings that run on CPU in well under a second per step; beta > 0 so the reference KL exists.
 GRPO_BASE = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
                  bf16=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,

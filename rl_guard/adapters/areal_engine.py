@@ -1,0 +1,123 @@
+"""AReaL's FSDP actor with the guard built in, for the launch modes where AReaL builds the engine itself.
+
+Read against areal 1.0.4 (``areal/engine/fsdp_engine.py``, ``areal/infra/controller/train_controller.py``,
+``areal/infra/rpc/guard/engine_blueprint.py``):
+
+- Single-controller mode (``scheduler.type=local|ray|slurm``, AReaL's default): ``trainer.actor`` is a
+  ``PPOActorController``; it sends ``f"{cls.__module__}.{cls.__name__}"`` of its engine class to every worker,
+  whose RPC server imports that dotted path (``import_from_string``, any ``TrainEngine`` subclass) and builds the
+  engine there. ``GuardedFSDPPPOActor`` is such a subclass: it installs the guard at the end of its own
+  ``initialize`` (model, optimizer and LR schedule exist from then on), in the worker process.
+- SPMD mode (``AREAL_SPMD_MODE=1``, torchrun): the same class is built in the trainer's process.
+- The guard's settings reach the workers as environment variables (``RL_GUARD_*``, see ``settings``), which the
+  controller passes through AReaL's own ``actor.scheduling_spec[*].env_vars`` (``areal_trainer.PPOTrainer`` sets
+  them); without ``RL_GUARD_CONFIG`` the async preset is used with ``staleness_bound`` at
+  ``RL_GUARD_MAX_HEAD_OFFPOLICYNESS``.
+- Snapshots, save-and-halt and rollback go through the engine's own ``save`` / ``load`` (``SaveLoadMeta``,
+  ``weight_format="dcp"``, ``with_optim=True``: torch.distributed.checkpoint of the FSDP2 model and optimizer,
+  collective over the engine's ranks); the LR schedule, which DCP leaves out, is kept as its ``state_dict``.
+  ``where: memory`` writes them under ``/dev/shm`` (RAM-backed), ``where: disk`` under the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from areal.api.io_struct import SaveLoadMeta
+from areal.engine.fsdp_engine import FSDPPPOActor
+
+from . import areal as adapter
+
+CONFIG, RUN_DIR, BOUND = "RL_GUARD_CONFIG", "RL_GUARD_RUN_DIR", "RL_GUARD_MAX_HEAD_OFFPOLICYNESS"
+
+
+def settings(config_path: str | None, run_dir: str | None, max_head_offpolicyness: int | None) -> dict:
+    """The environment variables a guarded engine reads (absolute paths: workers may start elsewhere)."""
+    env = {}
+    if config_path:
+        env[CONFIG] = os.path.abspath(config_path)
+    if run_dir:
+        env[RUN_DIR] = os.path.abspath(run_dir)
+    if max_head_offpolicyness is not None:
+        env[BOUND] = str(int(max_head_offpolicyness))
+    return env
+
+
+def guard_from_env():
+    from ..guard import Guard
+
+    source = os.environ.get(CONFIG) or adapter.async_yaml(int(os.environ.get(BOUND, "0")))
+    return Guard.from_yaml(source, run_dir=os.environ.get(RUN_DIR) or "runs/rl_guard")
+
+
+class EngineState:
+    """The guard's state protocol over the engine's own ``save`` / ``load`` (DCP, model + optimizer)."""
+
+    def __init__(self, engine, guard):
+        self.engine, self.guard, self.model, self.optimizer = engine, guard, engine.model, engine.optimizer
+        where = guard.config.snapshots.get("where", "memory")
+        key = hashlib.sha1(str(Path(guard.run_dir).resolve()).encode()).hexdigest()[:12]
+        memory = where == "memory" and os.path.isdir("/dev/shm")
+        self.snapshot_dir = Path("/dev/shm/rl_guard", key) if memory else Path(guard.run_dir) / "areal_snapshots"
+        self.checkpoint_dir = Path(guard.run_dir) / "areal_checkpoints"
+        if guard.rank == 0:  # snapshots of an earlier process are not this run's (its ranks save after this point)
+            import shutil
+
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+
+    def capture(self, step: int) -> dict:
+        # the guard asks for a snapshot with the step it is about to start, for a checkpoint with the current one
+        snapshot = step > self.guard.step
+        path = (self.snapshot_dir if snapshot else self.checkpoint_dir) / f"step{step}"
+        self.engine.save(SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True))
+        sched = getattr(self.engine, "lr_scheduler", None)
+        if snapshot:
+            self._prune(keep=self.guard.config.snapshots["keep"] + 1)
+        return {"step": step, "path": str(path), "lr_scheduler": None if sched is None else sched.state_dict(),
+                "version": self.engine.get_version()}
+
+    def _prune(self, keep: int) -> None:
+        if self.guard.rank != 0:
+            return
+        import shutil
+
+        old = sorted(self.snapshot_dir.glob("step*"), key=lambda p: int(p.name[4:]))[:-keep]
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
+        self.engine.load(SaveLoadMeta(path=snap["path"], weight_format="dcp", with_optim=True))
+        sched = getattr(self.engine, "lr_scheduler", None)
+        if sched is not None and snap.get("lr_scheduler") is not None:
+            sched.load_state_dict(snap["lr_scheduler"])
+        if lr_scale != 1.0:
+            from ..control.state import scale_lr
+
+            scale_lr(self.engine.optimizer, sched, lr_scale)
+
+
+def install_with_engine_state(engine, guard):
+    """``areal.install`` plus snapshots / rollback through the engine's own save / load."""
+    adapter.install(engine, guard)
+    guard.attach_state(EngineState(engine, guard))
+    return guard
+
+
+class GuardedFSDPPPOActor(FSDPPPOActor):
+    """``FSDPPPOActor`` that guards itself once initialised (dotted path:
+    ``rl_guard.adapters.areal_engine.GuardedFSDPPPOActor``)."""
+
+    rl_guard = None
+
+    def initialize(self, *args, **kwargs):
+        out = super().initialize(*args, **kwargs)
+        self.rl_guard = install_with_engine_state(self, guard_from_env())
+        return out
+
+    def rl_guard_summary(self) -> dict:
+        """For the controller (``_custom_function_call``): the guard's last logged metrics on this rank."""
+        g = self.rl_guard
+        return {} if g is None else {"step": g.step, "skipped": g.controller.skipped_steps,
+                                     "rollbacks": g.controller.rollbacks, **g.last_logged}
