@@ -39,7 +39,8 @@ from transformers import TrainerCallback
 from .. import Guard, TokenBatch
 from ..stats.grads import param_groups_of
 from ..stats.update import UpdateProbe, learning_rates
-from .trl_coverage import rule_coverage, trainer_configuration, write_coverage
+from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
+from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import has_group_spread, samples_from_rewards
 
 SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
@@ -105,6 +106,7 @@ class RLGuardCallback(TrainerCallback):
         self._wrap("_calculate_rewards", self._wrap_rewards)
         self._wrap("_clip_grad_norm", self._wrap_clip)
         self._wrap("log", self._wrap_log)
+        self._nones = NoneTracker(self.trainer) if hasattr(self.trainer, "reward_funcs") else None
         # -- DeepSpeed (rl_guard/adapters/deepspeed.py): the update runs inside backward, so gate engine.step --
         from .deepspeed import gate_accelerator
 
@@ -139,6 +141,8 @@ class RLGuardCallback(TrainerCallback):
         for name in self._originals:
             self.trainer.__dict__.pop(name, None)
         self._originals.clear()
+        if self._nones is not None:
+            self._nones.remove()
         self.guard.close()
 
     def _wrap_logps(self, original):
@@ -157,7 +161,8 @@ class RLGuardCallback(TrainerCallback):
                 self._in_loss = False
             loss = out[0] if isinstance(out, tuple) else out
             if model.training:
-                self.guard.observe(self._token_batch(inputs), loss=loss.detach())
+                with self.guard.protect("observe (TRL inputs)"):  # a renamed TRL key must not kill training
+                    self.guard.observe(self._token_batch(inputs), loss=loss.detach())
             return out
         return wrapper
 
@@ -165,18 +170,24 @@ class RLGuardCallback(TrainerCallback):
         def wrapper(inputs, prompts, completions, completion_ids_list, *args, **kwargs):
             per_func = original(inputs, prompts, completions, completion_ids_list, *args, **kwargs)
             if self.trainer.model.training:
-                weights = self.trainer.reward_weights.to(per_func.device)
-                # Unlike TRL's nansum, a NaN from any reward function stays visible to the guard.
-                total = (per_func * weights).sum(1)
-                # per_func is gathered over processes: the merged statistics take this rank's slice only,
-                # the (host-side) diagnostics the whole batch, identically on every rank.
-                start = self.trainer.accelerator.process_index * len(prompts)
-                self.guard.observe_sequences(rewards=total[start:start + len(prompts)])
-                samples = samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list)
-                self._batch_has_signal = has_group_spread(samples)
-                self.guard.observe_samples(samples)
+                with self.guard.protect("observe (TRL rewards)"):
+                    self._observe_rewards(per_func, prompts, completions, completion_ids_list)
             return per_func
         return wrapper
+
+    def _observe_rewards(self, per_func, prompts, completions, completion_ids_list) -> None:
+        weights = self.trainer.reward_weights.to(per_func.device)
+        # per_func is gathered over processes: the merged statistics take this rank's slice only (where a
+        # function's None is known), the (host-side) diagnostics the whole batch, identically on every rank.
+        start, n = self.trainer.accelerator.process_index * len(prompts), len(prompts)
+        local = per_func[start:start + n]
+        none = self._nones.not_applicable(n, local.device) if self._nones is not None else torch.zeros_like(local).bool()
+        # As TRL, a None adds nothing; unlike TRL's nansum, a NaN a function really returned stays visible.
+        self.guard.observe_sequences(rewards=applicable_total(local, weights, none))
+        total = (per_func * weights).sum(1)
+        samples = samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list)
+        self._batch_has_signal = has_group_spread(samples)
+        self.guard.observe_samples(samples)
 
     def _wrap_clip(self, original):
         def wrapper(*args, **kwargs):
@@ -195,28 +206,36 @@ class RLGuardCallback(TrainerCallback):
     def _token_batch(self, inputs) -> TokenBatch | None:
         if self._captured is None or "completion_mask" not in inputs:
             return None
-        t = self.trainer
         logps, entropies = self._captured[0], self._captured[1]
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
+        if old is None and "old_logps" in inputs:
+            # RLOOTrainer keeps one old log-prob per sequence (old_logps): there is no per-token ratio to report,
+            # and reporting the detached current log-probs would fake a ratio of exactly 1 (see trl_coverage.py).
+            return self._batch(inputs, logps, entropies, mask, None, None)
         if old is None:
             old = logps.detach()
             if not self._on_policy_noted:
                 self._on_policy_noted = True
                 logger.info("rl_guard: TRL is fully on-policy here (no old_per_token_logps): the ratio is exactly 1")
-        behaviour, prox = old, None
+        behaviour, prox = old.detach(), None
         if inputs.get("sampling_per_token_logps") is not None:
-            behaviour, prox = inputs["sampling_per_token_logps"], old  # vLLM sampler vs trainer's old policy
+            behaviour, prox = inputs["sampling_per_token_logps"].detach(), old  # vLLM sampler vs trainer's old policy
+        return self._batch(inputs, logps, entropies, mask, behaviour, prox)
+
+    def _batch(self, inputs, logps, entropies, mask, old, prox) -> TokenBatch:
+        t = self.trainer
         completion_ids = inputs["completion_ids"]
         eos = torch.tensor(t.eos_token_ids, device=completion_ids.device)
         truncated = ~(torch.isin(completion_ids, eos) & inputs["completion_mask"].bool()).any(1)
         return TokenBatch(
-            logprobs=logps.detach(), mask=mask.bool(), old_logprobs=behaviour.detach(), prox_logprobs=prox,
+            logprobs=logps.detach(), mask=mask.bool(), old_logprobs=old, prox_logprobs=prox,
             ref_logprobs=inputs.get("ref_per_token_logps"), entropy=None if entropies is None else entropies.detach(),
             advantages=inputs["advantages"], lengths=inputs["completion_mask"].sum(1), truncated=truncated,
             eps_low=float(t.epsilon_low), eps_high=float(t.epsilon_high),
+            clipped_loss=getattr(t, "loss_type", "dapo") in PPO_CLIP_LOSSES,
             importance_sampling_level=getattr(t, "importance_sampling_level", "token"),
             allow_empty_mask=bool(getattr(t, "mask_truncated_completions", False)),
         )

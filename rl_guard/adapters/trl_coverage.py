@@ -20,20 +20,22 @@ from pathlib import Path
 
 PREFIX = "rl_guard/"
 ON_POLICY_FAMILIES = ("ratio/", "seq_ratio/", "kl_old/", "clip/")
+PPO_CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # clip r to [1 - eps_low, 1 + eps_high] (TRL 1.16)
 
 
 def trainer_configuration(trainer) -> dict:
     """The settings that decide which statistics exist (a plain transformers Trainer has no GRPO settings)."""
     args = trainer.args
     grpo = hasattr(trainer, "num_iterations") and hasattr(args, "steps_per_generation")
-    cfg = {"trainer": type(trainer).__name__, "grpo": grpo,
+    # RLOOTrainer keeps one old log-prob per sequence (old_logps), never per token.
+    cfg = {"trainer": type(trainer).__name__, "grpo": grpo, "sequence_old_logps": type(trainer).__name__ == "RLOOTrainer",
            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
            "max_grad_norm": float(args.max_grad_norm or 0.0)}
     if grpo:
         cfg.update(num_iterations=int(trainer.num_iterations), steps_per_generation=int(args.steps_per_generation),
                    beta=float(trainer.beta), use_vllm=bool(getattr(trainer, "use_vllm", False)),
                    vllm_importance_sampling_correction=bool(getattr(trainer, "vllm_importance_sampling_correction", False)),
-                   loss_type=str(getattr(trainer, "loss_type", "")),
+                   loss_type=str(getattr(trainer, "loss_type", "dapo")),
                    importance_sampling_level=str(getattr(trainer, "importance_sampling_level", "token")))
     return cfg
 
@@ -59,6 +61,12 @@ def metric_status(metric: str, cfg: dict) -> tuple[str, str]:
         return "absent", "no vLLM sampler: TRL has no sampling log-probs separate from the trainer's"
     if name.startswith("kl_ref/") and cfg["beta"] == 0:
         return "absent", "beta=0: TRL loads no reference model, so there is no reference KL"
+    if name.startswith(ON_POLICY_FAMILIES) and cfg.get("sequence_old_logps"):
+        return "absent", ("RLOOTrainer keeps only per-sequence old log-probs (old_logps): no per-token ratio, "
+                          "kl_old or clip statistics")
+    if name.startswith("clip/") and cfg["loss_type"] not in PPO_CLIP_LOSSES:
+        return "absent", (f"loss_type={cfg['loss_type']} does not clip the ratio to [1 - epsilon_low, 1 + "
+                          "epsilon_high]: the clip metrics are not computed (TRL logs its own for cispo)")
     if name.startswith("seq_ratio/") and cfg["importance_sampling_level"] == "sequence" and _keeps_old_logps(cfg):
         return "produced", ""
     if name.startswith(ON_POLICY_FAMILIES) and not _keeps_old_logps(cfg):

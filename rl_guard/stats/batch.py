@@ -37,7 +37,8 @@ class TokenBatch:
     ``ref_logprobs`` (reference policy), ``entropy`` (per-token entropy of pi_theta, nats), ``advantages``
     (per token, or per sequence and broadcast), ``versions`` (policy version that produced each token or
     sequence; needs ``current_version``). Optional per sequence: ``rewards``, ``lengths``, ``truncated``
-    (no-EOS flag); group statistics come from ``SampleBatch.group_ids``. ``eps_low``/``eps_high``: the clip range.
+    (no-EOS flag); group statistics come from ``SampleBatch.group_ids``. ``eps_low``/``eps_high``: the clip range
+    (``clipped_loss=False`` when the loss clips nothing, or not at these edges: no clip metrics then).
     ``importance_sampling_level``: ``"token"`` or ``"sequence"`` (GSPO clips the sequence ratio).
     """
 
@@ -56,6 +57,7 @@ class TokenBatch:
     cu_seqlens: torch.Tensor | None = None
     eps_low: float = DEFAULT_CLIP_EPS
     eps_high: float = DEFAULT_CLIP_EPS
+    clipped_loss: bool = True  # False: the loss has no PPO clip range (TRL sapo/vespo/cispo): no clip metrics
     importance_sampling_level: str = "token"
     allow_empty_mask: bool = False  # e.g. TRL's mask_truncated_completions can legitimately zero a micro-batch
 

@@ -55,12 +55,14 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     ws = Scratch(b.device)
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
     luts = (lut, lag_cell_lut(lut, len(lag_edges))) if lut is not None else None
-    seq_clip = b.importance_sampling_level == "sequence" and b.old_logprobs is not None and b.prox_logprobs is None
+    seq_clip = (b.clipped_loss and b.importance_sampling_level == "sequence" and b.old_logprobs is not None
+                and b.prox_logprobs is None)
+    token_clip = b.clipped_loss and not seq_clip
     for ch in chunks(b, chunk_tokens):
         ws.start(ch.n)
-        _probe_chunk(acc, ws, b, ch, lag_edges, luts, token_clip=not seq_clip)
+        _probe_chunk(acc, ws, b, ch, lag_edges, luts, token_clip=token_clip)
     if b.versions is not None and b.old_logprobs is not None:
-        lag_finish(acc, len(lag_edges), clipped=not seq_clip and b.advantages is not None)
+        lag_finish(acc, len(lag_edges), clipped=token_clip and b.advantages is not None)
     if b.old_logprobs is not None:
         kl_finish(acc, "kl_old")
         s_lr, s_ok = seq_log_ratio(acc, "kl_old")
