@@ -55,7 +55,8 @@ def test_trl_grpo_two_ranks_halt_together(tmp_path):
         assert [d[1] for d in res["decisions"][:-1]] == [None] * FAULT_STEP
         assert res["global_step"] == FAULT_STEP + 1  # the trainer stopped right after the halted step
         assert res["finite"]
-        assert res["checkpoint"].endswith(f"step_{FAULT_STEP:08d}/rank{r}.pt")
+        # named by the trainer's global_step after the halted step (decisions record it before the step)
+        assert res["checkpoint"].endswith(f"step_{FAULT_STEP + 1:08d}/rank{r}.pt")
         # guard collectives per step: MAX (header + maxima) and SUM; the halted step adds the save flag
         assert [len(c) for c in res["check_calls"]] == [2] * FAULT_STEP + [3]
     assert r0["check_calls"] == r1["check_calls"]

@@ -2,7 +2,6 @@
 
 import json
 import math
-import struct
 import time
 import warnings
 
@@ -10,34 +9,9 @@ import numpy as np
 import pytest
 
 wandb = pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
 
+from rl_guard.replay.wandb_offline import records as read_records  # noqa: E402  (the reader replay uses)
 from rl_guard.sinks import WandbSink  # noqa: E402
-
-_BLOCK = 32768  # leveldb-log block size used by the .wandb format
-
-
-def read_records(path):
-    """Decode a .wandb file: 7-byte file header, then leveldb-log records of protobuf `Record`s."""
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, buf = 7, b""
-    while pos + 7 <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < 7:  # block trailer padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 0:
-            pos += left - 7 - length
-            continue
-        buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST extend
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            yield rec
 
 
 def _key(item):
