@@ -41,7 +41,8 @@ DEFAULTS = {
     "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "confirm_steps": 1},
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
-TOP_DEFAULTS = {"fail_mode": "open", "max_internal_failures": 3, "sharded_grads": None, "log_every": 1,
+TOP_DEFAULTS = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
+                "sharded_grads": None, "log_every": 1,
                 "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
@@ -64,8 +65,9 @@ class GuardConfig:
     max_internal_failures: int = TOP_DEFAULTS["max_internal_failures"]
     sharded_grads: bool | None = TOP_DEFAULTS["sharded_grads"]  # None: detected from the gradients
     log_every: int = TOP_DEFAULTS["log_every"]
-    mode: str = "enforce"
-    max_consecutive_skips: int = 0  # 0: off; else N consecutive dropped updates escalate to checkpoint_and_halt
+    mode: str = TOP_DEFAULTS["mode"]
+    # 0: off; else the N-th consecutive dropped update escalates to checkpoint_and_halt
+    max_consecutive_skips: int = TOP_DEFAULTS["max_consecutive_skips"]
     source_text: str = ""
 
 
@@ -234,8 +236,8 @@ def load_config(source) -> GuardConfig:
     return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=top["sinks"],
                        run_dir=data.get("run_dir"), fail_mode=top["fail_mode"],
                        max_internal_failures=top["max_internal_failures"], sharded_grads=top["sharded_grads"],
-                       log_every=top["log_every"], mode=data.get("mode", "enforce"),
-                       max_consecutive_skips=data.get("max_consecutive_skips", 0),
+                       log_every=top["log_every"], mode=top["mode"],
+                       max_consecutive_skips=top["max_consecutive_skips"],
                        source_text=text, **sections)
 
 
