@@ -1,8 +1,10 @@
 """OpenRLHF adapter: guard the PPO actor of OpenRLHF's Ray trainer (``ActorPPOTrainer``).
 
-Supported: openrlhf >= 0.11, < 0.12 (matched against 0.11.2 and the DeepSpeed 0.19.6 it pins). In the actor
-process, once the trainer exists: ``install(self.trainer, Guard.from_yaml("configs/ppo.yaml"))``; in a
-hand-written step: ``guard_policy_loss`` at the PolicyLoss call, ``gate_optimizer_step`` on the strategy and
+Supported: openrlhf >= 0.11, < 0.12 (matched against 0.11.2 and the DeepSpeed 0.19.6 / Ray 2.55.0 it pins).
+Without editing OpenRLHF: ``python -m rl_guard.adapters.openrlhf_launch --rl_guard.config configs/ppo.yaml
+<train_ppo_ray arguments>`` (a Ray worker hook calls ``install`` on every ``ActorPPOTrainer`` and restores the
+guard's state on resume). By hand, in the actor process once the trainer exists:
+``install(self.trainer, Guard.from_yaml("configs/ppo.yaml"))``; in a hand-written step: ``guard_policy_loss`` at the PolicyLoss call, ``gate_optimizer_step`` on the strategy and
 ``attach_checkpoints`` for save / rollback. OpenRLHF internals relied on:
 
 - ``Experience``: ``action_log_probs`` = the trainer's recompute of the rollout policy (PPO's old),
@@ -17,7 +19,8 @@ hand-written step: ``guard_policy_loss`` at the PolicyLoss call, ``gate_optimize
 - Skip on ZeRO 1-3: the optimizer's own overflow path (gradient partitions freed, ``skipped_steps`` counted, LR
   schedule held; with fp16 the loss scale halves as on a real overflow). Elsewhere: gradients dropped.
 - Save / rollback: ``strategy.save_ckpt`` / ``load_ckpt`` with the guard's state in ``client_state["rl_guard"]``
-  (``load_guard_state`` on resume); vLLM gets restored weights at the next ``broadcast_to_vllm``. ``ppo_train``'s
+  (``load_guard_state`` on resume); with ``snapshots: {where: memory}`` the snapshot tags go to ``/dev/shm``
+  (``memory_dir``), checkpoints for save-and-halt to ``ckpt_dir`` on disk; vLLM gets restored weights at the next ``broadcast_to_vllm``. ``ppo_train``'s
   status (logged as ``train/<key>``) gets the last step's ``rl_guard/*``. A halt raises ``GuardHalted``.
 """
 
@@ -75,17 +78,24 @@ def guard_policy_loss(guard, policy_loss, experience, log_probs, entropy=None, *
 
 
 class CheckpointState:
-    """The guard's state protocol over OpenRLHF checkpoints: a snapshot is a ``strategy.save_ckpt`` tag."""
+    """The guard's state protocol over OpenRLHF checkpoints: a snapshot is a ``strategy.save_ckpt`` tag.
 
-    def __init__(self, guard, strategy, actor, optimizer, scheduler, ckpt_dir: str, max_num: int = 3, max_mem=1000):
+    ``snapshot_dir``: where rollback snapshots go (``where: memory``: a RAM-backed tmpfs directory, see
+    ``memory_dir``); checkpoints for save-and-halt always go to ``ckpt_dir`` on disk. The guard asks for a
+    snapshot with the step it is about to start (``guard.step + 1``) and for a checkpoint with the current one."""
+
+    def __init__(self, guard, strategy, actor, optimizer, scheduler, ckpt_dir: str, max_num: int = 3, max_mem=1000,
+                 snapshot_dir: str | None = None):
         self.guard, self.strategy, self.model, self.optimizer = guard, strategy, actor, optimizer
         self.scheduler, self.ckpt_dir, self.max_num, self.max_mem = scheduler, ckpt_dir, max_num, max_mem
+        self.snapshot_dir = snapshot_dir or ckpt_dir
 
     def capture(self, step: int) -> dict:
         tag = f"rl_guard_step{step}"
-        self.strategy.save_ckpt(_engine(self.model), self.ckpt_dir, tag, self.max_num, self.max_mem,
+        where = self.snapshot_dir if step > self.guard.step else self.ckpt_dir
+        self.strategy.save_ckpt(_engine(self.model), where, tag, self.max_num, self.max_mem,
                                 client_state={"rl_guard": self.guard.state_dict()})
-        return {"step": step, "tag": tag, "ckpt_dir": self.ckpt_dir}
+        return {"step": step, "tag": tag, "ckpt_dir": where}
 
     def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
         path, _ = self.strategy.load_ckpt(_engine(self.model), snap["ckpt_dir"], tag=snap["tag"])
@@ -104,7 +114,11 @@ def load_guard_state(guard, client_states: dict) -> bool:
 
 
 def _engine(model):
-    return getattr(model, "model", model)  # OpenRLHF's Actor wraps the DeepSpeed engine as .model
+    """The DeepSpeed engine of OpenRLHF's ``Actor`` (``.model``), or ``model`` when it is the engine already (a
+    DeepSpeedEngine forwards unknown attributes to its module, so its ``.model`` would be the HF inner model)."""
+    from .deepspeed import is_engine
+
+    return model if is_engine(model) else getattr(model, "model", model)
 
 
 def gate_optimizer_step(strategy, actor, guard) -> None:
@@ -133,21 +147,41 @@ def gate_optimizer_step(strategy, actor, guard) -> None:
     strategy.optimizer_step = optimizer_step
 
 
-def attach_checkpoints(guard, strategy, actor, optimizer, scheduler, ckpt_dir: str):
+def memory_dir(guard, name: str = "actor") -> str | None:
+    """For ``snapshots: {where: memory}``: a directory on the RAM-backed ``/dev/shm`` (one per run directory).
+    Snapshots stay DeepSpeed checkpoints: under ZeRO the parameters (stage 3), the fp32 master weights and the
+    optimizer moments (stages 1-3) are partitions inside DeepSpeed's optimizer that only ``save_checkpoint`` /
+    ``load_checkpoint`` write and restore consistently, so they are written to memory, not copied in Python."""
+    if guard.config.snapshots.get("where", "memory") != "memory" or not os.path.isdir("/dev/shm"):
+        return None
+    import hashlib
+
+    key = hashlib.sha1(str(os.path.abspath(guard.run_dir)).encode()).hexdigest()[:12]
+    return os.path.join("/dev/shm", "rl_guard", key, name)
+
+
+def attach_checkpoints(guard, strategy, actor, optimizer, scheduler, ckpt_dir: str, snapshot_dir: str | None = None):
     """Give the guard OpenRLHF's checkpoint path as its state (snapshots, save-and-halt, rollback)."""
     guard.attach(actor, optimizer, scheduler)
     return guard.attach_state(CheckpointState(guard, strategy, actor, optimizer, scheduler, ckpt_dir,
-                                              max_num=guard.config.snapshots["keep"] + 1))
+                                              max_num=guard.config.snapshots["keep"] + 1, snapshot_dir=snapshot_dir))
 
 
 def install(trainer, guard, ckpt_dir: str | None = None):
     """Guard an ``ActorPPOTrainer``: observe every micro-batch, gate the step, save / roll back through OpenRLHF
-    checkpoints (``ckpt_dir`` defaults to ``<args.ckpt.path>/_actor_rl_guard``), merge metrics into the logs."""
+    checkpoints (``ckpt_dir`` defaults to ``<args.ckpt.path>/_actor_rl_guard``; snapshots under ``where: memory``
+    go to ``memory_dir``), merge metrics into the logs. Without editing OpenRLHF: ``openrlhf_launch``."""
     require("OpenRLHF", "openrlhf", *SUPPORTED["openrlhf"])
     strategy, actor = trainer.strategy, trainer.actor
     ckpt = getattr(getattr(trainer.args, "ckpt", None), "path", None)
     ckpt_dir = ckpt_dir or os.path.join(ckpt or str(guard.run_dir), "_actor_rl_guard")
-    attach_checkpoints(guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir)
+    snapshot_dir = memory_dir(guard)
+    if snapshot_dir and guard.rank == 0:  # an earlier process's snapshots are not this run's
+        import shutil
+
+        shutil.rmtree(snapshot_dir, ignore_errors=True)
+    attach_checkpoints(guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir,
+                       snapshot_dir=snapshot_dir)
     live = {"experience": None, "entropy": None}
 
     def forward(original, *args, **kwargs):

@@ -1,16 +1,12 @@
-"""OpenRLHF adapter against the real openrlhf 0.11.2: ``Experience``, ``PolicyLoss`` (loaded by path on CPU, as
-OpenRLHF's own tests do) and, with Ray / vLLM / DeepSpeed stubbed, the real ``ActorPPOTrainer.ppo_train``."""
+"""OpenRLHF adapter pieces against the real openrlhf 0.11.2 ``Experience`` and ``PolicyLoss`` (loaded by path on CPU,
+as OpenRLHF's own tests do). The real ``Actor`` + ``DeepspeedStrategy`` + ``ActorPPOTrainer.ppo_train`` with the
+guard installed run in tests/adapters/openrlhf/ (their own environment, with OpenRLHF's pins)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.machinery
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
-from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
@@ -184,73 +180,3 @@ def test_halt_saves_through_save_ckpt_and_raises(tmp_path):
     state = torch.load(tmp_path / "ckpt" / "rl_guard_step0" / "state.pt", weights_only=False)
     fresh = Guard.from_yaml(_yaml("checkpoint_and_halt"), run_dir=tmp_path / "resumed")
     assert adapter.load_guard_state(fresh, state["client_state"])
-
-
-STUBS = ["pylatexenc", "pylatexenc.latex2text", "ray", "ray.util", "ray.util.placement_group",
-         "ray.util.scheduling_strategies", "vllm", "vllm.inputs", "vllm.utils", "aiohttp", "deepspeed",
-         "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.partition_parameters", "peft",
-         "peft.tuners", "peft.tuners.lora", "flash_attn", "flash_attn.bert_padding", "flash_attn.utils",
-         "flash_attn.utils.distributed", "torchdata", "torchdata.stateful_dataloader"]
-
-
-@pytest.fixture
-def ppo_actor_module(monkeypatch):
-    """The real ``openrlhf.trainer.ray.ppo_actor`` with the heavy stack stubbed (the notes' stub list); every
-    module imported here is removed afterwards so nothing mocked leaks into other tests."""
-    before = set(sys.modules)
-    missing = {n.split(".")[0] for n in STUBS if importlib.util.find_spec(n.split(".")[0]) is None}
-    for name in STUBS:
-        if name.split(".")[0] in missing:
-            stub = MagicMock()
-            stub.__spec__, stub.__path__ = importlib.machinery.ModuleSpec(name, None), []
-            monkeypatch.setitem(sys.modules, name, stub)
-    module = importlib.import_module("openrlhf.trainer.ray.ppo_actor")
-    monkeypatch.setattr(module, "torch_dist_barrier_and_cuda_sync", lambda: None)
-    yield module
-    for name in set(sys.modules) - before:
-        if name.startswith("openrlhf"):
-            del sys.modules[name]
-
-
-def test_install_on_the_real_actor_ppo_trainer(tmp_path, ppo_actor_module, monkeypatch):
-    pa = ppo_actor_module
-    args = SimpleNamespace(
-        train=SimpleNamespace(max_epochs=1, dynamic_batch_enable=False, colocate_all=False, async_enable=False),
-        actor=SimpleNamespace(eps_clip_low_high=(0.2, 0.28), dual_clip=None, loss_agg_mode="token-mean",
-                              policy_loss_type="ppo", aux_loss_coef=0.0, entropy_coef=0.0),
-        algo=SimpleNamespace(kl=SimpleNamespace(use_loss=False), advantage=SimpleNamespace(
-            is_correction_level="token", is_correction_mode="mask", is_correction_gating="ratio",
-            is_correction_threshold=[0.5, 5.0])),
-        ds=SimpleNamespace(packing_samples=False, tensor_parallel_size=1), vllm=SimpleNamespace(sync_backend="nccl"),
-        ckpt=SimpleNamespace(path=str(tmp_path / "ckpt")))
-    strategy = R.TorchStrategy(args, accumulated_gradient=2)
-    strategy.is_rank_0 = lambda: True
-    torch.manual_seed(0)
-    actor, other = R.TinyActor(), _other_policy()
-    actor.model = R.Engine(actor, 3e-2, gas=2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # NaiveReplayBuffer builds a cuda:0 device spec
-    trainer = pa.ActorPPOTrainer(strategy, actor, None, actor.model.optimizer, actor.model.lr_scheduler,
-                                 micro_train_batch_size=2, dataloader_pin_memory=False)
-    guard = adapter.install(trainer, Guard.from_yaml(_yaml("skip_step"), run_dir=tmp_path / "run"))
-    gen = torch.Generator().manual_seed(0)
-
-    def ppo_train(sampler):
-        exp = R.make_experience(actor, actor, sampler, 2, 4, gen)
-        trainer.replay_buffer.clear()
-        trainer.replay_buffer.append(pa.Experience(**{f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}))
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-        return trainer.ppo_train(0.0)
-
-    status = ppo_train(actor)  # 8 samples / micro-batch 2 = 4 training_steps, gas 2 -> 2 optimizer steps
-    assert guard.step == 2 and actor.model.micro_steps == 4 and actor.model.global_steps == 2
-    assert status["rl_guard/tokens/count"] == 2 * 2 * (R.A - 1)  # last optimizer step: 2 micro-batches x 2 x 4
-    assert "rl_guard/entropy/mean" in status and "policy_loss" in status  # entropy from Actor.forward's output
-    assert status["rl_guard/guard/fired"] == 0.0 and guard.controller.skipped_steps == 0
-    healthy = _weights(actor)
-    status = ppo_train(other)  # the vLLM side served another policy's log-probs
-    assert guard.controller.skipped_steps == 2 and status["rl_guard/guard/fired"] == 1.0
-    assert status["rl_guard/behave_imp_weight/min"] < 0.5 and status["is_filter_ratio"] > 0
-    assert all(torch.equal(healthy[k], v) for k, v in actor.state_dict().items())
-    strategy.save_ckpt(actor.model, str(tmp_path / "ckpt" / "_actor"), "global_step2", 3, 1000, {"episode": 1})
-    saved = torch.load(tmp_path / "ckpt" / "_actor" / "global_step2" / "state.pt", weights_only=False)
-    assert saved["client_state"]["episode"] == 1 and saved["client_state"]["rl_guard"]["controller"]["step"] == 4

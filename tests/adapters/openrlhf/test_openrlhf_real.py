@@ -1,0 +1,76 @@
+"""The guard on OpenRLHF's real actor path (openrlhf 0.11.2, deepspeed 0.19.6 ZeRO-2 bf16 on CPU, gloo), attached
+by the launcher's Ray worker hook, one and two processes; then a resume from OpenRLHF's own checkpoint.
+
+Runs in the environment the README's test command builds for OpenRLHF (``.venv-openrlhf``: transformers 5.15.0,
+deepspeed 0.19.6 and ray 2.55.0 as openrlhf pins; torch 2.13.0 CPU; no flash-attn / vLLM, which are CUDA builds).
+Each rank runs ``openrlhf_worker.py``; its docstring lists what is OpenRLHF's own code and the named patches of
+hard-coded CUDA calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # deepspeed + openrlhf imports and engine set-up: about 20 s per process
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from rl_guard.demo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def run_ranks(model, out: Path, world: int, phase: str) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "openrlhf_worker.py"), str(model), str(out), phase],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=500)
+        assert p.returncode == 0, stderr[-4000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_launcher_hook_guards_the_real_actor_and_resumes(model, tmp_path, world):
+    ranks = run_ranks(model, tmp_path, world, "train")
+    first = ranks[0]
+    assert first["backend"] == "gloo" and first["guard_step_at_start"] == 0
+    assert first["applied"] == [True, True] and first["moved_after_snapshot"]
+    # rollback: strategy.load_ckpt of the snapshot after step 1; the weights are bitwise those after step 1
+    assert first["rolled_back"]
+    # skip: DeepSpeed's own overflow path, the weights are bitwise unchanged
+    assert first["skipped_unchanged"]
+    assert (first["steps"], first["skipped"], first["rollbacks"]) == (4, 2, 1)
+    # behaviour (vLLM) vs the trainer's recompute: exactly 1, then e^-6 and e^-2; ppo_train's status carries them
+    assert first["behave_min"] == pytest.approx([1.0, 2.478752e-3, 0.1353353], rel=1e-5)
+    assert "rl_guard/behave_imp_weight/p99" in first["status_has_guard"]
+    # where: memory -> the snapshot tags live on /dev/shm; the save-and-halt directory stays on disk
+    assert first["snapshot_dir"].startswith("/dev/shm/") and "rl_guard_step1" in first["snapshot_tags"]
+    assert first["ckpt_dir"].startswith(str(tmp_path))
+    keys = ("applied", "rolled_back", "skipped_unchanged", "steps", "skipped", "rollbacks", "behave_min")
+    for other in ranks[1:]:
+        assert {k: other[k] for k in keys} == {k: first[k] for k in keys}
+
+    # resume (--ckpt.load_enable): OpenRLHF's load_ckpt hands back client_state["rl_guard"] and the guard continues
+    resumed = run_ranks(model, tmp_path, world, "resume")
+    for r in resumed:
+        assert "rl_guard" in r["checkpoint_states"]
+        assert (r["guard_step_at_start"], r["skipped_at_start"], r["rollbacks_at_start"]) == (4, 2, 1)
+        assert r["applied_after_resume"] and r["steps"] == 5
