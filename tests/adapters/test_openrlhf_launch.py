@@ -24,7 +24,8 @@ def test_a_guard_config_is_required():
 
 
 def test_runtime_env_keeps_openrlhfs_variables_and_adds_the_hook(monkeypatch):
-    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")  # set by the user: kept
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)  # unset: OpenRLHF's default
     env = launch.runtime_env({launch.CONFIG_ENV: "/abs/g.yaml"})
     assert env["env_vars"]["NCCL_DEBUG"] == "INFO" and env["env_vars"]["TOKENIZERS_PARALLELISM"] == "true"
     assert env["env_vars"][launch.CONFIG_ENV] == "/abs/g.yaml"
