@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # AReaL's imports and FSDP2 set-up: about 20 s per run on one core
+# AReaL's imports and FSDP2 set-up: about 20 s per run on one core; slower on a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 

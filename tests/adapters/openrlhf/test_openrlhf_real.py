@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # deepspeed + openrlhf imports and engine set-up: about 20 s per process
+# deepspeed + openrlhf imports and engine set-up: about 20 s per process, two phases; slower on a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 
