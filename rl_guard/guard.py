@@ -42,21 +42,21 @@ from pathlib import Path
 
 import torch
 
-from .stats import keys
-from .stats import ranks
-from .stats.accumulate import StepAccumulator
 from .control.actions import Actions
-from .errors import InputError
-from .stats.batch import EmptyMaskError, TokenBatch
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
+from .control.state import TrainState
 from .diagnostics import RunDiagnostics, SampleBatch
+from .errors import InputError
+from .stats import keys, ranks
+from .stats.accumulate import StepAccumulator
+from .stats.batch import EmptyMaskError, TokenBatch
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
-from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.kernels import loss_stats, rank_count
 from .stats.partial import Partial
-from .control.state import TrainState
+from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.summarize import summarize
+from .stats.update import UpdateProbe, learning_rates
 
 
 class Guard:
@@ -78,6 +78,9 @@ class Guard:
         self._incomplete_step = False  # an observe failed: this rank's statistics for the step are partial
         self._saw_loss = False
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
+        # How far each optimizer step moves the weights (every configuration has an update; stats/update.py).
+        self.update_probe = UpdateProbe(sharded=bool(config.sharded_grads))
+        self._probed_lrs: list[float] | None = None  # the step's learning rates, when the probe ran before it
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
@@ -161,6 +164,7 @@ class Guard:
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
         params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
+        self._probe_update_before()
         reduce = ranks.reducer()
         try:
             if self._incomplete_step:
@@ -195,6 +199,7 @@ class Guard:
     def step_done(self) -> None:
         """Report that the step happened (applied or skipped): log, snapshot if healthy, advance the counter."""
         decision = self.last_decision or Decision(step=self.step)
+        self._probe_update_after(decision)
         self._count_failing_step()
         if self.step % self.config.log_every == 0 or decision.firings or self.failing_steps:
             with self.protect("log"):
@@ -204,6 +209,36 @@ class Guard:
         self.controller.step_done(decision)
         self.last_logged = dict(self.last_metrics)
         self.last_decision = None
+
+    def _optimizer(self):
+        optimizer = getattr(self.state, "optimizer", None)
+        return optimizer if hasattr(optimizer, "param_groups") else None
+
+    def _probe_update_before(self) -> None:
+        """Learning rates and the sampled weights right before the update (the last update joins this step)."""
+        optimizer, self._probed_lrs = self._optimizer(), None
+        if optimizer is None:
+            return
+        with self.protect("update probe"):
+            lrs = learning_rates(optimizer)
+            self.observe_partial(self.update_probe.pre_step(param_groups_of(optimizer), lrs),
+                                 self.update_probe.lr_metrics(lrs))
+            self._probed_lrs = lrs
+
+    def _probe_update_after(self, decision: Decision) -> None:
+        """Called after ``optimizer.step()`` (applied or not): sample the weights it left, or, after a rollback,
+        the restored ones (a restore is not a change from outside the optimizer)."""
+        optimizer, lrs, self._probed_lrs = self._optimizer(), self._probed_lrs, None
+        if optimizer is None or lrs is None:
+            return
+        with self.protect("update probe"):
+            groups = param_groups_of(optimizer)
+            if decision.rollback:
+                self.update_probe.resync(groups)
+                return
+            self.update_probe.post_step(groups)
+            if decision.apply_step:
+                self.update_probe.accept(lrs)
 
     def close(self) -> None:
         if self._sinks is not None:
@@ -276,10 +311,13 @@ class Guard:
     # -- persistence ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(),
-                "diagnostics": self.diagnostics.state_dict(), "time": time.time()}
+                "diagnostics": self.diagnostics.state_dict(), "update": self.update_probe.state_dict(),
+                "time": time.time()}
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
         self.actions.load_state_dict(state["actions"])
         if "diagnostics" in state:
             self.diagnostics.load_state_dict(state["diagnostics"])
+        if "update" in state:
+            self.update_probe.load_state_dict(state["update"])

@@ -15,13 +15,13 @@ so the ratio is reported as exactly 1), ``ref_per_token_logps`` (``beta != 0``),
 ``mask_truncated_completions``, ``reward_weights``, ``_buffered_inputs`` (cleared after a rollback so TRL
 regenerates rather than train on rollouts of the diverged policy); ``_calculate_rewards`` (per-function rewards,
 before TRL's nansum hides a NaN); ``log(logs)``. transformers ``Trainer``: ``_clip_grad_norm`` (pre-clip norm),
-events ``on_pre_optimizer_step`` / ``on_optimizer_step`` / ``on_step_end``; ``state.global_step``. A plain
+events ``on_pre_optimizer_step`` / ``on_step_end``; ``state.global_step``. A plain
 ``Trainer`` gets the gradient, update, loss and non-finite rules only.
 
 ``rl_guard/grad/norm`` is the pre-clip norm the trainer computed (what TRL logs as ``grad_norm``); the gradients
-the guard reads are already clipped, and their norm is ``grad/norm_postclip``. The update probe
-(``rl_guard/stats/update.py``) measures every optimizer step between ``on_pre_optimizer_step`` and
-``on_optimizer_step``. Step numbers the guard writes (incidents, ``metrics.jsonl``, checkpoints, console) are the
+the guard reads are already clipped, and their norm is ``grad/norm_postclip``. The guard's update probe
+(``rl_guard/stats/update.py``) measures every optimizer step between ``on_pre_optimizer_step`` (``check``) and
+``on_step_end`` (``step_done``). Step numbers the guard writes (incidents, ``metrics.jsonl``, checkpoints, console) are the
 trainer's ``global_step`` after the step, the x-axis of every ``report_to`` backend. At attach the adapter reports
 which rules can fire in the trainer's configuration (``trl_coverage.py``).
 """
@@ -37,8 +37,6 @@ import torch
 from transformers import TrainerCallback
 
 from .. import Guard, TokenBatch
-from ..stats.grads import param_groups_of
-from ..stats.update import UpdateProbe, learning_rates
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import has_group_spread, samples_from_rewards
@@ -72,12 +70,10 @@ class RLGuardCallback(TrainerCallback):
         self.guard = guard if isinstance(guard, Guard) else Guard.from_yaml(guard, run_dir=run_dir)
         self.trainer, self._originals = None, {}
         self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
-        self.update_probe = UpdateProbe(sharded=self.guard.config.sharded_grads)
         self._engine_gate = None  # DeepSpeed: the decision is taken inside engine.step (adapters/deepspeed.py)
         self.coverage: list[dict] = []
         self._batch_has_signal: bool | None = None  # did the last generation batch have a group with reward spread?
         self._steps_without_signal = 0
-        self._lrs: list[float] = []
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
     def _find_trainer(self):
@@ -248,34 +244,17 @@ class RLGuardCallback(TrainerCallback):
             if decision is not None and decision.stop:
                 control.should_training_stop = control.should_save = True
             return control
-        if optimizer is not None:
-            with self.guard.protect("update probe"):
-                lrs = self._lrs = learning_rates(optimizer)
-                host = self.update_probe.lr_metrics(lrs)
-                if self._batch_has_signal is not None:
-                    self._steps_without_signal = 0 if self._batch_has_signal else self._steps_without_signal + 1
-                    host["rl_guard/group/no_signal_steps"] = float(self._steps_without_signal)
-                self.guard.observe_partial(self.update_probe.pre_step(param_groups_of(optimizer), lrs), host)
+        if self._batch_has_signal is not None:
+            self._steps_without_signal = 0 if self._batch_has_signal else self._steps_without_signal + 1
+            self.guard.observe_partial(host_metrics={"rl_guard/group/no_signal_steps": float(self._steps_without_signal)})
         decision = self.guard.check(params=optimizer if optimizer is not None else model, pre_clip_norm=preclip,
                                     defer_restore=True)
         if decision.stop:  # should_save: the trainer also writes its own checkpoint of the halted state
             control.should_training_stop = control.should_save = True
         return control
 
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
-        if optimizer is not None:
-            with self.guard.protect("update probe"):
-                self.update_probe.post_step(param_groups_of(optimizer))
-        return control
-
     def on_step_end(self, args, state, control, optimizer=None, **kw):
-        decision = self.guard.last_decision
-        if optimizer is not None and (decision is None or decision.apply_step):
-            self.update_probe.accept(self._lrs)
         restored = self.guard.actions.restore_pending()
-        if restored is not None and optimizer is not None:
-            with self.guard.protect("update probe"):
-                self.update_probe.resync(param_groups_of(optimizer))  # a restore is not a change from outside
         if restored is not None:
             # Rollouts buffered from the diverged policy must not be trained on: TRL regenerates when this is None.
             if hasattr(self.trainer, "_buffered_inputs"):

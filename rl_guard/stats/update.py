@@ -33,6 +33,12 @@ DEFAULT_SAMPLE = 1024  # elements per parameter tensor; see the error note above
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 ``DTensor`` parameter (any op on the DTensor itself could communicate)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
+
+
 class UpdateProbe:
     """Call ``pre_step`` right before ``optimizer.step()`` (it returns the ``Partial`` to add to that step's
     statistics), ``post_step`` right after it, and ``resync`` after the weights were restored (a rollback)."""
@@ -48,6 +54,7 @@ class UpdateProbe:
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
+        self._shards = False  # DTensor parameters seen: per-rank sums of squares merge by sum
 
     # -- sampling ------------------------------------------------------------------------------------------------
     def _idx(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -74,6 +81,8 @@ class UpdateProbe:
         for group in groups:
             parts, w = [], []
             for p in group:
+                self._shards = self._shards or p is not _local(p)
+                p = _local(p)
                 if p.numel() == 0:  # e.g. a parameter partitioned away from this rank (ZeRO-3): nothing local
                     continue
                 idx = self._idx(p)
@@ -95,7 +104,7 @@ class UpdateProbe:
     def _param_sq(self, groups) -> list[torch.Tensor]:
         sq, device = [], self._device(groups)
         for group in groups:
-            local = [p.detach() for p in group if p.numel()]
+            local = [_local(p).detach() for p in group if _local(p).numel()]
             if not local:
                 sq.append(torch.zeros((), dtype=torch.float64, device=device))
                 continue
@@ -109,8 +118,8 @@ class UpdateProbe:
         """The last step's update, the weight change since then, the current norms (device, no sync)."""
         p = self._pending or Partial()
         self._pending = None
-        add = p.add_sum if self.sharded else p.add_max
-        now = self._take(groups)
+        now = self._take(groups)  # first: it notes whether the parameters are shards
+        add = p.add_sum if self.sharded or self._shards else p.add_max
         if self._after is not None and len(self._after) == len(now):
             drift = self._sq(now, self._after)
             add(keys.UPDATE.drift_sq, torch.stack(drift).sum())
@@ -129,7 +138,7 @@ class UpdateProbe:
             return
         after = self._take(groups)
         p = Partial()
-        add = p.add_sum if self.sharded else p.add_max
+        add = p.add_sum if self.sharded or self._shards else p.add_max
         sq = self._sq(after, self._before)
         for i, (s, b) in enumerate(zip(sq, self._base_sq)):
             add(keys.update_group(i, "sq"), s)

@@ -8,13 +8,15 @@ import math
 
 import numpy as np
 import pytest
-from conftest import GRPO_BASE
+from file_modules import ROOT, load_module
 from transformers import PrinterCallback
 
 from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.tiny import prompt_dataset, repeat_last_digit_reward
 from rl_guard.sinks.jsonl import read_jsonl
 
+# the folder's conftest by path: a bare `import conftest` finds whichever folder's conftest was collected first
+GRPO_BASE = load_module("tests_adapters_conftest", ROOT / "tests" / "adapters" / "conftest.py").GRPO_BASE
 NO_RULES = "version: 1\nrules: []\n"
 
 
