@@ -62,10 +62,13 @@ class EngineState:
         memory = where == "memory" and os.path.isdir("/dev/shm")
         self.snapshot_dir = Path("/dev/shm/rl_guard", key) if memory else Path(guard.run_dir) / "areal_snapshots"
         self.checkpoint_dir = Path(guard.run_dir) / "areal_checkpoints"
-        if guard.rank == 0:  # snapshots of an earlier process are not this run's (its ranks save after this point)
-            import shutil
+        import atexit
+        import shutil
 
+        if guard.rank == 0:  # snapshots of an earlier process are not this run's (its ranks save after this point)
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        if memory:  # RAM: every rank frees its node's copy when it exits
+            atexit.register(shutil.rmtree, self.snapshot_dir, ignore_errors=True)
 
     def capture(self, step: int) -> dict:
         # the guard asks for a snapshot with the step it is about to start, for a checkpoint with the current one

@@ -176,10 +176,13 @@ def install(trainer, guard, ckpt_dir: str | None = None):
     ckpt = getattr(getattr(trainer.args, "ckpt", None), "path", None)
     ckpt_dir = ckpt_dir or os.path.join(ckpt or str(guard.run_dir), "_actor_rl_guard")
     snapshot_dir = memory_dir(guard)
-    if snapshot_dir and guard.rank == 0:  # an earlier process's snapshots are not this run's
+    if snapshot_dir:
+        import atexit
         import shutil
 
-        shutil.rmtree(snapshot_dir, ignore_errors=True)
+        if guard.rank == 0:  # an earlier process's snapshots are not this run's
+            shutil.rmtree(snapshot_dir, ignore_errors=True)
+        atexit.register(shutil.rmtree, os.path.dirname(snapshot_dir), ignore_errors=True)  # RAM: freed at exit
     attach_checkpoints(guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir,
                        snapshot_dir=snapshot_dir)
     live = {"experience": None, "entropy": None}
