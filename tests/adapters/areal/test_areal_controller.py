@@ -21,7 +21,7 @@ ROOT = HERE.parents[2]
 
 
 def test_single_controller_workers_import_and_run_the_guarded_engine(tmp_path):
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(ROOT / "integrations" / "areal_async"))
     from tiny_qwen2 import build
 
     model = build(tmp_path / "model")

@@ -2,7 +2,7 @@
 
 Runs in the environment the README's test command builds for AReaL (``.venv-areal``: transformers 5.3.0 as areal
 pins; torch 2.13.0 CPU instead of areal's ``torch<2.11``, whose Linux wheels are CUDA builds). Each rank runs
-``areal_worker.py``: ``GuardedFSDPPPOActor`` (the class a single-controller run's workers import by dotted path)
+the recipe ``integrations/areal_async/fsdp_actor_on_cpu.py``: ``GuardedFSDPPPOActor`` (the class a single-controller run's workers import by dotted path)
 through ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` for five steps; see the worker's docstring.
 
 On CPU there is no flash-attention varlen kernel: AReaL packs each micro-batch into one row, so with ``sdpa`` the
@@ -29,7 +29,7 @@ ROOT = HERE.parents[2]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(ROOT / "integrations" / "areal_async"))
     from tiny_qwen2 import build
 
     return build(tmp_path_factory.mktemp("qwen2") / "model")
@@ -41,7 +41,7 @@ def run_ranks(model, out: Path, world: int) -> list[dict]:
         port = str(s.getsockname()[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "areal_worker.py"), str(model), str(out)],
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py"), str(model), str(out)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     results = []

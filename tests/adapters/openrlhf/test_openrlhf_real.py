@@ -3,7 +3,7 @@ by the launcher's Ray worker hook, one and two processes; then a resume from Ope
 
 Runs in the environment the README's test command builds for OpenRLHF (``.venv-openrlhf``: transformers 5.15.0,
 deepspeed 0.19.6 and ray 2.55.0 as openrlhf pins; torch 2.13.0 CPU; no flash-attn / vLLM, which are CUDA builds).
-Each rank runs ``openrlhf_worker.py``; its docstring lists what is OpenRLHF's own code and the named patches of
+Each rank runs the recipe ``integrations/openrlhf/actor_on_cpu.py``; its docstring lists what is OpenRLHF's own code and the named patches of
 hard-coded CUDA calls.
 """
 
@@ -37,7 +37,7 @@ def run_ranks(model, out: Path, world: int, phase: str) -> list[dict]:
         port = str(s.getsockname()[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "openrlhf_worker.py"), str(model), str(out), phase],
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "integrations" / "openrlhf" / "actor_on_cpu.py"), str(model), str(out), phase],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     results = []

@@ -1,7 +1,9 @@
-"""One rank of the AReaL test: the real ``FSDPPPOActor`` (areal 1.0.4) in SPMD mode on CPU (gloo), guarded.
+"""AReaL 1.0.4's real ``FSDPPPOActor`` in SPMD mode on CPU (gloo), guarded (recipe and test worker).
 
-Usage: python areal_worker.py <tiny model dir> <out dir>   (RANK / WORLD_SIZE / MASTER_* set by the test)
-Prints one JSON line per rank. The engine is ``GuardedFSDPPPOActor`` (the class a single-controller run's workers
+Usage (environment: .venv-areal from the README's test command):
+    python integrations/areal_async/tiny_qwen2.py /tmp/qwen2
+    torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run
+Prints one JSON line per rank (tests/adapters/areal/ runs it with one and two processes). The engine is ``GuardedFSDPPPOActor`` (the class a single-controller run's workers
 import by dotted path), built and initialised the way AReaL's SPMD ``PPOTrainer`` builds it, and trained through
 ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update``. No AReaL code is patched: AReaL picks its CPU
 platform itself (gloo) when no accelerator is present.

@@ -1,7 +1,9 @@
-"""One rank of the OpenRLHF test: OpenRLHF 0.11.2's own actor path on CPU, guarded through the launcher's hook.
+"""OpenRLHF 0.11.2's own actor path on CPU, guarded through the launcher's hook (recipe and test worker).
 
-Usage: python openrlhf_worker.py <tiny model dir> <out dir> <phase: train|resume>
-(RANK / WORLD_SIZE / MASTER_* set by the test). Prints one JSON line per rank.
+Usage (environment: .venv-openrlhf from the README's test command; a model from rl_guard.demo.tiny):
+    torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> train
+    torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> resume
+Prints one JSON line per rank (tests/adapters/openrlhf/ runs it with one and two processes).
 
 What is real: the arguments come from ``openrlhf.cli.train_ppo_ray``'s own parser (run as ``__main__`` up to
 ``get_strategy``); ``DeepspeedStrategy`` (ZeRO-2, bf16, deepspeed 0.19.6 on its CPU accelerator);
