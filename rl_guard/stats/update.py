@@ -215,25 +215,26 @@ def summarize_update(raw: dict) -> dict[str, float]:
         drift = f(keys.UPDATE.drift_sq)
         if drift is not None and param_sq > 0:
             out["update/external_rel"] = math.sqrt(drift / param_sq)
-    groups = sorted({k.split(".")[1] for k in raw if k.startswith(keys.UPDATE_GROUP_PREFIX)})
+    prefix = keys.UPDATE_GROUP_PREFIX
+    groups = sorted({int(k[len(prefix):].split(".")[0]) for k in raw if k.startswith(prefix)})
     if len(groups) > 1:
         for g in groups:
-            sq = f(f"update.{g}.param_sq")
+            sq = f(keys.update_group(g, "param_sq"))
             if sq is not None:
-                out[f"update/{g}/param_norm"] = math.sqrt(sq)
+                out[f"update/group{g}/param_norm"] = math.sqrt(sq)
     sq, base = f(keys.UPDATE.sq), f(keys.UPDATE.base_sq)
     if sq is None or base is None:
         return out
     out["update/norm"] = math.sqrt(sq)
     if base > 0:
         out["update/rel"] = math.sqrt(sq / base)
-    lrs = [f(f"update.{g}.lr") for g in groups]
+    lrs = [f(keys.update_group(g, "lr")) for g in groups]
     lr = max((x for x in lrs if x is not None and math.isfinite(x)), default=None)
     if lr and base > 0:
         out["update/rel_per_lr"] = math.sqrt(sq / base) / lr
     if len(groups) > 1:
         for g in groups:
-            g_sq, g_base = f(f"update.{g}.sq"), f(f"update.{g}.base_sq")
+            g_sq, g_base = f(keys.update_group(g, "sq")), f(keys.update_group(g, "base_sq"))
             if g_sq is not None and g_base:
-                out[f"update/{g}/rel"] = math.sqrt(g_sq / g_base)
+                out[f"update/group{g}/rel"] = math.sqrt(g_sq / g_base)
     return out

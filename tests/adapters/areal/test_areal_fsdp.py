@@ -12,14 +12,11 @@ rl_guard code path is the real one.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rank_launch import run_ranks as launch
 
 # AReaL's imports and FSDP2 set-up: about 20 s per run on one core; slower on a loaded machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -36,20 +33,8 @@ def model(tmp_path_factory):
 
 
 def run_ranks(model, out: Path, world: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py"), str(model), str(out)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=500)
-        assert p.returncode == 0, stderr[-4000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
-    return results
+    return launch(ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py", [model, out], world,
+                  {"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("world", [1, 2])
