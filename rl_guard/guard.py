@@ -79,7 +79,7 @@ class Guard:
         self._saw_loss = False
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
         # How far each optimizer step moves the weights (every configuration has an update; stats/update.py).
-        self.update_probe = UpdateProbe(sharded=bool(config.sharded_grads))
+        self.update_probe = UpdateProbe(sharded=config.sharded_grads)
         self._probed_lrs: list[float] | None = None  # the step's learning rates, when the probe ran before it
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks = None

@@ -1,10 +1,11 @@
-"""Run a recipe script as ``world`` plain processes (RANK / WORLD_SIZE / MASTER_* set, gloo) and collect the JSON
-line each prints last: how the real-framework tests run a framework's engine on 1 and 2 CPU processes."""
+"""Launching multi-process tests: a script as ``world`` plain processes (RANK / WORLD_SIZE / MASTER_* set, gloo)
+collecting the JSON line each prints last, or under ``torch.distributed.run`` collecting ``out/rank<r>.json``."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,15 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> str:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+        return s.getsockname()[1]
 
 
 def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None = None, timeout: int = 500) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port(), "WORLD_SIZE": str(world), **(extra_env or {})}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), **(extra_env or {})}
     procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     results = []
@@ -30,3 +31,22 @@ def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None 
         assert p.returncode == 0, stderr[-4000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
+
+
+def run_torchrun(script: Path, world: int, out: Path, *args: str, env: dict, cwd: Path = ROOT,
+                 timeout: float = 300) -> list[dict]:
+    """``torch.distributed.run --nproc_per_node world script out args``; each rank writes ``out/rank<r>.json``.
+    On a timeout the launcher and every rank are killed and the test fails with their output."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(script), str(out), *args]
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"torchrun launch did not finish within {timeout} s\n{output[-6000:]}") from None
+    assert proc.returncode == 0, output[-8000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -64,30 +64,43 @@ def _local(g: torch.Tensor, dtensor) -> tuple[torch.Tensor, float | None]:
     return g.to_local(), float(replicas)
 
 
-def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[dict[float, list[torch.Tensor]]], bool]:
-    """Per group, this rank's gradient tensors bucketed by weight, and whether ranks merge them by sum.
+def local_shards(groups, sharded: bool | None = None) -> tuple[list[list[tuple[torch.Tensor, float]]], bool]:
+    """Per group, ``(this rank's tensor, weight)`` for every non-empty tensor of ``groups`` (gradients or
+    parameters), and whether ranks merge their statistics by sum.
 
     The weight (1 / replicas) makes a sum over ranks count every value once. ``sharded`` overrides detection:
     True = every local tensor is a distinct shard (weight 1, sum), False = every rank holds the same values (max).
     """
+    dtensor = _dtensor_class()
+    has_dtensor = dtensor is not None and any(isinstance(t, dtensor) for group in groups for t in group)
+    merge_sum = has_dtensor if sharded is None else sharded
+    world = float(rank_and_world()[1])
+    out = []
+    for group in groups:
+        pairs = []
+        for t in group:
+            local, replicas = _local(t, dtensor)
+            if local.numel() == 0:  # an empty shard (more ranks than rows), a ZeRO-3 parameter partitioned away
+                continue
+            # Under detection a plain tensor beside DTensors counts as replicated over the whole group.
+            weight = 1.0 / (world if replicas is None else replicas) if sharded is None and has_dtensor else 1.0
+            pairs.append((local, weight))
+        out.append(pairs)
+    return out, merge_sum
+
+
+def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[dict[float, list[torch.Tensor]]], bool]:
+    """Per group, this rank's gradient tensors bucketed by weight (``local_shards``), and whether ranks merge
+    them by sum."""
     if isinstance(param_groups, GradientSource):
         merge_sum = param_groups.sharded if sharded is None else sharded
         groups = param_groups.grad_groups()
         return [{1.0: [g for g in group if g is not None and g.numel()]} for group in groups], merge_sum
-    dtensor = _dtensor_class()
-    raw = [[p.grad for p in group if p.grad is not None] for group in param_groups]
-    has_dtensor = dtensor is not None and any(isinstance(g, dtensor) for group in raw for g in group)
-    merge_sum = has_dtensor if sharded is None else sharded
-    world = float(rank_and_world()[1])
+    pairs, merge_sum = local_shards([[p.grad for p in group if p.grad is not None] for group in param_groups], sharded)
     out = []
-    for group in raw:
+    for group in pairs:
         buckets: dict[float, list[torch.Tensor]] = {}
-        for g in group:
-            local, replicas = _local(g, dtensor)
-            if local.numel() == 0:  # an empty shard (more ranks than rows)
-                continue
-            # Under detection a plain tensor beside DTensors counts as replicated over the whole group.
-            weight = 1.0 / (world if replicas is None else replicas) if sharded is None and has_dtensor else 1.0
+        for local, weight in group:
             buckets.setdefault(weight, []).append(local)
         out.append(buckets)
     return out, merge_sum

@@ -27,25 +27,20 @@ import math
 import torch
 
 from . import keys
+from .grads import local_shards
 from .partial import Partial
 
 DEFAULT_SAMPLE = 1024  # elements per parameter tensor; see the error note above
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 ``DTensor`` parameter (any op on the DTensor itself could communicate)."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if to_local is not None else p
-
-
 class UpdateProbe:
     """Call ``pre_step`` right before ``optimizer.step()`` (it returns the ``Partial`` to add to that step's
     statistics), ``post_step`` right after it, and ``resync`` after the weights were restored (a rollback)."""
 
-    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool = False):
+    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None):
         self.sample, self.seed, self.sharded = sample, seed, sharded
-        self._index: dict[int, torch.Tensor | None] = {}
+        self._index: dict[tuple, torch.Tensor | None] = {}
         self._weights: list[torch.Tensor] | None = None  # per group: numel / k for every sampled element
         self._before: list[torch.Tensor] | None = None   # sampled weights right before the last optimizer step
         self._after: list[torch.Tensor] | None = None    # sampled weights right after it
@@ -54,11 +49,10 @@ class UpdateProbe:
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
-        self._shards = False  # DTensor parameters seen: per-rank sums of squares merge by sum
+        self._merge_sum = bool(sharded)  # ranks hold shards (FSDP2 DTensors, or sharded: true): merge by sum
 
     # -- sampling ------------------------------------------------------------------------------------------------
-    def _idx(self, p: torch.Tensor) -> torch.Tensor | None:
-        key = id(p)
+    def _idx(self, key: tuple, p: torch.Tensor) -> torch.Tensor | None:
         if key not in self._index:
             n = p.numel()
             if n <= self.sample:
@@ -74,23 +68,25 @@ class UpdateProbe:
         # Empty groups get their zeros on the parameters' device: stacking a CPU zero with device tensors would fail.
         return next((p.device for group in groups for p in group), None)
 
+    def _local(self, groups) -> list[list[tuple[torch.Tensor, float]]]:
+        """This rank's part of every parameter with its merge weight (``grads.local_shards``: DTensor shards,
+        replicas counted once)."""
+        pairs, self._merge_sum = local_shards([[p.detach() for p in group] for group in groups], self.sharded)
+        return pairs
+
     @torch.no_grad()
-    def _take(self, groups) -> list[torch.Tensor]:
+    def _take(self, groups, pairs=None) -> list[torch.Tensor]:
         out, weights = [], []
         device = self._device(groups)
-        for group in groups:
+        for i, group in enumerate(self._local(groups) if pairs is None else pairs):
             parts, w = [], []
-            for p in group:
-                self._shards = self._shards or p is not _local(p)
-                p = _local(p)
-                if p.numel() == 0:  # e.g. a parameter partitioned away from this rank (ZeRO-3): nothing local
-                    continue
-                idx = self._idx(p)
-                flat = p.detach().reshape(-1)
+            for j, (p, weight) in enumerate(group):
+                idx = self._idx((i, j, p.numel()), p)
+                flat = p.reshape(-1)
                 parts.append((flat if idx is None else flat.index_select(0, idx)).to(torch.float32, copy=True))
                 if self._weights is None:
-                    w.append(torch.full((parts[-1].numel(),), p.numel() / parts[-1].numel(), dtype=torch.float64,
-                                        device=p.device))
+                    w.append(torch.full((parts[-1].numel(),), weight * p.numel() / parts[-1].numel(),
+                                        dtype=torch.float64, device=p.device))
             out.append(torch.cat(parts) if parts else torch.zeros(0, device=device))
             weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=device))
         if self._weights is None:
@@ -101,15 +97,17 @@ class UpdateProbe:
         """Estimated ||a - b||^2 per group."""
         return [torch.dot(self._weights[i], (x.double() - y.double()).square()) for i, (x, y) in enumerate(zip(a, b))]
 
-    def _param_sq(self, groups) -> list[torch.Tensor]:
+    def _param_sq(self, groups, pairs) -> list[torch.Tensor]:
         sq, device = [], self._device(groups)
-        for group in groups:
-            local = [_local(p).detach() for p in group if _local(p).numel()]
-            if not local:
-                sq.append(torch.zeros((), dtype=torch.float64, device=device))
-                continue
-            norms = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64))
-            sq.append((norms * norms).sum())
+        for group in pairs:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            buckets: dict[float, list[torch.Tensor]] = {}
+            for p, weight in group:
+                buckets.setdefault(weight, []).append(p)
+            for weight, tensors in buckets.items():  # a host float times a device sum: no host-to-device copy
+                norms = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
+                total = total + weight * (norms * norms).sum()
+            sq.append(total)
         return sq
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -118,12 +116,13 @@ class UpdateProbe:
         """The last step's update, the weight change since then, the current norms (device, no sync)."""
         p = self._pending or Partial()
         self._pending = None
-        now = self._take(groups)  # first: it notes whether the parameters are shards
-        add = p.add_sum if self.sharded or self._shards else p.add_max
+        pairs = self._local(groups)  # first: it finds whether the parameters are shards
+        now = self._take(groups, pairs)
+        add = p.add_sum if self._merge_sum else p.add_max
         if self._after is not None and len(self._after) == len(now):
             drift = self._sq(now, self._after)
             add(keys.UPDATE.drift_sq, torch.stack(drift).sum())
-        self._base_sq = self._param_sq(groups)
+        self._base_sq = self._param_sq(groups, pairs)
         for i, sq in enumerate(self._base_sq):
             add(keys.update_group(i, "param_sq"), sq)
         add(keys.UPDATE.param_sq, torch.stack(self._base_sq).sum())
@@ -138,7 +137,7 @@ class UpdateProbe:
             return
         after = self._take(groups)
         p = Partial()
-        add = p.add_sum if self.sharded or self._shards else p.add_max
+        add = p.add_sum if self._merge_sum else p.add_max
         sq = self._sq(after, self._before)
         for i, (s, b) in enumerate(zip(sq, self._base_sq)):
             add(keys.update_group(i, "sq"), s)

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from file_modules import load_module
+from rank_launch import run_torchrun
 
 _launch = load_module("distributed_launch", Path(__file__).with_name("conftest.py"))  # the multi-process tests' env
 HERE, REPO, child_env = _launch.HERE, _launch.REPO, _launch.child_env
@@ -28,25 +24,8 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason
 TIMEOUT = 170  # the ranks' own collective timeout (ddp_timeout) is 60 s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_trl_grpo_two_ranks_halt_together(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE / "trl_ddp_run.py"), str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
-        proc.communicate()
-        pytest.fail(f"torchrun launch did not finish within {TIMEOUT} s")
-    assert proc.returncode == 0, output[-6000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_torchrun(HERE / "trl_ddp_run.py", 2, tmp_path, env=child_env(), cwd=REPO, timeout=TIMEOUT)
     FAULT_STEP = r0["fault_step"]  # noqa: N806 - the script's constant (importing it here would import trl)
     assert FAULT_STEP >= 1
     for r, res in enumerate((r0, r1)):

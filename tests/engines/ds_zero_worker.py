@@ -109,6 +109,10 @@ def main() -> None:
         for action in FAULT_STEP:
             result[f"zero{stage}_{action}"] = run(stage, action)
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result), encoding="utf-8")
+    # A clean shutdown: gloo threads left running at interpreter exit can abort the process after its results
+    # are written ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

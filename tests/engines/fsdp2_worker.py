@@ -63,6 +63,7 @@ def run(action: str, rank: int, world: int) -> dict:
         grads = [p.grad for p in model.parameters()]
         assert all(type(gr).__name__ == "DTensor" for gr in grads)
         reference = math.sqrt(sum(float(gr.full_tensor().double().pow(2).sum()) for gr in grads))
+        param_reference = math.sqrt(sum(float(q.full_tensor().double().pow(2).sum()) for q in model.parameters()))
         if step == FAULT_STEP[action] and rank == world - 1:
             shard = next(gr.to_local() for gr in grads if gr.to_local().numel())
             shard.view(-1)[0] = math.inf
@@ -74,6 +75,7 @@ def run(action: str, rank: int, world: int) -> dict:
         m = guard.last_logged
         steps.append({"step": step, "action": decision.action, "stop": decision.stop, "reference_norm": reference,
                       "grad_norm": m.get("rl_guard/grad/norm"), "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
+                      "param_norm": m.get("rl_guard/update/param_norm"), "reference_param_norm": param_reference,
                       "before": before, "after": weights(model), "failures": guard.internal_failures})
         if decision.stop:
             break

@@ -5,20 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from rank_launch import free_port
+from rank_launch import run_torchrun as torchrun
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra) -> dict:
@@ -55,16 +51,4 @@ def run_ranks(script: str, world: int, out: Path, *args: str, timeout: float = 2
 
 def run_torchrun(script: str, world: int, out: Path, *args: str, timeout: float = 300) -> list[dict]:
     """``torch.distributed.run --nproc_per_node world script out args``; each rank writes ``out/rank<r>.json``."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(HERE / script), str(out), *args]
-    proc = subprocess.Popen(cmd, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchrun launch did not finish within {timeout} s\n{output[-6000:]}") from None
-    assert proc.returncode == 0, output[-8000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return torchrun(HERE / script, world, out, *args, env=child_env(), cwd=REPO, timeout=timeout)

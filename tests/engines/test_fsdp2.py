@@ -31,6 +31,8 @@ def test_inf_in_one_shard_drops_the_update_on_every_rank(ranks, action):
         for s in steps:
             if s["action"] is None:  # healthy: the shards' sum of squares is the full gradient's
                 assert s["grad_norm"] == pytest.approx(s["reference_norm"], rel=1e-12)
+                # the update probe merges parameter shards the same way: its norm is the full parameters' norm
+                assert s["param_norm"] == pytest.approx(s["reference_param_norm"], rel=1e-12)
                 assert s["after"]["local"] != s["before"]["local"]
         bad = steps[fault]
         assert bad["action"] == action and bad["grad_nonfinite"] >= 1 and bad["after"]["finite"]
