@@ -143,7 +143,7 @@ def main() -> None:
         importance_healthy=[m1.get("rl_guard/importance_weight/min"), m1.get("rl_guard/importance_weight/max")],
         incidents=[(i.get("step"), i.get("rule"), i.get("action")) for i in incidents],
         snapshot_dir=str(guard.state.snapshot_dir),
-        snapshot_files=sorted(os.listdir(guard.state.snapshot_dir)) if os.path.isdir(guard.state.snapshot_dir) else [])
+        snapshot_files=sorted(os.listdir(guard.state.snapshot_dir)))
     print(json.dumps(out), flush=True)
     engine.destroy()
 

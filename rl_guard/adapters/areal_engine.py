@@ -21,13 +21,14 @@ Read against areal 1.0.4 (``areal/engine/fsdp_engine.py``, ``areal/infra/control
 
 from __future__ import annotations
 
-import hashlib
 import os
+import shutil
 from pathlib import Path
 
 from areal.api.io_struct import SaveLoadMeta
 from areal.engine.fsdp_engine import FSDPPPOActor
 
+from ..control.ram_dir import ram_dir
 from . import areal as adapter
 
 CONFIG, RUN_DIR, BOUND = "RL_GUARD_CONFIG", "RL_GUARD_RUN_DIR", "RL_GUARD_MAX_HEAD_OFFPOLICYNESS"
@@ -58,17 +59,11 @@ class EngineState:
     def __init__(self, engine, guard):
         self.engine, self.guard, self.model, self.optimizer = engine, guard, engine.model, engine.optimizer
         where = guard.config.snapshots.get("where", "memory")
-        key = hashlib.sha1(str(Path(guard.run_dir).resolve()).encode()).hexdigest()[:12]
-        memory = where == "memory" and os.path.isdir("/dev/shm")
-        self.snapshot_dir = Path("/dev/shm/rl_guard", key) if memory else Path(guard.run_dir) / "areal_snapshots"
+        # where: memory -> RAM (/dev/shm), freed when this node's last rank of the run exits
+        self.snapshot_dir = ram_dir(guard.run_dir, guard.rank, where=where) or Path(guard.run_dir) / "areal_snapshots"
         self.checkpoint_dir = Path(guard.run_dir) / "areal_checkpoints"
-        import atexit
-        import shutil
-
         if guard.rank == 0:  # snapshots of an earlier process are not this run's (its ranks save after this point)
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
-        if memory:  # RAM: every rank frees its node's copy when it exits
-            atexit.register(shutil.rmtree, self.snapshot_dir, ignore_errors=True)
 
     def capture(self, step: int) -> dict:
         # the guard asks for a snapshot with the step it is about to start, for a checkpoint with the current one
@@ -84,8 +79,6 @@ class EngineState:
     def _prune(self, keep: int) -> None:
         if self.guard.rank != 0:
             return
-        import shutil
-
         old = sorted(self.snapshot_dir.glob("step*"), key=lambda p: int(p.name[4:]))[:-keep]
         for path in old:
             shutil.rmtree(path, ignore_errors=True)

@@ -32,6 +32,7 @@ import os
 
 from .. import TokenBatch
 from ..errors import GuardHalted
+from ..control.ram_dir import ram_dir
 from ..control.state import scale_lr
 from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
@@ -148,16 +149,13 @@ def gate_optimizer_step(strategy, actor, guard) -> None:
 
 
 def memory_dir(guard, name: str = "actor") -> str | None:
-    """For ``snapshots: {where: memory}``: a directory on the RAM-backed ``/dev/shm`` (one per run directory).
-    Snapshots stay DeepSpeed checkpoints: under ZeRO the parameters (stage 3), the fp32 master weights and the
-    optimizer moments (stages 1-3) are partitions inside DeepSpeed's optimizer that only ``save_checkpoint`` /
-    ``load_checkpoint`` write and restore consistently, so they are written to memory, not copied in Python."""
-    if guard.config.snapshots.get("where", "memory") != "memory" or not os.path.isdir("/dev/shm"):
-        return None
-    import hashlib
-
-    key = hashlib.sha1(str(os.path.abspath(guard.run_dir)).encode()).hexdigest()[:12]
-    return os.path.join("/dev/shm", "rl_guard", key, name)
+    """For ``snapshots: {where: memory}``: a directory on the RAM-backed ``/dev/shm`` (one per run directory,
+    freed when this node's last rank exits). Snapshots stay DeepSpeed checkpoints: under ZeRO the parameters
+    (stage 3), the fp32 master weights and the optimizer moments (stages 1-3) are partitions inside DeepSpeed's
+    optimizer that only ``save_checkpoint`` / ``load_checkpoint`` write and restore consistently, so they are
+    written to memory, not copied in Python."""
+    path = ram_dir(guard.run_dir, guard.rank, name, guard.config.snapshots.get("where", "memory"))
+    return None if path is None else str(path)
 
 
 def attach_checkpoints(guard, strategy, actor, optimizer, scheduler, ckpt_dir: str, snapshot_dir: str | None = None):
@@ -176,13 +174,6 @@ def install(trainer, guard, ckpt_dir: str | None = None):
     ckpt = getattr(getattr(trainer.args, "ckpt", None), "path", None)
     ckpt_dir = ckpt_dir or os.path.join(ckpt or str(guard.run_dir), "_actor_rl_guard")
     snapshot_dir = memory_dir(guard)
-    if snapshot_dir:
-        import atexit
-        import shutil
-
-        if guard.rank == 0:  # an earlier process's snapshots are not this run's
-            shutil.rmtree(snapshot_dir, ignore_errors=True)
-        atexit.register(shutil.rmtree, os.path.dirname(snapshot_dir), ignore_errors=True)  # RAM: freed at exit
     attach_checkpoints(guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir,
                        snapshot_dir=snapshot_dir)
     live = {"experience": None, "entropy": None}

@@ -9,6 +9,7 @@ hard-coded CUDA calls.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,8 @@ def test_launcher_hook_guards_the_real_actor_and_resumes(model, tmp_path, world)
     assert "rl_guard/behave_imp_weight/p99" in first["status_has_guard"]
     # where: memory -> the snapshot tags live on /dev/shm; the save-and-halt directory stays on disk
     assert first["snapshot_dir"].startswith("/dev/shm/") and "rl_guard_step1" in first["snapshot_tags"]
+    assert all(r["snapshot_tags"] == first["snapshot_tags"] for r in ranks)  # no rank freed it under another
+    assert not os.path.exists(first["snapshot_dir"])  # RAM freed once the last rank exited
     assert first["ckpt_dir"].startswith(str(tmp_path))
     keys = ("applied", "rolled_back", "skipped_unchanged", "steps", "skipped", "rollbacks", "behave_min")
     for other in ranks[1:]:
