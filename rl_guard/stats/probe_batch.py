@@ -21,7 +21,6 @@ from .kernels import (
     Partial,
     clip_by_lag,
     clip_stats,
-    count_cells,
     gated,
     kl_finish,
     kl_stats,
@@ -37,15 +36,15 @@ from .kernels import (
 from .token_probes import (
     clip_into,
     entropy_into,
-    lag_cell_lut,
+    field_values,
     lag_cells_into,
+    lag_counts_into,
     lag_finish,
     lag_into,
-    lag_region,
     ratio_into,
     values_into,
 )
-from .scratch import Scratch, field, invalid, valid, zero_filled
+from .scratch import Scratch, field, valid_of, zero_filled
 
 
 @torch.no_grad()
@@ -54,15 +53,15 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     acc = ChunkStats(b.num_seqs, b.device)
     ws = Scratch(b.device)
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
-    luts = (lut, lag_cell_lut(lut, len(lag_edges))) if lut is not None else None
     seq_clip = (b.clipped_loss and b.importance_sampling_level == "sequence" and b.old_logprobs is not None
                 and b.prox_logprobs is None)
     token_clip = b.clipped_loss and not seq_clip
     for ch in chunks(b, chunk_tokens):
         ws.start(ch.n)
-        _probe_chunk(acc, ws, b, ch, lag_edges, luts, token_clip=token_clip)
-    if b.versions is not None and b.old_logprobs is not None:
-        lag_finish(acc, len(lag_edges), clipped=token_clip and b.advantages is not None)
+        _probe_chunk(acc, ws, b, ch, lag_edges, token_clip=token_clip)
+    if b.versions is not None:
+        lag_finish(acc, lut, len(lag_edges), ratio=b.old_logprobs is not None,
+                   clipped=token_clip and b.advantages is not None)
     if b.old_logprobs is not None:
         kl_finish(acc, "kl_old")
         s_lr, s_ok = seq_log_ratio(acc, "kl_old")
@@ -93,14 +92,15 @@ def _mask(b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mask_into(ws: Scratch, b: TokenBatch, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's mask as 0/1 floats and its gate (0 or -inf), in ``ws`` (see ``_mask``)."""
+    """The chunk's mask as 0/1 floats and its gate, in ``ws``: (m - 1) / m is 0 where a token reaches the loss and
+    -1 / 0 = -inf where it does not (see ``_mask``), in two passes."""
     m = ch.raw(b.mask)
     m = m if m.dtype == torch.bool else m != 0
     mf = ws("mask").copy_(m.view(torch.uint8))
-    return mf, torch.sub(mf, 1.0, out=ws("gate")).mul_(3e38).mul_(3e38)
+    return mf, torch.sub(mf, 1.0, out=ws("gate")).div_(mf)
 
 
-def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, lut, token_clip: bool) -> None:
+def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, token_clip: bool) -> None:
     """All token probes of one chunk, each writing into the chunk buffers of ``ws``."""
     mf, gate = _mask_into(ws, b, ch)
     n_mask = mf.sum()
@@ -108,8 +108,8 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
     if b.lengths is None:
         ch.seq_add(acc.seq("length"), mf)
     lp = field(ws, "logp", ch.token(b.logprobs), gate)
-    n_lp = lp.numel() - invalid(ws, "count", lp).sum()
-    values_into(acc, ws, "logp", lp, n_lp)  # sampled-token log-probs: a jump means the policy moved
+    z, _, n_lp = field_values(ws, "count", lp)
+    values_into(acc, ws, "logp", lp, n_lp, z)  # sampled-token log-probs: a jump means the policy moved
     nonfinite(acc, "logprobs", n_mask, n_lp)
     # (log r zero-filled, validity, count, k3): a zero log-ratio never counts as clipped, so clipping needs no mask
     ratio = _old_family(acc, ws, b, ch, lp, n_lp) if b.old_logprobs is not None else None
@@ -121,21 +121,18 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
         _ref_family(acc, ws, ch, b, lp, n_lp)
     if b.entropy is not None:
         ent = field(ws, "t0", ch.token(b.entropy), gate)
-        n_ent = ent.numel() - invalid(ws, "count", ent).sum()
-        entropy_into(acc, ws, ent, n_ent)
+        z, _, n_ent = field_values(ws, "count", ent)
+        entropy_into(acc, ws, ent, n_ent, z)
         nonfinite(acc, "entropy", n_mask, n_ent)
     clipped = None
     if b.advantages is not None:
         clipped = _adv_family(acc, ws, b, ch, gate, n_mask, clip if token_clip else None)
     if b.versions is not None:
-        nb = len(edges)
         if ratio is None:
-            bucket = lag_into(acc, ws, ch.token(b.versions), b.current_version, gate, edges, lut[0])
-            acc.sum(keys.LAG.tokens, count_cells(bucket, nb + 1)[:nb])
-        else:  # the bucket and region as an offset into the per-bucket cells of the log-ratio sketch
-            offset = lag_into(acc, ws, ch.token(b.versions), b.current_version, gate, edges, lut[1],
-                              region=lag_region(ws, ratio[1], clipped))
-            lag_cells_into(acc, ws, offset, nb, ratio[0], ratio[3])
+            lag_counts_into(acc, lag_into(acc, ws, ch.token(b.versions), b.current_version, gate, edges), edges)
+        else:  # the slot and region as an offset into the per-slot cells of the log-ratio sketch
+            offset = lag_into(acc, ws, ch.token(b.versions), b.current_version, gate, edges, ratio[1], clipped)
+            lag_cells_into(acc, ws, offset, edges, ratio[0], ratio[3])
 
 
 def _old_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, lp, n_lp):
@@ -160,10 +157,10 @@ def _prox_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
 
 def _ref_family(acc, ws: Scratch, ch: Chunk, b: TokenBatch, lp, n_lp) -> None:
     lr = torch.sub(ch.token(b.ref_logprobs), lp, out=ws("t0"))
-    v = valid(ws, "t1", lr)
+    z = zero_filled(ws, "t2", lr)
+    v = valid_of(ws, "t1", lr, z)
     n = v.sum()
     nonfinite(acc, "ref_logprobs", n_lp, n)
-    z = zero_filled(ws, "t2", lr)
     e = torch.clamp(z, max=EXP_CLAMP, out=ws("e")).expm1_()
     kl_stats(acc, ch, ws, "kl_ref", z, e, v, n)
 
@@ -172,15 +169,14 @@ def _adv_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, gate, n_mask, clip):
     """Advantage statistics; with ``clip = (zero-filled log-ratio, its validity, its count)`` also the clip
     fractions (returns the clipped tokens as 0/1 floats)."""
     adv = field(ws, "t0", ch.token(b.advantages), gate)
-    bad = invalid(ws, "adv.invalid", adv)
-    n = adv.numel() - bad.sum()
-    z = values_into(acc, ws, "adv", adv, n, squares=True)
+    z, v, n = field_values(ws, "adv.valid", adv)
+    values_into(acc, ws, "adv", adv, n, z, squares=True)
     nonfinite(acc, "advantages", n_mask, n)
     sign = torch.sign(z, out=ws("adv.sign"))
     acc.sum(keys.ADV.zero, n - torch.dot(sign, sign))  # invalid entries are 0 in z
     if clip is None:
         return None
-    return clip_into(acc, ws, *clip, sign, bad, b.eps_low, b.eps_high)
+    return clip_into(acc, ws, *clip, sign, v, b.eps_low, b.eps_high)
 
 
 def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut) -> None:

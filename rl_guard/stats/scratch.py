@@ -10,8 +10,9 @@ reads (the log-ratio, its validity, k3, the advantage sign) has its own name; th
 small and the buffers warm in cache.
 
 Validity travels inside the values: ``field`` adds the mask's gate (0 or -inf) to an input, so a value is
-non-finite exactly where the token is masked out or the input itself is NaN/inf; ``y * 0`` is then 0 or NaN, and
-``nan_to_num`` turns that into a 0/1 indicator, several times cheaper per element on CPU than boolean masks.
+non-finite exactly where the token is masked out or the input itself is NaN/inf; its zero-filled copy (needed for
+the sums anyway) equals it exactly at the finite entries, so one comparison written as floats gives the 0/1
+validity, several times cheaper per element on CPU than boolean masks.
 """
 
 from __future__ import annotations
@@ -60,14 +61,10 @@ def field(ws: Scratch, name: str, x: torch.Tensor, gate: torch.Tensor) -> torch.
     return torch.add(x, gate, out=ws(name))
 
 
-def invalid(ws: Scratch, name: str, y: torch.Tensor) -> torch.Tensor:
-    """1.0 where ``y`` is non-finite, 0.0 elsewhere (``y * 0`` is NaN exactly there)."""
-    return torch.mul(y, 0.0, out=ws(name)).nan_to_num_(1.0)
-
-
-def valid(ws: Scratch, name: str, y: torch.Tensor) -> torch.Tensor:
-    """1.0 where ``y`` is finite, 0.0 elsewhere."""
-    return torch.mul(y, 0.0, out=ws(name)).add_(1.0).nan_to_num_(0.0)
+def valid_of(ws: Scratch, name: str, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``y`` is finite, 0.0 elsewhere, given ``z = zero_filled(y)``: ``y == z`` holds exactly at the
+    finite entries (one comparison written as floats: a single pass instead of three)."""
+    return torch.eq(y, z, out=ws(name))
 
 
 def zero_filled(ws: Scratch, name: str, y: torch.Tensor) -> torch.Tensor:
@@ -89,9 +86,10 @@ def finite_min(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(y, math.inf, math.inf, math.inf, out=ws("extreme")).amin()
 
 
-def cell_index_into(ws: Scratch, x: torch.Tensor, spec: SketchSpec) -> torch.Tensor:
-    """``sketch.cell_index`` of a finite fp32 ``x``, computed in ``ws`` (int32 ``ws("cell", I32)``)."""
+def cell_index_into(ws: Scratch, x: torch.Tensor, spec: SketchSpec, extra: int = 0) -> torch.Tensor:
+    """``sketch.cell_index`` of a finite fp32 ``x`` plus a constant ``extra``, computed in ``ws`` (int32
+    ``ws("cell", I32)``)."""
     a = torch.abs(x, out=ws("cell.a")).add_(spec.scale).clamp_(max=spec.top)
     k = torch.bitwise_right_shift(a.view(I32), spec.shift, out=ws("cell", I32))
     sign = torch.bitwise_right_shift(x.view(I32), 31, out=ws("cell.sign", I32))
-    return k.sub_(spec.base).bitwise_xor_(sign).add_(spec.bins // 2)
+    return k.sub_(spec.base).bitwise_xor_(sign).add_(spec.bins // 2 + extra)

@@ -14,16 +14,15 @@ import torch
 from . import keys
 from .chunks import ChunkStats
 from .constants import EXP_CLAMP
-from .scratch import Scratch, cell_index_into, finite_max, finite_min, invalid, valid, zero_filled
+from .scratch import Scratch, cell_index_into, finite_max, finite_min, valid_of, zero_filled
 from .sketch import ENTROPY, LOG_RATIO, count_cells
 
 F64 = torch.float64
 
 
-def values_into(acc: ChunkStats, ws: Scratch, name: str, y, n, squares: bool = False) -> torch.Tensor:
-    """count ``n``, sum, (sum of squares), min, max of the finite entries of ``y``; returns ``y`` zero-filled."""
+def values_into(acc: ChunkStats, ws: Scratch, name: str, y, n, z, squares: bool = False) -> torch.Tensor:
+    """count ``n``, sum, (sum of squares), min, max of the finite entries of ``y`` (``z``: ``y`` zero-filled)."""
     key = keys.of(name)
-    z = zero_filled(ws, "z", y)  # a chunk temporary: read by the caller before the next family
     acc.sum(key.count, n)
     if squares:
         # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
@@ -37,13 +36,21 @@ def values_into(acc: ChunkStats, ws: Scratch, name: str, y, n, squares: bool = F
     return z
 
 
+def field_values(ws: Scratch, name: str, y):
+    """``(z, v, n)`` of a field ``y`` that is non-finite where invalid: ``y`` zero-filled (a chunk temporary, read
+    before the next family), its validity as 0/1 floats (in ``ws(name)``) and the valid count."""
+    z = zero_filled(ws, "z", y)
+    v = valid_of(ws, name, y, z)
+    return z, v, v.sum()
+
+
 def ratio_into(acc: ChunkStats, ws: Scratch, name: str, lr, hist: bool = True):
     """Ratio r = exp(lr) of a log-ratio ``lr`` (non-finite where invalid): count, sum r, min/max log r and (with
     ``hist``) the log-ratio histogram. Returns (zero-filled lr, validity, r - 1, count)."""
     key = keys.of(name)
-    v = valid(ws, f"{name}.v", lr)
-    n = v.sum()
     z = zero_filled(ws, f"{name}.z", lr)
+    v = valid_of(ws, f"{name}.v", lr, z)
+    n = v.sum()
     # expm1 keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32
     e = torch.clamp(z, max=EXP_CLAMP, out=ws("e")).expm1_()
     acc.sum(key.count, n)
@@ -56,79 +63,101 @@ def ratio_into(acc: ChunkStats, ws: Scratch, name: str, lr, hist: bool = True):
     return z, v, e, n
 
 
-def entropy_into(acc: ChunkStats, ws: Scratch, y, n) -> None:
-    """Entropy (non-finite where invalid, ``n`` valid): value statistics and histogram."""
-    z = values_into(acc, ws, "entropy", y, n)
+def entropy_into(acc: ChunkStats, ws: Scratch, y, n, z) -> None:
+    """Entropy (non-finite where invalid, ``n`` valid, ``z`` zero-filled): value statistics and histogram."""
+    values_into(acc, ws, "entropy", y, n, z)
     acc.hist(keys.ENTROPY.hist, count_cells(cell_index_into(ws, z, ENTROPY), ENTROPY.bins), ENTROPY.bins // 2,
              z.numel() - n)
 
 
-def clip_into(acc: ChunkStats, ws: Scratch, z, v, n, sign, adv_invalid, eps_low: float, eps_high: float):
+def clip_into(acc: ChunkStats, ws: Scratch, z, v, n, sign, adv_valid, eps_low: float, eps_high: float):
     """PPO clip fractions of the zero-filled log-ratio ``z`` (validity ``v``, ``n`` valid) against the advantage
-    ``sign`` (0 where invalid). With s = sign(A) both regions are one comparison, s * (lr - b) > a, where a -+ b
-    are the two log thresholds (a > |b|, so a zero-filled lr or A = 0 never clips); the low/high split follows
-    from sum(s * clipped) = high - low. Returns the clipped tokens as 0/1 floats."""
+    ``sign`` (0 where invalid; ``adv_valid`` its validity). With s = sign(A) both regions are one comparison,
+    s * (lr - b) > a, where a -+ b are the two log thresholds (a > |b|, so a zero-filled lr or A = 0 never clips);
+    the low/high split follows from sum(s * clipped) = high - low. Returns the clipped tokens as 0/1 floats."""
     lo, hi = math.log1p(-eps_low), math.log1p(eps_high)
     a, b = (hi - lo) / 2, (hi + lo) / 2
-    clipped = torch.sub(z, b, out=ws("clipped")).mul_(sign).sub_(a).sign_().clamp_(min=0.0)
+    clipped = torch.sub(z, b, out=ws("clipped")).mul_(sign)
+    torch.gt(clipped, a, out=clipped)
     n_clipped = clipped.sum()
     n_low = (n_clipped - torch.dot(clipped, sign)) * 0.5
-    acc.sum(keys.CLIP.count, n - torch.dot(v, adv_invalid))
+    acc.sum(keys.CLIP.count, torch.dot(v, adv_valid))
     acc.sum(keys.CLIP.low, n_low)
     acc.sum(keys.CLIP.high, n_clipped - n_low)
     return clipped
 
 
-def lag_into(acc: ChunkStats, ws: Scratch, versions, current_version: int, gate, edges, lut,
-             region=None) -> torch.Tensor:
-    """Policy lag ``current_version - round(versions)`` of the valid tokens: sum and max; returns ``lut`` at each
-    token's lag slot (int32): slot ``lag - edges[0]`` clamped into the edges, the last slot where the token or its
-    version is invalid, plus ``len(slots) * region`` when a per-token ``region`` is given (``lag_cell_lut``).
-    Exact in fp32 below 2^24."""
+def lag_slots(edges) -> int:
+    """Lag slots: one per integer lag in ``[edges[0], edges[-1]]`` plus one for invalid tokens (``lag_lut``)."""
+    return edges[-1] - edges[0] + 2
+
+
+def lag_into(acc: ChunkStats, ws: Scratch, versions, current_version: int, gate, edges, ratio_valid=None,
+             clipped=None) -> torch.Tensor:
+    """Policy lag ``current_version - round(versions)`` of the valid tokens: sum and max. Returns each token's
+    slot offset (int32) ``slot - (slots - 1) + slots * (2 - 2 * ratio_valid + clipped)``, where ``slot`` is
+    ``lag - edges[0]`` clamped into the edges, or the last slot where the token or its version is invalid (the
+    region term only with ``ratio_valid``; ``lag_slot_offset`` is the constant that makes it non-negative).
+    The slot is mapped to its bucket on the reduced counts (``lag_lut``), not per token. Exact in fp32 below
+    2^24."""
     lag = torch.sub(gate, torch.round(versions, out=ws("t0")), out=ws("t1")).add_(float(current_version))
-    bad = invalid(ws, "t2", lag)
     z = zero_filled(ws, "z", lag)
+    v = valid_of(ws, "t2", lag, z)
     acc.sum(keys.LAG.sum, z.sum())  # fp32 per chunk: relative error ~1e-7 even for huge lags
     acc.max(keys.LAG.max, finite_max(ws, lag))
     lo, hi = edges[0], edges[-1]
-    slot = torch.clamp(z, lo, hi, out=ws("t3")).add_(bad, alpha=hi + 1 - lo).clamp_(max=hi + 1)
-    if lo:
-        slot.sub_(lo)
-    if region is not None:
-        slot.add_(region, alpha=hi + 2 - lo)
-    idx = ws("idx", torch.int32).copy_(slot)
-    return torch.index_select(lut, 0, idx, out=ws("lag.bucket", torch.int32))  # several times faster than lut[idx]
+    slots = lag_slots(edges)
+    # valid: clamp(lag) - lo - (slots - 1) <= -1; invalid (z = 0, v = 0): 0, i.e. the last slot
+    slot = torch.clamp(z, lo, hi, out=ws("t3")).sub_(lo + slots - 1).mul_(v)
+    if ratio_valid is not None:
+        slot.add_(ratio_valid, alpha=-2.0 * slots)
+        if clipped is not None:
+            slot.add_(clipped, alpha=float(slots))
+    return ws("idx", torch.int32).copy_(slot)
 
 
-def lag_cell_lut(lut: torch.Tensor, nb: int) -> torch.Tensor:
-    """``lut`` (lag slot -> bucket) extended to (region, slot) -> offset of the bucket's block of log-ratio cells
-    in ``lag_cells_into``: ``bins * (bucket + (nb + 1) * region)`` for regions 0, 1, 2."""
-    return torch.cat([(lut + (nb + 1) * r) * LOG_RATIO.bins for r in range(3)])
+def lag_slot_offset(edges, regions: bool) -> int:
+    """The constant that turns ``lag_into``'s offsets into slot indices ``slot + slots * region`` >= 0."""
+    slots = lag_slots(edges)
+    return slots - 1 + (2 * slots if regions else 0)
 
 
-def lag_region(ws: Scratch, v, clipped) -> torch.Tensor:
-    """Region of each token's lag cells: 0 valid ratio, 1 valid ratio and clipped, 2 invalid ratio."""
-    region = torch.add(v, -1.0, out=ws("lag.region")).mul_(-2.0)
-    return region if clipped is None else region.add_(clipped)
+def lag_counts_into(acc: ChunkStats, offset, edges) -> None:
+    """Tokens per lag slot (no log-ratio: no cells), mapped to buckets by ``lag_finish``."""
+    offset.add_(lag_slot_offset(edges, regions=False))
+    acc.sum("lag.slots", count_cells(offset, lag_slots(edges)))
 
 
-def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, nb: int, z, k3) -> None:
-    """One count for every per-bucket figure: token ``t`` lands in cell ``cell(log r) + offset``, where the
-    offset (``lag_into`` with ``lag_cell_lut``) is ``bins * (bucket + (nb + 1) * region)`` (bucket ``nb``: masked
-    out, dropped). ``lag_finish`` splits the counts into the per-bucket ratio histograms, token counts and clip
-    counts, and the k3 sums (the same index weighted by k3)."""
-    idx = cell_index_into(ws, z, LOG_RATIO).add_(offset)
-    size = 3 * (nb + 1) * LOG_RATIO.bins
+def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, edges, z, k3) -> None:
+    """One count for every per-bucket figure: token ``t`` lands in cell ``cell(log r) + bins * (slot + slots *
+    region)`` (``lag_into``), where region is 0 for a valid ratio, 1 for a valid and clipped one, 2 for an invalid
+    one. ``lag_finish`` maps slots to buckets and splits the counts into the per-bucket ratio histograms, token
+    counts and clip counts, and the k3 sums (the same index weighted by k3)."""
+    bins = LOG_RATIO.bins
+    idx = cell_index_into(ws, z, LOG_RATIO, extra=bins * lag_slot_offset(edges, regions=True))
+    idx.add_(offset, alpha=bins)
+    size = 3 * lag_slots(edges) * bins
     acc.sum("lag.cells", count_cells(idx, size))
     acc.sum("lag.cells_k3", count_cells(idx, size, weights=ws("f64", F64).copy_(k3)))  # float64 sums per cell
 
 
-def lag_finish(acc: ChunkStats, nb: int, clipped: bool) -> None:
-    """Per-bucket figures from the counts of ``lag_cells_into``: token counts, clip counts (only when clipping was
-    counted), ratio histograms and k3 sums."""
+def _by_bucket(counts: torch.Tensor, lut: torch.Tensor, nb: int, dim: int) -> torch.Tensor:
+    """Per-slot counts summed into per-bucket ones along ``dim`` (``lut``: slot -> bucket, ``nb`` for invalid)."""
+    shape = list(counts.shape)
+    shape[dim] = nb + 1
+    return torch.zeros(shape, dtype=counts.dtype, device=counts.device).index_add_(dim, lut, counts)
+
+
+def lag_finish(acc: ChunkStats, lut: torch.Tensor, nb: int, ratio: bool, clipped: bool) -> None:
+    """Per-bucket figures from the per-slot counts of ``lag_counts_into`` or ``lag_cells_into``: token counts and,
+    with a log-ratio, clip counts (only when clipping was counted), ratio histograms and k3 sums."""
+    slots = lut.numel()
+    if not ratio:
+        acc.sum(keys.LAG.tokens, _by_bucket(acc.pop_sum("lag.slots"), lut, nb, 0)[:nb])
+        return
     bins = LOG_RATIO.bins
-    cells = acc.pop_sum("lag.cells").view(3, nb + 1, bins)[:, :nb]
-    k3 = acc.pop_sum("lag.cells_k3").view(3, nb + 1, bins)[:, :nb]
+    cells = _by_bucket(acc.pop_sum("lag.cells").view(3, slots, bins), lut, nb, 1)[:, :nb]
+    k3 = _by_bucket(acc.pop_sum("lag.cells_k3").view(3, slots, bins), lut, nb, 1)[:, :nb]
     acc.sum(keys.LAG.tokens, cells.sum((0, 2)))
     if clipped:
         acc.sum(keys.LAG.clip, cells[1].sum(1))
