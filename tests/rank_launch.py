@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,16 +23,33 @@ def free_port() -> int:
 
 
 def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None = None, timeout: int = 500) -> list[dict]:
+    """Each rank's output goes to a temporary file, not a pipe: a rank blocked on a full pipe while another waits
+    for it in a collective would hang. On a timeout every rank is killed and the test fails with their output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), **(extra_env or {})}
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]
     procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    results = []
+                              stdout=out, stderr=err, text=True, start_new_session=True)
+             for r, (out, err) in enumerate(logs)]
+    deadline, codes = time.monotonic() + timeout, []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        assert p.returncode == 0, stderr[-4000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
-    return results
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            codes.append(f"killed after {timeout} s")
+            p.wait()
+
+    def read(f) -> str:
+        f.seek(0)
+        return f.read()
+
+    texts = [(read(out), read(err)) for out, err in logs]
+    for out, err in logs:
+        out.close(), err.close()
+    for r, (code, (_, err)) in enumerate(zip(codes, texts)):
+        assert code == 0, f"rank {r} of {world}: exit {code}\n{err[-4000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in texts]
 
 
 def run_torchrun(script: Path, world: int, out: Path, *args: str, env: dict, cwd: Path = ROOT,
