@@ -111,8 +111,12 @@ class Guard:
 
     def attach_state(self, state) -> "Guard":
         """Use a custom state object (``capture(step) -> dict`` and ``restore(snapshot, lr_scale)``), e.g. one that
-        checkpoints through a framework's own save/load path."""
+        checkpoints through a framework's own save/load path. Optional: ``state.update_groups()``, the weights the
+        optimizer updates when they are not its ``param_groups`` (None: they are), and ``state.params_sharded``
+        True when those are this rank's partition (DeepSpeed ZeRO), so the update probe merges ranks by sum."""
         self.state = state
+        if self.config.sharded_grads is None and getattr(state, "params_sharded", False):
+            self.update_probe.sharded = True
         return self
 
     @property
@@ -214,6 +218,10 @@ class Guard:
         optimizer = getattr(self.state, "optimizer", None)
         return optimizer if hasattr(optimizer, "param_groups") else None
 
+    def _update_groups(self, optimizer) -> list:
+        update_groups = getattr(self.state, "update_groups", None)  # e.g. ZeRO's fp32 master partitions
+        return (update_groups and update_groups()) or param_groups_of(optimizer)
+
     def _probe_update_before(self) -> None:
         """Learning rates and the sampled weights right before the update (the last update joins this step)."""
         optimizer, self._probed_lrs = self._optimizer(), None
@@ -221,7 +229,7 @@ class Guard:
             return
         with self.protect("update probe"):
             lrs = learning_rates(optimizer)
-            self.observe_partial(self.update_probe.pre_step(param_groups_of(optimizer), lrs),
+            self.observe_partial(self.update_probe.pre_step(self._update_groups(optimizer), lrs),
                                  self.update_probe.lr_metrics(lrs))
             self._probed_lrs = lrs
 
@@ -232,7 +240,7 @@ class Guard:
         if optimizer is None or lrs is None:
             return
         with self.protect("update probe"):
-            groups = param_groups_of(optimizer)
+            groups = self._update_groups(optimizer)
             if decision.rollback:
                 self.update_probe.resync(groups)
                 return

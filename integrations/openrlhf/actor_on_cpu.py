@@ -166,6 +166,15 @@ def weights(engine):
     return [p.detach().clone() for p in engine.module.parameters()]  # ZeRO-2: every rank holds full parameters
 
 
+def master_norm(engine) -> float:
+    """||theta|| over every rank's fp32 master partition (ZeRO-2), float64: the reference for update/param_norm."""
+    import torch.distributed as dist
+
+    sq = sum(t.detach().double().square().sum() for t in engine.optimizer.single_partition_of_fp32_groups)
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -228,6 +237,7 @@ def main() -> None:
            "skipped_at_start": guard.controller.skipped_steps, "rollbacks_at_start": guard.controller.rollbacks}
     if PHASE == "train":
         s1, s2 = fit(policy, 1), fit(policy, 2)  # one optimizer step each; a snapshot after step 1 only
+        norm_before_3 = master_norm(policy.actor.model)
         s3 = fit(policy, 3, shift=6.0)      # rollout log-probs 6 nats above: weight e^-6 -> rollback to after step 1
         s4 = fit(policy, 4, shift=2.0)      # 2 nats: e^-2 -> skip
         policy.save_checkpoint("global_step4")  # OpenRLHF's own periodic save: carries the guard's state
@@ -236,6 +246,8 @@ def main() -> None:
                    skipped=guard.controller.skipped_steps, rollbacks=guard.controller.rollbacks,
                    status_has_guard=sorted(k for k in s1["status"] if k.startswith("rl_guard/behave_imp_weight/")),
                    behave_min=[s["status"].get("rl_guard/behave_imp_weight/min") for s in (s1, s3, s4)],
+                   param_norm=[norm_before_3, s3["status"].get("rl_guard/update/param_norm")],
+                   update_rel=s2["status"].get("rl_guard/update/rel"),
                    snapshot_dir=guard.state.snapshot_dir, ckpt_dir=guard.state.ckpt_dir,
                    snapshot_tags=sorted(os.listdir(guard.state.snapshot_dir)))
     else:

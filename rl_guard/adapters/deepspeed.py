@@ -24,6 +24,8 @@ deepspeed):
   to the probe as disjoint partitions (merged by sum) scaled by ``1 / loss_scale``.
 - Without ZeRO (stage 0) the gradients are in ``p.grad``; a skip drops them before the engine's step, so a torch
   optimizer leaves weights and moments alone (the engine still advances its LR schedule).
+- The update probe (``update/*``) reads, under ZeRO, this rank's fp32 master partitions (``MasterPartitions``:
+  ranks merge by sum), before the update inside the gate and after it at ``step_done``.
 - Snapshots, save-and-halt and rollback go through ``engine.save_checkpoint`` / ``load_checkpoint``
   (``EngineCheckpointState``): ZeRO-3 parameters are partitioned, so ``state_dict()`` copies would be empty.
 """
@@ -72,6 +74,41 @@ class ZeroGradients:
 
     def drop_grads(self) -> None:
         """Nothing here: ``EngineGate`` runs the step through ZeRO's overflow path, which frees the partitions."""
+
+
+def partitioned_optimizer(optimizer) -> bool:
+    """A ZeRO optimizer: it keeps this rank's fp32 master partition (ZeRO 1/2: ``single_partition_of_fp32_groups``,
+    3: ``fp32_partitioned_groups_flat``), disjoint across ranks."""
+    return hasattr(optimizer, "single_partition_of_fp32_groups") or hasattr(optimizer, "fp32_partitioned_groups_flat")
+
+
+def master_partitions(optimizer) -> list[list[torch.Tensor]] | None:
+    """This rank's fp32 master partitions per parameter group, what a ZeRO optimizer updates (None for any other
+    optimizer). ZeRO 3 splits a group into sub-groups and hands each to the torch optimizer only during ``step``
+    (its ``param_groups`` are empty in between), so the partitions are read from the ZeRO optimizer itself."""
+    if not partitioned_optimizer(optimizer):
+        return None
+    flat = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if flat is None:  # ZeRO 1/2: one partition per group
+        return [[t] for t in optimizer.single_partition_of_fp32_groups]
+    groups: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for sub, t in enumerate(flat):
+        groups[optimizer.sub_group_to_group_id[sub]].append(t)
+    return groups
+
+
+class MasterPartitions:
+    """Part of the guard's state protocol for ZeRO: the update probe reads this rank's fp32 master partitions
+    (``update_groups``), which ranks merge by sum (``params_sharded``)."""
+
+    optimizer = None
+
+    @property
+    def params_sharded(self) -> bool:
+        return partitioned_optimizer(self.optimizer)
+
+    def update_groups(self) -> list[list[torch.Tensor]] | None:
+        return master_partitions(self.optimizer)
 
 
 def gradient_source(engine):
@@ -144,14 +181,14 @@ def gate_accelerator(accelerator, guard) -> EngineGate | None:
     return EngineGate(engine, guard)
 
 
-class EngineCheckpointState:
+class EngineCheckpointState(MasterPartitions):
     """The guard's state protocol over ``engine.save_checkpoint`` / ``load_checkpoint`` (collective: every rank
     calls them at the same step, as every rank takes the same decision). A snapshot is a checkpoint tag."""
 
     def __init__(self, engine, guard, ckpt_dir=None):
         self.engine, self.guard = engine, guard
         self.ckpt_dir = str(ckpt_dir or guard.run_dir / "deepspeed_snapshots")
-        self.model = engine.module
+        self.model, self.optimizer = engine.module, engine.optimizer
 
     def capture(self, step: int) -> dict:
         tag = f"rl_guard_step{step}"

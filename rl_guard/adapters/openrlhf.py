@@ -36,6 +36,7 @@ from ..control.ram_dir import ram_dir
 from ..control.state import scale_lr
 from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
+from .deepspeed import MasterPartitions
 
 SUPPORTED = {"openrlhf": ((0, 11), (0, 12))}
 # Experience fields as of openrlhf 0.11.2 (tests compare with the real dataclass) and the ones read here.
@@ -78,7 +79,7 @@ def guard_policy_loss(guard, policy_loss, experience, log_probs, entropy=None, *
     return out
 
 
-class CheckpointState:
+class CheckpointState(MasterPartitions):
     """The guard's state protocol over OpenRLHF checkpoints: a snapshot is a ``strategy.save_ckpt`` tag.
 
     ``snapshot_dir``: where rollback snapshots go (``where: memory``: a RAM-backed tmpfs directory, see

@@ -22,6 +22,7 @@ from torch import distributed as dist
 
 from rl_guard import Guard
 from rl_guard.adapters.deepspeed import EngineCheckpointState, EngineGate, ZeroGradients
+from zero_reference import exact_update, masters
 
 # DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
 # it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
@@ -76,7 +77,7 @@ def run(stage: int, action: str) -> dict:
     gate = EngineGate(eng, guard)
     steps = []
     for step in range(STEPS):
-        before = weights(eng)
+        before, master_before = weights(eng), masters(eng)
         for micro in range(GAS):
             g = torch.Generator().manual_seed(100 * step + 10 * micro + RANK)  # each rank its own data
             x, y = torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)
@@ -91,10 +92,15 @@ def run(stage: int, action: str) -> dict:
         guard.actions.restore_pending()
         guard.step_done()
         m = guard.last_logged
+        param_norm, update_rel = exact_update(master_before, masters(eng))
         steps.append({"step": step, "action": decision.action, "apply": decision.apply_step, "stop": decision.stop,
                       "grad_nonfinite": m.get("rl_guard/grad/nonfinite"), "grad_norm": m.get("rl_guard/grad/norm"),
                       "ds_grad_norm": None if not decision.apply_step else float(eng.get_global_grad_norm()),
-                      "before": before, "after": weights(eng), "skipped_steps": eng.skipped_steps})
+                      "before": before, "after": weights(eng), "skipped_steps": eng.skipped_steps,
+                      # the probe reports step t's update with step t+1's statistics
+                      "probe_param_norm": m.get("rl_guard/update/param_norm"),
+                      "probe_update_rel": m.get("rl_guard/update/rel"),
+                      "exact_param_norm": param_norm, "exact_update_rel": update_rel})
         if decision.stop:
             break
     gate.remove()

@@ -31,6 +31,12 @@ def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, acti
         # healthy step: applied; the guard's norm over ZeRO partitions equals DeepSpeed's own global norm
         assert healthy["action"] is None and healthy["before"]["module"] != healthy["after"]["module"]
         assert healthy["grad_norm"] == pytest.approx(healthy["ds_grad_norm"], rel=1e-6)
+        # update probe over the fp32 master partitions (small enough to be read whole, so exact): the parameter
+        # norm before each step, and step 0's update reported with step 1
+        for s in steps:
+            assert s["probe_param_norm"] == pytest.approx(s["exact_param_norm"], rel=1e-6)
+        assert steps[0]["exact_update_rel"] > 0
+        assert steps[1]["probe_update_rel"] == pytest.approx(steps[0]["exact_update_rel"], rel=1e-5)
         bad = steps[fault]
         assert bad["grad_nonfinite"] >= 1 and bad["action"] == action and not bad["apply"]
         if action == "rollback":  # back to the snapshot after step 0, the weights step 1 started from (the restored

@@ -26,6 +26,11 @@ def test_inf_gradient_dropped_before_deepspeed_applies_it(tmp_path, world, actio
         assert (res["world"], res["backend"], res["zero_stage"]) == (world, "gloo", 2)
         steps = {s["step"]: s for s in res["steps"]}
         assert steps[0]["decision"][1] is None and steps[0]["before"]["module"] != steps[0]["after"]["module"]
+        # the update probe reads the fp32 master partitions (the tiny model's tensors are sampled, 1,024 elements
+        # each: the norm is exact, the update within the probe's sampling error)
+        for s in res["steps"]:
+            assert s["probe_param_norm"] == pytest.approx(s["exact_param_norm"], rel=1e-6)
+        assert steps[1]["probe_update_rel"] == pytest.approx(steps[0]["exact_update_rel"], rel=0.1)
         bad = steps[FAULT_STEP]
         assert bad["decision"] == [FAULT_STEP + 1, action]  # guard step n ends with global_step n
         assert bad["grad_nonfinite"] >= 1

@@ -22,6 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.tiny import build_tiny_model, prompt_dataset, repeat_last_digit_reward
+from zero_reference import exact_update, masters
 
 # DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
 # it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
@@ -56,6 +57,7 @@ class Probe(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kw):
         self.before = self.weights(model)
+        self.master_before = masters(self.guard_cb.trainer.model_wrapped)
         if state.global_step == FAULT_STEP and self.rank == self.world - 1:
             p = next(p for p in model.parameters() if p.requires_grad)
 
@@ -75,7 +77,11 @@ class Probe(TrainerCallback):
             self.hook.remove()
             self.hook = None
         m = self.guard_cb.guard.last_metrics
-        self.steps.append({"step": state.global_step - 1, "decision": self.decision,
+        param_norm, update_rel = exact_update(self.master_before, masters(self.guard_cb.trainer.model_wrapped))
+        self.steps.append({"exact_param_norm": param_norm, "exact_update_rel": update_rel,
+                           # the update probe reports step t's update with step t+1's statistics
+                           "probe_param_norm": m.get("rl_guard/update/param_norm"),
+                           "probe_update_rel": m.get("rl_guard/update/rel"),"step": state.global_step - 1, "decision": self.decision,
                            "stop": bool(control.should_training_stop),
                            "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
                            "grad_norm": m.get("rl_guard/grad/norm"), "before": self.before,

@@ -46,6 +46,10 @@ def test_launcher_hook_guards_the_real_actor_and_resumes(model, tmp_path, world)
     # behaviour (vLLM) vs the trainer's recompute: exactly 1, then e^-6 and e^-2; ppo_train's status carries them
     assert first["behave_min"] == pytest.approx([1.0, 2.478752e-3, 0.1353353], rel=1e-5)
     assert "rl_guard/behave_imp_weight/p99" in first["status_has_guard"]
+    # update probe over ZeRO's fp32 master partitions, merged by sum across ranks: the parameter norm before
+    # step 3 is that of the full fp32 weights, on every rank
+    for r in ranks:
+        assert r["param_norm"][1] == pytest.approx(r["param_norm"][0], rel=1e-6) and r["update_rel"] > 0
     # where: memory -> the snapshot tags live on /dev/shm; the save-and-halt directory stays on disk
     assert first["snapshot_dir"].startswith("/dev/shm/") and "rl_guard_step1" in first["snapshot_tags"]
     assert all(r["snapshot_tags"] == first["snapshot_tags"] for r in ranks)  # no rank freed it under another
