@@ -3,6 +3,7 @@
 Usage (environment: .venv-areal from the README's test command):
     python integrations/areal_async/tiny_qwen2.py /tmp/qwen2
     torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run
+    torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run resume
 Prints one JSON line per rank (tests/adapters/areal/ runs it with one and two processes). The engine is ``GuardedFSDPPPOActor`` (the class a single-controller run's workers
 import by dotted path), built and initialised the way AReaL's SPMD ``PPOTrainer`` builds it, and trained through
 ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update``. No AReaL code is patched: AReaL picks its CPU
@@ -13,7 +14,10 @@ Steps (one ``ppo_update`` each, one mini-batch = one optimizer step; a snapshot 
 3   behaviour log-probs 6 nats above the proximal ones -> ``behave_imp_weight`` min e^-6 -> rollback to the
     snapshot after step 1 (step 2 had moved the weights), through the engine's own DCP save / load;
 4   stale: versions 9 behind, above max_head_offpolicyness=2 -> ``staleness_bound`` warns, update applied;
-5   2 nats above -> min e^-2 -> skip: weights bitwise unchanged.
+5   2 nats above -> min e^-2 -> skip: weights bitwise unchanged;
+    then a recover checkpoint, saved as AReaL's ``RecoverHandler`` saves one (``engine.save``, DCP, with the
+    optimizer). ``resume`` loads it as ``RecoverHandler`` does (``engine.load``) and trains step 6: the guard
+    continues from step 5 with its counters.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 os.environ.setdefault("AREAL_SPMD_MODE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 MODEL, OUT = sys.argv[1], sys.argv[2]
+PHASE = sys.argv[3] if len(sys.argv) > 3 else "train"
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 os.environ["LOCAL_RANK"] = str(RANK)
 
@@ -50,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 torch.set_num_threads(1)
 from areal.api.alloc_mode import ModelAllocation  # noqa: E402
 from areal.api.cli_args import OptimizerConfig, PPOActorConfig, MicroBatchSpec  # noqa: E402
-from areal.api.io_struct import FinetuneSpec  # noqa: E402
+from areal.api.io_struct import FinetuneSpec, SaveLoadMeta  # noqa: E402
 from areal.infra.platforms import current_platform  # noqa: E402
 
 from rl_guard.adapters.areal_engine import GuardedFSDPPPOActor  # noqa: E402
@@ -120,6 +125,16 @@ def main() -> None:
     guard = engine.rl_guard
 
     out = {"rank": RANK, "platform": current_platform.device_type, "backend": dist.get_backend()}
+    recover = SaveLoadMeta(path=os.path.join(OUT, "recover"), weight_format="dcp", with_optim=True,
+                           tokenizer=None, processor=None, base_model_path=None)  # RecoverHandler's meta
+    if PHASE == "resume":
+        engine.load(recover)
+        out.update(guard_at_start=[guard.step, guard.controller.skipped_steps, guard.controller.rollbacks])
+        s6 = train_step(engine, 6)
+        out.update(applied_after_resume=s6["changed"], steps=guard.step)
+        print(json.dumps(out), flush=True)
+        engine.destroy()
+        return
     s1 = train_step(engine, 1)
     s2 = train_step(engine, 2)
     s3 = train_step(engine, 3, behaviour_shift=6.0)
@@ -144,6 +159,7 @@ def main() -> None:
         incidents=[(i.get("step"), i.get("rule"), i.get("action")) for i in incidents],
         snapshot_dir=str(guard.state.snapshot_dir),
         snapshot_files=sorted(os.listdir(guard.state.snapshot_dir)))
+    engine.save(recover)
     print(json.dumps(out), flush=True)
     engine.destroy()
 

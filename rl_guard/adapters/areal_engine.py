@@ -17,6 +17,9 @@ Read against areal 1.0.4 (``areal/engine/fsdp_engine.py``, ``areal/infra/control
   ``weight_format="dcp"``, ``with_optim=True``: torch.distributed.checkpoint of the FSDP2 model and optimizer,
   collective over the engine's ranks); the LR schedule, which DCP leaves out, is kept as its ``state_dict``.
   ``where: memory`` writes them under ``/dev/shm`` (RAM-backed), ``where: disk`` under the run directory.
+- Resume: ``GuardedFSDPPPOActor.save`` / ``load`` add the guard's state (``rl_guard_rank<r>.pt``) to every DCP save
+  and load outside the guard's snapshots, which is how AReaL's ``RecoverHandler`` writes and reads its recover
+  checkpoints (``areal/utils/recover.py``), so a recovered run continues the guard's step and counters.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from areal.api.io_struct import SaveLoadMeta
 from areal.engine.fsdp_engine import FSDPPPOActor
 
@@ -111,6 +115,29 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
         out = super().initialize(*args, **kwargs)
         self.rl_guard = install_with_engine_state(self, guard_from_env())
         return out
+
+    def save(self, meta: SaveLoadMeta):
+        """AReaL's own save (``RecoverHandler`` recover checkpoints are DCP saves with the optimizer), plus the
+        guard's state beside it, so that a recovered run resumes the guard's step, counters and windows."""
+        super().save(meta)
+        if self.rl_guard is not None and meta.weight_format == "dcp" and not self._guard_snapshot(meta.path):
+            with self.rl_guard.protect("save guard state"):
+                torch.save(self.rl_guard.state_dict(), self._guard_state_path(meta.path))
+
+    def load(self, meta: SaveLoadMeta):
+        """AReaL's own load, plus the guard's state saved beside it (not on the guard's own rollback, which keeps
+        its counters)."""
+        super().load(meta)
+        path = None if self.rl_guard is None or self._guard_snapshot(meta.path) else self._guard_state_path(meta.path)
+        if path is not None and path.exists():
+            self.rl_guard.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+    def _guard_state_path(self, path: str) -> Path:
+        return Path(path) / f"rl_guard_rank{self.rl_guard.rank}.pt"
+
+    def _guard_snapshot(self, path: str) -> bool:
+        snapshots = getattr(self.rl_guard.state, "snapshot_dir", None)
+        return snapshots is not None and Path(path).resolve().is_relative_to(Path(snapshots).resolve())
 
     def rl_guard_summary(self) -> dict:
         """For the controller (``_custom_function_call``): the guard's last logged metrics on this rank."""

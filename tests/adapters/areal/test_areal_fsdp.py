@@ -33,8 +33,8 @@ def model(tmp_path_factory):
     return build(tmp_path_factory.mktemp("qwen2") / "model")
 
 
-def run_ranks(model, out: Path, world: int) -> list[dict]:
-    return launch(ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py", [model, out], world,
+def run_ranks(model, out: Path, world: int, phase: str = "train") -> list[dict]:
+    return launch(ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py", [model, out, phase], world,
                   {"OMP_NUM_THREADS": "1"})
 
 
@@ -69,3 +69,8 @@ def test_real_fsdp_ppo_actor_guarded(model, tmp_path, world):
             "lag_max_stale", "behave_far")
     for other in ranks[1:]:
         assert {k: other[k] for k in keys} == {k: first[k] for k in keys}
+
+    # recover: AReaL's RecoverHandler meta through engine.save / engine.load carries the guard's state
+    for r in run_ranks(model, tmp_path, world, "resume"):
+        assert r["guard_at_start"] == [5, first["skipped"], 1]
+        assert r["applied_after_resume"] and r["steps"] == 6
