@@ -1,7 +1,8 @@
 """One rank of a real DeepSpeed ZeRO run on CPU (gloo), the guard gating ``engine.step``.
 
 Usage (one process per rank, env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): ds_zero_worker.py OUT STAGES
-with STAGES like ``2,3``. For every stage, three runs whose ``nonfinite_grad`` action is ``skip_step``,
+with STAGES like ``2,3,2-offload`` (``-offload``: ZeRO-Offload, the optimizer and its fp32 partition on the CPU,
+run by torch's Adam). For every stage, three runs whose ``nonfinite_grad`` action is ``skip_step``,
 ``checkpoint_and_halt`` or ``rollback`` (snapshots through ``engine.save_checkpoint``). At the fault step the last
 rank alone writes an inf into its own gradient partition after the backward (after DeepSpeed's reduce-scatter),
 before ``engine.step``. Writes OUT/rank<r>.json.
@@ -30,15 +31,18 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 STEPS, GAS = 4, 2
 FAULT_STEP = {"skip_step": 1, "checkpoint_and_halt": 1, "rollback": 2}  # rollback: a snapshot from step 0
-OUT, STAGES = Path(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
+OUT, STAGES = Path(sys.argv[1]), sys.argv[2].split(",")
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def engine(stage: int):
+def engine(spec: str):
+    stage, offload = int(spec.split("-")[0]), spec.endswith("-offload")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},  # really partitioned
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,  # really partitioned
+                                 **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
+           "zero_force_ds_cpu_optimizer": False,  # offload with torch's Adam rather than DeepSpeedCPUAdam (native)
            "bf16": {"enabled": True}, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
            # torch's Adam: no native DeepSpeed op to build
@@ -67,7 +71,7 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
-def run(stage: int, action: str) -> dict:
+def run(stage: str, action: str) -> dict:
     eng = engine(stage)
     snapshots = "snapshots: {healthy_steps: 1, every: 100, keep: 1, where: memory}\n" if action == "rollback" else ""
     guard = Guard.from_yaml(f"version: 1\nsinks: [jsonl]\n{snapshots}"

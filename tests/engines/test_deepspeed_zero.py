@@ -1,4 +1,5 @@
-"""The guard on real DeepSpeed ZeRO-2 and ZeRO-3 engines: two CPU processes (gloo), bf16, torch's Adam.
+"""The guard on real DeepSpeed ZeRO-2 and ZeRO-3 engines, with and without ZeRO-Offload (the optimizer on the CPU):
+two CPU processes (gloo), bf16, torch's Adam.
 
 The last rank alone gets an inf in its own gradient partition after the reduce-scatter and before
 ``engine.step``; the guard, gating ``engine.step`` (``rl_guard/adapters/deepspeed.py``), must take the same
@@ -12,15 +13,18 @@ import pytest
 
 from launch import run_ranks
 
-pytestmark = pytest.mark.slow  # two processes importing deepspeed: about 30 s
+pytestmark = pytest.mark.slow  # two processes importing deepspeed, 12 engines: about 60 s
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_ranks("ds_zero_worker.py", 2, tmp_path_factory.mktemp("zero"), "2,3")
+    return run_ranks("ds_zero_worker.py", 2, tmp_path_factory.mktemp("zero"), ",".join(STAGES), timeout=480)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+STAGES = ["2", "3", "2-offload", "3-offload"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("action", ["skip_step", "checkpoint_and_halt", "rollback"])
 def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, action):
     runs = [r[f"zero{stage}_{action}"] for r in ranks]
@@ -56,5 +60,5 @@ def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, acti
     # the same decision and metrics on every rank at every step; under ZeRO-2 every rank holds the same full weights
     assert [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in run["steps"]] for run in runs] == \
         [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in runs[0]["steps"]]] * 2
-    if stage == 2:
+    if stage.startswith("2"):
         assert all(len(set(s["after"]["module"])) == 1 for s in runs[0]["steps"])
