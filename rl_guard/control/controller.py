@@ -87,7 +87,7 @@ class Controller:
         self.missing_warned: set[str] = set()
         self.absent_for: dict[str, int] = {}
         # Only metrics some rule watches need a history (spike windows, incident windows).
-        self.watched = {m for r in self.rules for m in r.metrics}
+        self.watched = tuple(dict.fromkeys(m for r in self.rules for m in r.metrics))
 
     def decide(self, metrics: dict[str, float], can_rollback: bool = True) -> Decision:
         """Evaluate all rules on this step's metrics; update history and counters; return the decision."""
@@ -114,7 +114,7 @@ class Controller:
                 f.message = message(f.rule, f.verdict, self.step, self.rank, f"would {f.action} (shadow mode)") + persistent
         # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
         # regime change must become the new normal for the spike detectors, or it would be refused forever.
-        self.history.push({k: v for k, v in metrics.items() if k in self.watched})
+        self.history.push({m: metrics[m] for m in self.watched if m in metrics})
         return decision
 
     def _persistent_fault(self, decision: Decision) -> str:

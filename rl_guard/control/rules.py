@@ -20,7 +20,9 @@ never be within a threshold") and reads ``<metric> = nan is non-finite``. Compos
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,26 +30,53 @@ import numpy as np
 from .config import RULE_DEFAULTS, SEVERITY_BY_ACTION, SPIKE_DEFAULTS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Verdict:
+    """One condition's (or rule's) outcome. ``reason`` reads ``<metric> = <value> <op> <threshold>`` and ``detail``
+    says how a spike limit was found; both are built only when read (every rule is evaluated every step, and a
+    verdict that does not fire is rarely read)."""
+
     fired: bool
-    reason: str = ""
     metric: str = ""
     value: float = math.nan
     op: str = ""
     threshold: float | str = ""
     missing: bool = False
-    detail: str = ""
     nonfinite: bool = False  # fired because a value was NaN/inf (bypasses warmup and patience)
+    text: Callable[[], tuple[str | None, str]] | None = None  # -> (reason or None for the template, detail)
+
+    @property
+    def reason(self) -> str:
+        custom = self.text()[0] if self.text is not None else None
+        if custom is not None:
+            return custom
+        if self.missing:
+            return f"{self.metric} not reported this step"
+        return f"{self.metric} = {_fmt(self.value)} {self.op} {_fmt(self.threshold)}" if self.op else ""
+
+    @property
+    def detail(self) -> str:
+        return self.text()[1] if self.text is not None else ""
+
+    def _key(self) -> tuple:
+        return (self.fired, self.metric, self.value, self.op, self.threshold, self.missing, self.nonfinite,
+                self.reason, self.detail)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Verdict) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def verdict(fired: bool, metric: str, x: float, op: str, threshold, detail: str = "") -> Verdict:
-    """A verdict whose reason follows the one template ``<metric> = <value> <op> <threshold>``."""
-    return Verdict(fired, f"{metric} = {_fmt(x)} {op} {_fmt(threshold)}", metric, x, op, threshold, detail=detail)
+def verdict(fired: bool, metric: str, x: float, op: str, threshold, detail: Callable[[], str] | None = None) -> Verdict:
+    """A verdict whose reason follows the one template ``<metric> = <value> <op> <threshold>``; ``detail`` is
+    called only if the detail is read."""
+    return Verdict(fired, metric, x, op, threshold, text=None if detail is None else (lambda: (None, detail())))
 
 
 class History:
@@ -122,6 +151,9 @@ class _Ring:
         return view
 
 
+_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
 class Condition:
     """One metric test, built from a validated YAML mapping."""
 
@@ -130,25 +162,25 @@ class Condition:
         self.op = spec.get("op")
         self.threshold = spec.get("threshold")
         self.band = spec.get("band")
+        self._band_text = f"[{self.band[0]}, {self.band[1]}]" if self.band else ""
+        self._compare = _COMPARE.get(self.op)
         self.spike = {**SPIKE_DEFAULTS, **spec["spike"]} if spec.get("spike") is not None else None
 
     def evaluate(self, metrics: dict[str, float], history: History) -> Verdict:
         if self.metric not in metrics:
-            return Verdict(False, f"{self.metric} not reported this step", self.metric, missing=True)
+            return Verdict(False, self.metric, missing=True)
         x = float(metrics[self.metric])
         if not math.isfinite(x):
-            v = verdict(True, self.metric, x, "is", "non-finite")
-            return Verdict(True, v.reason, self.metric, x, "is", "non-finite", nonfinite=True)
+            return Verdict(True, self.metric, x, "is", "non-finite", nonfinite=True)
         if self.op == "nonfinite":
             return verdict(False, self.metric, x, "is", "non-finite")
         if self.spike is not None:
             return self._spike(x, history)
         if self.op == "outside":
             lo, hi = self.band
-            return verdict(x < lo or x > hi, self.metric, x, "outside", f"[{lo}, {hi}]")
+            return verdict(x < lo or x > hi, self.metric, x, "outside", self._band_text)
         t = float(self.threshold)
-        fired = {">": x > t, ">=": x >= t, "<": x < t, "<=": x <= t}[self.op]
-        return verdict(fired, self.metric, x, self.op, t)
+        return verdict(self._compare(x, t), self.metric, x, self.op, t)
 
     def _spike(self, x: float, history: History) -> Verdict:
         s = self.spike
@@ -156,20 +188,24 @@ class Condition:
         if method == "early_max":
             early = history.first.get(self.metric, [])[:window]
             if len(early) < window or max(early) <= 0:  # a multiple of a non-positive max means nothing
-                return Verdict(False, "", self.metric, x)
-            factor = float(s["factor"])
-            limit = factor * max(early)
-            return verdict(x >= limit, self.metric, x, ">=", limit, f"{factor:g} x early max {_fmt(max(early))} "
-                           f"(first {window} steps)")
+                return Verdict(False, self.metric, x)
+            factor, top = float(s["factor"]), max(early)
+            limit = factor * top
+            return verdict(x >= limit, self.metric, x, ">=", limit,
+                           lambda: f"{factor:g} x early max {_fmt(top)} (first {window} steps)")
         past = history.last(self.metric, window)
         if len(past) < s["min_history"]:
-            return Verdict(False, "", self.metric, x)
+            return Verdict(False, self.metric, x)
         center, scale, label = _center_scale(method, past, window)
         scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
         z = (x - center) / scale
         k = float(s["threshold"])
         lo, hi = center - k * scale, center + k * scale
-        detail = f"{label} = {z:.3g} vs {k:g} (center {_fmt(center)}, scale {_fmt(scale)}, {len(past)} steps)"
+        n = len(past)
+
+        def detail() -> str:
+            return f"{label} = {z:.3g} vs {k:g} (center {_fmt(center)}, scale {_fmt(scale)}, {n} steps)"
+
         direction = s["direction"]
         if direction == "up":
             return verdict(z > k, self.metric, x, ">", hi, detail)
@@ -178,11 +214,19 @@ class Condition:
         return verdict(abs(z) > k, self.metric, x, "outside", f"[{_fmt(lo)}, {_fmt(hi)}]", detail)
 
 
+def _median(a: np.ndarray) -> float:
+    """``np.median`` of a finite 1-D array (the same value: the middle element, or the mean of the two middle
+    ones), from one sort instead of numpy's general machinery, which costs several times more on a short window."""
+    s = np.sort(a)
+    m = s.size // 2
+    return float(s[m]) if s.size % 2 else float((s[m - 1] + s[m]) / 2.0)
+
+
 def _center_scale(method: str, arr: np.ndarray, window: int) -> tuple[float, float, str]:
     if method == "mad":
-        center = float(np.median(arr))
+        center = _median(arr)
         dev = np.abs(arr - center)
-        mad = float(np.median(dev))
+        mad = _median(dev)
         return center, (1.4826 * mad if mad > 0 else 1.2533 * float(np.mean(dev))), "robust z"
     alpha = 2.0 / (window + 1.0)
     center, var = float(arr[0]), 0.0
@@ -208,24 +252,26 @@ class Rule:
         self.mode = "all" if "all" in spec else ("any" if "any" in spec else "single")
         subs = spec[self.mode] if self.mode != "single" else [spec]
         self.conditions = [Condition(c) for c in subs]
-
-    @property
-    def metrics(self) -> list[str]:
-        return [c.metric for c in self.conditions]
+        self.metrics: list[str] = [c.metric for c in self.conditions]
 
     def evaluate(self, metrics: dict[str, float], history: History) -> Verdict:
-        verdicts = [c.evaluate(metrics, history) for c in self.conditions]
         if self.mode == "single":
-            return verdicts[0]
+            return self.conditions[0].evaluate(metrics, history)
+        verdicts = [c.evaluate(metrics, history) for c in self.conditions]
         fired = [v for v in verdicts if v.fired]
         ok = len(fired) == len(verdicts) if self.mode == "all" else bool(fired)
         lead = fired[0] if fired else verdicts[0]
         shown = verdicts if self.mode == "all" else fired
-        reason = f" {'and' if self.mode == 'all' else 'or'} ".join(v.reason for v in shown if v.reason)
-        detail = "; ".join(v.detail for v in shown if v.detail)
-        return Verdict(ok, reason, lead.metric, lead.value, lead.op, lead.threshold,
-                       missing=all(v.missing for v in verdicts), detail=detail,
-                       nonfinite=ok and any(v.nonfinite for v in fired))
+        joiner = " and " if self.mode == "all" else " or "
+
+        def text() -> tuple[str, str]:
+            reasons = [v.reason for v in shown]
+            details = [v.detail for v in shown]
+            return joiner.join(r for r in reasons if r), "; ".join(d for d in details if d)
+
+        return Verdict(ok, lead.metric, lead.value, lead.op, lead.threshold,
+                       missing=all(v.missing for v in verdicts), nonfinite=ok and any(v.nonfinite for v in fired),
+                       text=text)
 
     def bypasses_modifiers(self, verdict: Verdict) -> bool:
         """Built-in non-finite rules, and any non-finite value, skip warmup and patience (the ladder's first rung)."""
