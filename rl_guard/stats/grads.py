@@ -42,6 +42,12 @@ class GradientSource(Protocol):
     def drop_grads(self) -> None: ...
 
 
+def is_gradient_source(obj) -> bool:
+    """``isinstance(obj, GradientSource)``, answered at once for optimizers, modules and parameter lists: the
+    protocol check inspects every member of the protocol, a cost paid several times per step otherwise."""
+    return hasattr(obj, "grad_groups") and isinstance(obj, GradientSource)
+
+
 def _dtensor_class():
     try:
         from torch.distributed.tensor import DTensor
@@ -74,6 +80,8 @@ def local_shards(groups, sharded: bool | None = None) -> tuple[list[list[tuple[t
     dtensor = _dtensor_class()
     has_dtensor = dtensor is not None and any(isinstance(t, dtensor) for group in groups for t in group)
     merge_sum = has_dtensor if sharded is None else sharded
+    if not has_dtensor:  # plain tensors: every one is its own local part, weight 1
+        return [[(t, 1.0) for t in group if t.numel()] for group in groups], merge_sum
     world = float(rank_and_world()[1])
     out = []
     for group in groups:
@@ -92,7 +100,7 @@ def local_shards(groups, sharded: bool | None = None) -> tuple[list[list[tuple[t
 def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[dict[float, list[torch.Tensor]]], bool]:
     """Per group, this rank's gradient tensors bucketed by weight (``local_shards``), and whether ranks merge
     them by sum."""
-    if isinstance(param_groups, GradientSource):
+    if is_gradient_source(param_groups):
         merge_sum = param_groups.sharded if sharded is None else sharded
         groups = param_groups.grad_groups()
         return [{1.0: [g for g in group if g is not None and g.numel()]} for group in groups], merge_sum
@@ -117,30 +125,32 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     scale = float(getattr(param_groups, "scale", 1.0))
     p = Partial()
     add = p.add_sum if merge_sum else p.add_max
-    sq_total, max_abs, bad = [], [], []
-    # Constants are created on the gradients' device: a CPU tensor would need a blocking copy (a sync) later.
-    device = next((g.device for group in groups for ts in group.values() for g in ts), None)
-    for i, group in enumerate(groups):
-        if not group:
-            add(keys.grad_group(i), torch.zeros((), dtype=torch.float64, device=device))
-            continue
-        sq_parts, linf_parts, bad_parts = [], [], []
+    # One multi-tensor norm per kind over every group (per-call cost is paid once, not per group and weight).
+    tensors, weights, spans = [], [], []
+    for group in groups:
+        start = len(tensors)
         for weight, grads in group.items():
-            l2 = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
-            linf = torch.stack(torch._foreach_norm(grads, math.inf)).double()
-            sq_parts.append((l2 * l2).sum() * (weight * scale * scale))
-            linf_parts.append(linf.max() * scale)
-            # A tensor with any NaN/inf has a non-finite L2 or inf norm.
-            bad_parts.append((~torch.isfinite(l2) | ~torch.isfinite(linf)).sum() * weight)
-        sq = torch.stack(sq_parts).sum()
-        add(keys.grad_group(i), sq)
-        sq_total.append(sq)
-        max_abs.append(torch.stack(linf_parts).max())
-        bad.append(torch.stack(bad_parts).sum())
-    if sq_total:
-        add(keys.GRAD.sq, torch.stack(sq_total).sum())
-        p.add_max(keys.GRAD.max_abs, torch.stack(max_abs).max())
-        add(keys.GRAD.nonfinite, torch.stack(bad).sum())
+            tensors.extend(grads)
+            weights.extend([weight] * len(grads))
+        spans.append((start, len(tensors)))
+    # Constants are created on the gradients' device: a CPU tensor would need a blocking copy (a sync) later.
+    device = tensors[0].device if tensors else None
+    if tensors:
+        l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
+        linf = torch.stack(torch._foreach_norm(tensors, math.inf)).double()
+        sq = l2 * l2
+        bad = (l2 + linf).isfinite().logical_not_().double()  # any NaN/inf makes the L2 or the inf norm non-finite
+        if any(w != 1.0 for w in weights):
+            w = _weight_vector(weights, device)
+            sq, bad = sq * w, bad * w
+        if scale != 1.0:
+            sq, linf = sq * (scale * scale), linf * scale
+    for i, (a, b) in enumerate(spans):
+        add(keys.grad_group(i), sq[a:b].sum() if b > a else torch.zeros((), dtype=torch.float64, device=device))
+    if tensors:
+        add(keys.GRAD.sq, sq.sum())
+        p.add_max(keys.GRAD.max_abs, linf.max())
+        add(keys.GRAD.nonfinite, bad.sum())
     if pre_clip_norm is not None:
         on = None if torch.is_tensor(pre_clip_norm) else device
         norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=on)
@@ -148,9 +158,19 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     return p
 
 
+def _weight_vector(weights: list[float], device) -> torch.Tensor:
+    """Per-tensor merge weights on ``device``, built from one ``full`` per run of equal weights (no host copy)."""
+    runs, start = [], 0
+    for i in range(1, len(weights) + 1):
+        if i == len(weights) or weights[i] != weights[start]:
+            runs.append(torch.full((i - start,), weights[start], dtype=torch.float64, device=device))
+            start = i
+    return torch.cat(runs)
+
+
 def param_groups_of(optimizer_or_params):
     """Parameter groups from an optimizer, a module, or an iterable of parameters; a ``GradientSource`` as is."""
-    if isinstance(optimizer_or_params, GradientSource):
+    if is_gradient_source(optimizer_or_params):
         return optimizer_or_params
     if hasattr(optimizer_or_params, "param_groups"):
         return [list(g["params"]) for g in optimizer_or_params.param_groups]
@@ -172,7 +192,7 @@ def drop_grads(params) -> None:
     """Discard the gradients so the optimizer step changes no weight and no moment (torch optimizers skip a
     parameter without a gradient; a ``GradientSource`` drops its own buffers)."""
     groups = param_groups_of(params)
-    if isinstance(groups, GradientSource):
+    if is_gradient_source(groups):
         groups.drop_grads()
         return
     for group in groups:

@@ -71,24 +71,24 @@ class UpdateProbe:
     def _local(self, groups) -> list[list[tuple[torch.Tensor, float]]]:
         """This rank's part of every parameter with its merge weight (``grads.local_shards``: DTensor shards,
         replicas counted once)."""
-        pairs, self._merge_sum = local_shards([[p.detach() for p in group] for group in groups], self.sharded)
+        pairs, self._merge_sum = local_shards(groups, self.sharded)  # callers run under no_grad: no detach needed
         return pairs
 
-    @torch.no_grad()
     def _take(self, groups, pairs=None) -> list[torch.Tensor]:
         out, weights = [], []
         device = self._device(groups)
         for i, group in enumerate(self._local(groups) if pairs is None else pairs):
-            parts, w = [], []
-            for j, (p, weight) in enumerate(group):
+            parts = []
+            for j, (p, _) in enumerate(group):
                 idx = self._idx((i, j, p.numel()), p)
                 flat = p.reshape(-1)
-                parts.append((flat if idx is None else flat.index_select(0, idx)).to(torch.float32, copy=True))
-                if self._weights is None:
-                    w.append(torch.full((parts[-1].numel(),), weight * p.numel() / parts[-1].numel(),
-                                        dtype=torch.float64, device=p.device))
-            out.append(torch.cat(parts) if parts else torch.zeros(0, device=device))
-            weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=device))
+                parts.append(flat if idx is None else flat.index_select(0, idx))
+            # cat copies (whole small tensors are views of the live weights until here) and promotes mixed dtypes
+            out.append(torch.cat(parts).to(torch.float32) if parts else torch.zeros(0, device=device))
+            if self._weights is None:
+                w = [torch.full((part.numel(),), weight * p.numel() / part.numel(), dtype=torch.float64,
+                                device=p.device) for (p, weight), part in zip(group, parts)]
+                weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=device))
         if self._weights is None:
             self._weights = weights
         return out
