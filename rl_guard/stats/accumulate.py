@@ -8,9 +8,9 @@ concatenated, optionally reduced across ranks (one SUM and one MAX collective), 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import functools
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -31,7 +31,29 @@ def _layout(p: Partial) -> Layout:
 def _cat(tensors, device) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0, dtype=torch.float64, device=device)
+    if all(t.dtype == torch.float64 and t.device == device for t in tensors):  # Partial entries already are
+        return torch.cat(tensors)
     return torch.cat([t.to(device=device, dtype=torch.float64) for t in tensors])
+
+
+@functools.lru_cache(maxsize=64)
+def _checksum(layouts: tuple) -> float:
+    return float(zlib.crc32(repr(layouts).encode()))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(layouts: tuple) -> tuple[tuple[tuple[str, int, int, bool], ...], tuple[str, ...]]:
+    """Where each name's values sit in the transferred vector: ``(name, start, stop, is_max)`` in segment order,
+    and the names stored negated (minima). A step's layouts rarely change, so this is computed once per layout."""
+    n_sum = sum(size for lay in layouts for _, size in lay[0])
+    offsets, spans = [0, n_sum], []
+    for lay in layouts:
+        for part in (0, 1):
+            for name, size in lay[part]:
+                spans.append((name, offsets[part], offsets[part] + size, part == 1))
+                offsets[part] += size
+    negated = tuple(dict.fromkeys(name for name, *_ in spans if name.startswith("-")))
+    return tuple(spans), negated
 
 
 class StepAccumulator:
@@ -70,7 +92,7 @@ class StepAccumulator:
         layouts, sums, maxes = self.pack()
         # A checksum of the layout (names and sizes) rides in the max vector as (+n, -n): after a MAX across ranks
         # they disagree iff the ranks' layouts differ. It costs nothing extra: it travels in the same transfer.
-        n = float(zlib.crc32(repr(layouts).encode()))
+        n = _checksum(tuple(layouts))
         check = torch.full((2,), n, dtype=torch.float64, device=maxes.device)  # filled on the device: no copy
         check[1] = -n
         maxes = torch.cat([maxes, check])
@@ -91,16 +113,18 @@ def to_host(packed: torch.Tensor) -> np.ndarray:
 
 
 def unpack(layouts: list[Layout], host: np.ndarray) -> dict[str, np.ndarray]:
-    """Split the transferred vector back into named arrays, merging names that appear in several segments."""
-    n_sum = sum(size for lay in layouts for _, size in lay[0])
+    """Split the transferred vector back into named arrays, merging names that appear in several segments. The
+    arrays are read-only views of ``host`` (float64) where a name appears once."""
+    host = np.asarray(host, dtype=np.float64)
+    host.flags.writeable = False
+    spans, negated = _plan(tuple(layouts))
     out: dict[str, np.ndarray] = {}
-    offsets = [0, n_sum]
-    for lay in layouts:
-        for part, merge in ((0, np.add), (1, np.maximum)):
-            for name, size in lay[part]:
-                chunk = host[offsets[part] : offsets[part] + size].astype(np.float64)
-                offsets[part] += size
-                out[name] = merge(out[name], chunk) if name in out else chunk
-    for name in [k for k in out if k.startswith("-")]:
+    for name, start, stop, is_max in spans:
+        chunk = host[start:stop]
+        if name in out:
+            out[name] = (np.maximum if is_max else np.add)(out[name], chunk)
+        else:
+            out[name] = chunk
+    for name in negated:
         out[name[1:]] = -out.pop(name)
     return out
