@@ -47,20 +47,20 @@ class SketchSpec:
     max_abs: float
     mantissa_bits: int = 7
 
-    @property
+    @functools.cached_property  # read per step and per kernel: computed once
     def shift(self) -> int:
         return 23 - self.mantissa_bits
 
-    @property
+    @functools.cached_property
     def top(self) -> float:
         """Largest ``a = |x| + c`` kept apart (float32): larger values are clamped into the edge cells."""
         return float(np.float32(self.max_abs + self.scale))
 
-    @property
+    @functools.cached_property
     def base(self) -> int:
         return _bits(self.scale) >> self.shift
 
-    @property
+    @functools.cached_property
     def bins(self) -> int:
         return 2 * ((_bits(self.top) >> self.shift) - self.base + 1)
 
