@@ -38,6 +38,7 @@ class AuditWriter:
             raise ValueError("audit needs k >= 0, max_files >= 1 and max_chars >= 1")
         self.dir = Path(run_dir) / "audit"
         self.k, self.max_files, self.max_chars = k, max_files, max_chars
+        self._files: dict[int, Path] | None = None  # step -> file on disk (the directory is listed once)
 
     def _record(self, p: Prepared, i: int, kind: str, step: int) -> dict:
         rec = {"step": step, "kind": kind, "index": int(i), "id": _cut(p.ids[i], self.max_chars)}
@@ -85,10 +86,15 @@ class AuditWriter:
             for rec in lines:
                 f.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
         os.replace(tmp, path)
-        self._prune()
+        self._prune(int(step), path)
         return path
 
-    def _prune(self) -> None:
-        steps = sorted((int(m.group(1)), f) for f in self.dir.iterdir() if (m := _FILE.match(f.name)))
-        for _, f in steps[:max(0, len(steps) - self.max_files)]:
-            f.unlink(missing_ok=True)
+    def _prune(self, step: int, path: Path) -> None:
+        """Keep the newest ``max_files`` step files. The directory is listed once (files of an earlier run of the
+        same run_dir count); later writes are tracked in memory, so a long run does not list it every update."""
+        if self._files is None:
+            self._files = {int(m.group(1)): f for f in self.dir.iterdir() if (m := _FILE.match(f.name))}
+        self._files[step] = path
+        if len(self._files) > self.max_files:
+            for old in sorted(self._files)[:len(self._files) - self.max_files]:
+                self._files.pop(old).unlink(missing_ok=True)

@@ -111,6 +111,18 @@ def test_audit_file_count_and_size_are_bounded(tmp_path):
         assert all(len(r.get("text", "")) <= 50 and len(str(r.get("id", ""))) <= 50 for r in lines)
 
 
+def test_audit_bound_counts_files_of_an_earlier_run(tmp_path):
+    """A resumed run in the same run_dir keeps the bound over the files already there, oldest steps first."""
+    batch = SampleBatch(rewards=[float(i % 5) for i in range(8)], texts=["t"] * 8)
+    first = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3)
+    for step in (1, 2, 3):
+        first.update(batch, step)
+    resumed = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3)
+    for step in (3, 4, 20):  # step 3 rewritten after the resume, then new steps
+        resumed.update(batch, step)
+    assert sorted(p.name for p in (tmp_path / "audit").iterdir()) == ["step_20.jsonl", "step_3.jsonl", "step_4.jsonl"]
+
+
 def test_no_run_dir_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     d = RunDiagnostics()
