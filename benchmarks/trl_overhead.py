@@ -9,9 +9,14 @@ alike. Only ``trainer.train()`` is timed (model loading and trainer construction
 * ``guard_time_frac``: time spent inside the guard's own calls (statistics, gradient probe, transfer, rules,
   logging, snapshots) over the guarded run's wall time, measured directly with ``perf_counter``;
 * ``guard_ms_per_step``: that time per optimizer step, split by part: ``statistics`` (observe calls and the
-  adapter's TokenBatch translation), ``grad_probe``, ``transfer`` (the one device->host copy and its packing),
-  ``summarize`` (host formulas), ``rules``, ``sinks``, ``diagnostics`` (generation batches only), ``snapshots``
-  and ``other`` (the rest of check/step_done). A nested timed call counts in its own part only;
+  adapter's TokenBatch translation), ``grad_probe``, ``update_probe`` (the weight samples around the optimizer
+  step), ``transfer`` (the one device->host copy and its packing), ``summarize`` (host formulas), ``rules``,
+  ``sinks``, ``diagnostics`` (generation batches only), ``snapshots``, ``adapter`` (the callback's own work around
+  those calls: its events and the reward translation) and ``other`` (the rest of check/step_done). A nested timed
+  call counts in its own part only;
+* ``unaccounted_ms_per_step``: median over pairs of (guarded - unguarded wall time) / steps minus the time inside
+  the guard's calls: what the guarded run costs beyond the guard's own work (the trainer's code running slower
+  beside it, and the machine's noise: it can be negative);
 * ``step_ms``: median wall time per optimizer step, unguarded and guarded.
 
 A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs
@@ -40,7 +45,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TARGET = 1.05
 
 
-PARTS = ("statistics", "grad_probe", "transfer", "summarize", "rules", "sinks", "diagnostics", "snapshots", "other")
+PARTS = ("statistics", "grad_probe", "update_probe", "transfer", "summarize", "rules", "sinks", "diagnostics",
+         "snapshots", "adapter", "other")
 
 
 class _Breakdown:
@@ -82,6 +88,7 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
     from rl_guard.diagnostics import RunDiagnostics
     from rl_guard.sinks.base import SinkSet
     from rl_guard.stats.accumulate import StepAccumulator
+    from rl_guard.stats.update import UpdateProbe
 
     return [
         (guard_module.Guard, "observe", "statistics"), (guard_module.Guard, "observe_sequences", "statistics"),
@@ -93,6 +100,10 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
         (guard_module, "summarize", "summarize"), (Controller, "decide", "rules"),
         (SinkSet, "log", "sinks"), (SinkSet, "incident", "sinks"), (SinkSet, "finish", "sinks"),
         (TrainState, "capture", "snapshots"),
+        (UpdateProbe, "pre_step", "update_probe"), (UpdateProbe, "post_step", "update_probe"),
+        (UpdateProbe, "resync", "update_probe"),
+        (RLGuardCallback, "on_pre_optimizer_step", "adapter"), (RLGuardCallback, "on_step_end", "adapter"),
+        (RLGuardCallback, "_observe_rewards", "adapter"),
     ]
 
 
@@ -171,6 +182,8 @@ def main(argv=None) -> dict:
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads,
         "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
                               for part in PARTS},
+        "unaccounted_ms_per_step": statistics.median(1e3 * (g["wall"] - p["wall"] - g["guard"]) / g["steps"]
+                                                     for p, g in pairs),
         "step_ms": {"unguarded": statistics.median(1e3 * p["wall"] / p["steps"] for p, _ in pairs),
                     "guarded": statistics.median(1e3 * g["wall"] / g["steps"] for _, g in pairs)},
         "guard_acted": sum(g["acted"] for _, g in pairs),
@@ -183,6 +196,7 @@ def main(argv=None) -> dict:
     print(f"guard ms per step (median over pairs; a step takes {out['step_ms']['unguarded']:.1f} ms unguarded):")
     for part, ms in out["guard_ms_per_step"].items():
         print(f"  {part:<12} {ms:7.3f}")
+    print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} (guarded - unguarded step, beyond the guard's calls)")
     if out["guard_acted"]:
         print(f"note: the guard acted {out['guard_acted']} time(s); those runs did different work")
     if args.json:
