@@ -196,7 +196,8 @@ def main(argv=None) -> dict:
     print(f"guard ms per step (median over pairs; a step takes {out['step_ms']['unguarded']:.1f} ms unguarded):")
     for part, ms in out["guard_ms_per_step"].items():
         print(f"  {part:<12} {ms:7.3f}")
-    print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} (guarded - unguarded step, beyond the guard's calls)")
+    print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
+          "(guarded - unguarded step, beyond the guard's calls)")
     if out["guard_acted"]:
         print(f"note: the guard acted {out['guard_acted']} time(s); those runs did different work")
     if args.json:
