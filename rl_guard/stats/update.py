@@ -41,9 +41,10 @@ class UpdateProbe:
     def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None):
         self.sample, self.seed, self.sharded = sample, seed, sharded
         self._index: dict[tuple, torch.Tensor | None] = {}
-        self._weights: list[torch.Tensor] | None = None  # per group: numel / k for every sampled element
-        self._before: list[torch.Tensor] | None = None   # sampled weights right before the last optimizer step
-        self._after: list[torch.Tensor] | None = None    # sampled weights right after it
+        self._weights: torch.Tensor | None = None  # numel / k (times the merge weight) per sampled element
+        self._spans: tuple[tuple[int, int], ...] = ()   # where each group's samples sit in the sampled vector
+        self._before: torch.Tensor | None = None   # sampled weights (float64) right before the last optimizer step
+        self._after: torch.Tensor | None = None    # sampled weights right after it
         self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step
         self._pending: Partial | None = None             # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
@@ -74,40 +75,51 @@ class UpdateProbe:
         pairs, self._merge_sum = local_shards(groups, self.sharded)  # callers run under no_grad: no detach needed
         return pairs
 
-    def _take(self, groups, pairs=None) -> list[torch.Tensor]:
-        out, weights = [], []
-        device = self._device(groups)
+    def _take(self, groups, pairs=None) -> torch.Tensor:
+        """The sampled weights of every group in one float64 vector (``self._spans``: where each group sits)."""
+        parts, counts = [], []
         for i, group in enumerate(self._local(groups) if pairs is None else pairs):
-            parts = []
             for j, (p, _) in enumerate(group):
                 idx = self._idx((i, j, p.numel()), p)
                 flat = p.reshape(-1)
                 parts.append(flat if idx is None else flat.index_select(0, idx))
-            # cat copies (whole small tensors are views of the live weights until here) and promotes mixed dtypes
-            out.append(torch.cat(parts).to(torch.float32) if parts else torch.zeros(0, device=device))
-            if self._weights is None:
-                w = [torch.full((part.numel(),), weight * p.numel() / part.numel(), dtype=torch.float64,
-                                device=p.device) for (p, weight), part in zip(group, parts)]
-                weights.append(torch.cat(w) if w else torch.zeros(0, dtype=torch.float64, device=device))
-        if self._weights is None:
-            self._weights = weights
+            counts.append(len(group))
+        device = parts[0].device if parts else self._device(groups)
+        # cat copies (whole small tensors are views of the live weights until here) and promotes mixed dtypes
+        out = torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+        if self._weights is None:  # the layout is fixed for the run: weights and group spans are built once
+            pairs = self._local(groups) if pairs is None else pairs
+            weight = [(w * p.numel() / part.numel(), part.numel())
+                      for (p, w), part in zip((pair for group in pairs for pair in group), parts)]
+            self._weights = torch.cat([torch.full((n,), w, dtype=torch.float64, device=device) for w, n in weight]
+                                      ) if weight else torch.zeros(0, dtype=torch.float64, device=device)
+            spans, start, k = [], 0, 0
+            for n in counts:
+                size = sum(part.numel() for part in parts[k:k + n])
+                spans.append((start, start + size))
+                start, k = start + size, k + n
+            self._spans = tuple(spans)
         return out
 
-    def _sq(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Estimated ||a - b||^2 per group."""
-        return [torch.dot(self._weights[i], (x.double() - y.double()).square()) for i, (x, y) in enumerate(zip(a, b))]
+    def _sq(self, a: torch.Tensor, b: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Estimated ||a - b||^2 per group, and over all groups."""
+        d = a - b
+        e = d.mul_(d).mul_(self._weights)
+        return [e[lo:hi].sum() for lo, hi in self._spans], e.sum()
 
     def _param_sq(self, groups, pairs) -> list[torch.Tensor]:
         sq, device = [], self._device(groups)
         for group in pairs:
-            total = torch.zeros((), dtype=torch.float64, device=device)
             buckets: dict[float, list[torch.Tensor]] = {}
             for p, weight in group:
                 buckets.setdefault(weight, []).append(p)
+            total = None
             for weight, tensors in buckets.items():  # a host float times a device sum: no host-to-device copy
                 norms = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
-                total = total + weight * (norms * norms).sum()
-            sq.append(total)
+                part = norms.mul_(norms).sum()
+                part = part if weight == 1.0 else part * weight
+                total = part if total is None else total + part
+            sq.append(total if total is not None else torch.zeros((), dtype=torch.float64, device=device))
         return sq
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -119,9 +131,8 @@ class UpdateProbe:
         pairs = self._local(groups)  # first: it finds whether the parameters are shards
         now = self._take(groups, pairs)
         add = p.add_sum if self._merge_sum else p.add_max
-        if self._after is not None and len(self._after) == len(now):
-            drift = self._sq(now, self._after)
-            add(keys.UPDATE.drift_sq, torch.stack(drift).sum())
+        if self._after is not None and self._after.shape == now.shape:
+            add(keys.UPDATE.drift_sq, self._sq(now, self._after)[1])
         self._base_sq = self._param_sq(groups, pairs)
         for i, sq in enumerate(self._base_sq):
             add(keys.update_group(i, "param_sq"), sq)
@@ -138,13 +149,13 @@ class UpdateProbe:
         after = self._take(groups)
         p = Partial()
         add = p.add_sum if self._merge_sum else p.add_max
-        sq = self._sq(after, self._before)
+        sq, total = self._sq(after, self._before)
         for i, (s, b) in enumerate(zip(sq, self._base_sq)):
             add(keys.update_group(i, "sq"), s)
             add(keys.update_group(i, "base_sq"), b)
             lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
             p.add_max(keys.update_group(i, "lr"), torch.full((), lr, dtype=torch.float64, device=s.device))
-        add(keys.UPDATE.sq, torch.stack(sq).sum())
+        add(keys.UPDATE.sq, total)
         add(keys.UPDATE.base_sq, torch.stack(self._base_sq).sum())
         self._pending, self._after, self._before = p, after, None
 
