@@ -74,6 +74,7 @@ class RLGuardCallback(TrainerCallback):
         self.coverage: list[dict] = []
         self._batch_has_signal: bool | None = None  # did the last generation batch have a group with reward spread?
         self._steps_without_signal = 0
+        self._eos_cache: tuple | None = None
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
     def _find_trainer(self):
@@ -224,7 +225,7 @@ class RLGuardCallback(TrainerCallback):
     def _batch(self, inputs, logps, entropies, mask, old, prox) -> TokenBatch:
         t = self.trainer
         completion_ids = inputs["completion_ids"]
-        eos = torch.tensor(t.eos_token_ids, device=completion_ids.device)
+        eos = self._eos_ids(t.eos_token_ids, completion_ids.device)
         truncated = ~(torch.isin(completion_ids, eos) & inputs["completion_mask"].bool()).any(1)
         return TokenBatch(
             logprobs=logps.detach(), mask=mask.bool(), old_logprobs=old, prox_logprobs=prox,
@@ -235,6 +236,13 @@ class RLGuardCallback(TrainerCallback):
             importance_sampling_level=getattr(t, "importance_sampling_level", "token"),
             allow_empty_mask=bool(getattr(t, "mask_truncated_completions", False)),
         )
+
+    def _eos_ids(self, ids, device) -> torch.Tensor:
+        """The trainer's EOS ids as a device tensor, built once per (ids, device) rather than per micro-batch."""
+        key = (tuple(ids), device)
+        if self._eos_cache is None or self._eos_cache[0] != key:
+            self._eos_cache = (key, torch.tensor(ids, device=device))
+        return self._eos_cache[1]
 
     # -- acting before and after the optimizer step -------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kw):
