@@ -137,7 +137,7 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
 
 def _old_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, lp, n_lp):
     lr = torch.sub(lp, ch.token(b.old_logprobs), out=ws("t0"))  # non-finite wherever logprobs is invalid
-    z, v, e, n = ratio_into(acc, ws, "ratio", lr, hist=b.versions is None)  # with versions: inside lag.hist
+    z, v, e, n = ratio_into(acc, ws, "ratio", lr, hist=b.versions is None)  # with versions: from the lag cells
     nonfinite(acc, "old_logprobs", n_lp, n)
     return z, v, n, kl_stats(acc, ch, ws, "kl_old", z, e, v, n)
 

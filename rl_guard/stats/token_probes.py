@@ -156,7 +156,10 @@ def lag_finish(acc: ChunkStats, lut: torch.Tensor, nb: int, ratio: bool, clipped
         acc.sum(keys.LAG.tokens, _by_bucket(acc.pop_sum("lag.slots"), lut, nb, 0)[:nb])
         return
     bins = LOG_RATIO.bins
-    cells = _by_bucket(acc.pop_sum("lag.cells").view(3, slots, bins), lut, nb, 1)[:, :nb]
+    per_slot = acc.pop_sum("lag.cells").view(3, slots, bins)
+    # every token with a finite ratio, whatever its version (the invalid-lag slot too)
+    acc.sum(keys.RATIO.hist, (per_slot[0] + per_slot[1]).sum(0))
+    cells = _by_bucket(per_slot, lut, nb, 1)[:, :nb]
     k3 = _by_bucket(acc.pop_sum("lag.cells_k3").view(3, slots, bins), lut, nb, 1)[:, :nb]
     acc.sum(keys.LAG.tokens, cells.sum((0, 2)))
     if clipped:

@@ -176,6 +176,28 @@ def test_nonfinite_inputs_are_counted_and_excluded():
     check(got, reference(np_dict(d), cv=12))  # every other statistic: over the finite values only
 
 
+@pytest.mark.parametrize("edges", [(2, 4, 7), (0, 1, 2, 3, 5, 9), (0,)])
+@pytest.mark.parametrize("chunk", [None, 23])
+def test_lag_buckets_custom_edges_negative_and_nonfinite_versions(edges, chunk):
+    """Lags below the first edge fall in the first bucket, lags past the last edge in the last one; a token whose
+    version is NaN or inf is in no bucket (and not in the lag mean/max) but keeps every other statistic."""
+    d = make_padded(4, B=6, T=40)
+    g = torch.Generator().manual_seed(1)
+    d["versions"] = torch.randint(-4, 15, d["mask"].shape, generator=g).float()  # lags -6 .. 12 at cv = 8
+    pos = torch.nonzero(d["mask"])[:3]
+    for p, v in zip(pos, (float("nan"), float("inf"), -float("inf"))):
+        d["versions"][tuple(p)] = v
+    acc = StepAccumulator()
+    acc.add(probe_batch(TokenBatch(**d, current_version=8), lag_edges=edges, chunk_tokens=chunk))
+    got = summarize(acc.finish(), lag_edges=edges)[0]
+    lag_ok = d["mask"] & torch.isfinite(d["versions"])
+    out, samples = reference(np_dict({**d, "mask": lag_ok}), cv=8, edges=edges)
+    check(got, ({k: v for k, v in out.items() if k.startswith("lag/")},
+                {k: v for k, v in samples.items() if k.startswith("lag/")}))
+    check(got, reference(np_dict({k: v for k, v in d.items() if k != "versions"})))  # the rest: unaffected
+    assert got["rl_guard/lag/max"] == 12
+
+
 def test_grads_and_loss_against_reference():
     torch.manual_seed(0)
     a, b, c = (torch.nn.Parameter(torch.randn(s)) for s in ((5, 3), (7,), (4, 4)))
