@@ -277,12 +277,14 @@ def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True) -> d
                    naive_s=best["naive"], full_median_s=median["full"], naive_median_s=median["naive"],
                    speedup_vs_naive=best["naive"] / best["full"] if best["naive"] else None,
                    speedup_vs_naive_median=median["naive"] / median["full"] if median["naive"] else None,
-                   floor_ratio=best["full"] / best["floor"], full_ns_per_token=best["full"] / tokens * 1e9,
+                   floor_ratio=best["full"] / best["floor"], floor_median_s=median["floor"],
+                   floor_ratio_median=median["full"] / median["floor"], full_ns_per_token=best["full"] / tokens * 1e9,
                    full_wall_s=_stat(t["full"]["wall"], min), naive_wall_s=_stat(t["naive"]["wall"], min))
         if memory:
             row["peak_extra_mem_ratio"] = peak_live_bytes(lambda: full_step(d)) / (4 * tokens)
         rows.append(row)
-        for key in ("speedup_vs_naive", "floor_ratio", "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
+        for key in ("speedup_vs_naive", "speedup_vs_naive_median", "floor_ratio", "floor_ratio_median",
+                    "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
             if key in row:
                 result[f"{key}_{label}"] = row[key]
         result["max_tokens_ok"] = tokens
