@@ -43,7 +43,7 @@ class UpdateProbe:
         self._index: dict[tuple, torch.Tensor | None] = {}
         self._weights: torch.Tensor | None = None  # numel / k (times the merge weight) per sampled element
         self._spans: tuple[tuple[int, int], ...] = ()   # where each group's samples sit in the sampled vector
-        self._before: torch.Tensor | None = None   # sampled weights (float64) right before the last optimizer step
+        self._before: torch.Tensor | None = None   # sampled weights (float32) right before the last optimizer step
         self._after: torch.Tensor | None = None    # sampled weights right after it
         self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step
         self._pending: Partial | None = None             # the last step's update, reported at the next pre_step
@@ -76,7 +76,7 @@ class UpdateProbe:
         return pairs
 
     def _take(self, groups, pairs=None) -> torch.Tensor:
-        """The sampled weights of every group in one float64 vector (``self._spans``: where each group sits)."""
+        """The sampled weights of every group in one float32 vector (``self._spans``: where each group sits)."""
         parts, counts = [], []
         for i, group in enumerate(self._local(groups) if pairs is None else pairs):
             for j, (p, _) in enumerate(group):
@@ -86,7 +86,7 @@ class UpdateProbe:
             counts.append(len(group))
         device = parts[0].device if parts else self._device(groups)
         # cat copies (whole small tensors are views of the live weights until here) and promotes mixed dtypes
-        out = torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+        out = torch.cat(parts).to(torch.float32) if parts else torch.zeros(0, device=device)
         if self._weights is None:  # the layout is fixed for the run: weights and group spans are built once
             pairs = self._local(groups) if pairs is None else pairs
             weight = [(w * p.numel() / part.numel(), part.numel())
@@ -101,11 +101,13 @@ class UpdateProbe:
             self._spans = tuple(spans)
         return out
 
-    def _sq(self, a: torch.Tensor, b: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Estimated ||a - b||^2 per group, and over all groups."""
-        d = a - b
-        e = d.mul_(d).mul_(self._weights)
-        return [e[lo:hi].sum() for lo, hi in self._spans], e.sum()
+    def _sq(self, a: torch.Tensor, b: torch.Tensor, per_group: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Estimated ||a - b||^2 per group (when asked) and over all groups."""
+        d = a.double().sub_(b)  # the difference in float64 (float32 would round a small update)
+        d.mul_(d)
+        w = self._weights
+        groups = [torch.dot(d[lo:hi], w[lo:hi]) for lo, hi in self._spans] if per_group else []
+        return groups, torch.dot(d, w)
 
     def _param_sq(self, groups, pairs) -> list[torch.Tensor]:
         sq, device = [], self._device(groups)
@@ -132,7 +134,7 @@ class UpdateProbe:
         now = self._take(groups, pairs)
         add = p.add_sum if self._merge_sum else p.add_max
         if self._after is not None and self._after.shape == now.shape:
-            add(keys.UPDATE.drift_sq, self._sq(now, self._after)[1])
+            add(keys.UPDATE.drift_sq, self._sq(now, self._after, per_group=False)[1])
         self._base_sq = self._param_sq(groups, pairs)
         for i, sq in enumerate(self._base_sq):
             add(keys.update_group(i, "param_sq"), sq)
