@@ -23,14 +23,14 @@ import math
 import operator
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .config import RULE_DEFAULTS, SEVERITY_BY_ACTION, SPIKE_DEFAULTS
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Verdict:
     """One condition's (or rule's) outcome. ``reason`` reads ``<metric> = <value> <op> <threshold>`` and ``detail``
     says how a spike limit was found; both are built only when read (every rule is evaluated every step, and a
@@ -43,7 +43,13 @@ class Verdict:
     threshold: float | str = ""
     missing: bool = False
     nonfinite: bool = False  # fired because a value was NaN/inf (bypasses warmup and patience)
-    text: Callable[[], tuple[str | None, str]] | None = None  # -> (reason or None for the template, detail)
+    # -> (reason, or None for the template; detail)
+    text: Callable[[], tuple[str | None, str]] | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (f"Verdict(fired={self.fired}, reason={self.reason!r}, metric={self.metric!r}, value={self.value!r}, "
+                f"op={self.op!r}, threshold={self.threshold!r}, missing={self.missing}, detail={self.detail!r}, "
+                f"nonfinite={self.nonfinite})")
 
     @property
     def reason(self) -> str:
