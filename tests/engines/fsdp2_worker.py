@@ -91,6 +91,9 @@ def main() -> None:
     for action in FAULT_STEP:
         result[action] = run(action, rank, world)
     (OUT / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    # Both ranks leave together: a rank tearing gloo down while its peer is still in a collective can abort the
+    # process after its results are written (exit -6, seen under load).
+    dist.barrier()
     dist.destroy_process_group()
 
 
