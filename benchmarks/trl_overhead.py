@@ -25,7 +25,11 @@ A tiny model is the worst case for a relative figure: the guard's per-step work 
 ~0.1 s. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
 multi-threaded wall time measure the neighbours.
 
-Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json FILE] [--threads N]``.
+``--hidden`` / ``--layers`` / ``--completion`` make the model and the rollouts larger, to see the fixed cost
+spread over a step that does more work.
+
+Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json FILE] [--threads N]
+[--hidden N] [--layers N] [--completion N]``.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
     ]
 
 
-def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0) -> dict:
+def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0,
+             completion: int = 8, lr: float = 3e-3) -> dict:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -119,8 +124,8 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
 
     work.mkdir(parents=True, exist_ok=True)
     args = GRPOConfig(output_dir=str(work / "trainer"), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
-                      report_to=[], learning_rate=3e-3, save_strategy="no", seed=seed, beta=0.04, num_iterations=2,
+                      max_completion_length=completion, max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
+                      report_to=[], learning_rate=lr, save_strategy="no", seed=seed, beta=0.04, num_iterations=2,
                       steps_per_generation=2, disable_tqdm=True, max_grad_norm=1.0)
     callbacks, bd, patched = [], _Breakdown(), []
     if guarded:
@@ -155,6 +160,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, help="pairs of runs (default 5, quick 3)")
     ap.add_argument("--steps", type=int, help="optimizer steps per run (default 24, quick 8)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--hidden", type=int, default=32, help="the model's hidden size (default 32: the tiny model)")
+    ap.add_argument("--layers", type=int, default=2, help="the model's layers (default 2)")
+    ap.add_argument("--completion", type=int, default=8, help="max completion tokens (default 8, at most 48)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; lower it for larger models "
+                    "so that the guard does not act: a run it acts on does different work)")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
     runs = args.runs or (3 if args.quick else 5)
@@ -166,14 +176,15 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="rl_guard_overhead_"))
-    model_path = build_tiny_model(work / "model", seed=0)
+    model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
     dataset = prompt_dataset(256, seed=0)
     for guarded in (False, True):  # warm-up: first-call costs (kernels, lazy imports) land in neither figure
-        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}")
+        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", completion=args.completion, lr=args.lr)
     pairs = []
     for i in range(runs):
         order = (False, True) if i % 2 == 0 else (True, False)
-        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}") for g in order}
+        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}", completion=args.completion, lr=args.lr)
+                  for g in order}
         pairs.append((result[False], result[True]))
         print(f"pair {i}: unguarded {result[False]['wall']:.2f}s, guarded {result[True]['wall']:.2f}s "
               f"(guard calls {result[True]['guard']:.3f}s), ratio {result[True]['wall'] / result[False]['wall']:.3f}")
@@ -183,6 +194,7 @@ def main(argv=None) -> dict:
         "overhead_ratio_best": min(g["wall"] for _, g in pairs) / min(p["wall"] for p, _ in pairs),
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads,
+        "model": {"hidden": args.hidden, "layers": args.layers, "completion": args.completion, "lr": args.lr},
         "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
                               for part in PARTS},
         "unaccounted_ms_per_step": statistics.median(1e3 * (g["wall"] - p["wall"] - g["guard"]) / g["steps"]

@@ -8,9 +8,11 @@ import math
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rl_guard.stats import keys
-from rl_guard.stats.grads import GradientSource, drop_grads, param_groups_of, probe_grads
+from rl_guard.stats.grads import GradientSource, abs_max, drop_grads, param_groups_of, probe_grads
 
 
 def _params(*grads):
@@ -62,3 +64,21 @@ def test_gradient_source_partitions_merge_by_sum_and_unscale():
     assert float(probe_grads(src).sum[keys.GRAD.nonfinite]) == 1
     drop_grads(src)  # a skip leaves the buffers to their owner
     assert src.dropped
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False), st.sampled_from([math.nan, math.inf, -math.inf])),
+                         max_size=40), min_size=1, max_size=6),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_abs_max_matches_float64_reference_with_nonfinite_values(values, dtype):
+    tensors = [torch.tensor(v, dtype=torch.float32).to(dtype) for v in values]
+    got = abs_max(tensors).double().numpy()
+    for t, g in zip(tensors, got):
+        x = t.double().numpy()
+        want = 0.0 if x.size == 0 else (math.nan if np.isnan(x).any() else np.abs(x).max())
+        assert (math.isnan(g) and math.isnan(want)) or g == want
+    # the same figures as torch's inf-norm (the CUDA path; it refuses empty tensors, which never reach it)
+    full = [t for t in tensors if t.numel()]
+    if full:
+        np.testing.assert_array_equal(abs_max(full).double().numpy(),
+                                      torch.stack(torch._foreach_norm(full, math.inf)).double().numpy())
