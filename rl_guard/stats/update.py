@@ -8,7 +8,8 @@ learning rate per group, and ``update/external_rel``: how far the weights moved 
 No full copy of the weights is kept. Each parameter tensor with more than ``sample`` elements contributes a fixed
 random subset of ``sample`` element positions (drawn once, with a fixed seed, on the parameter's device); smaller
 tensors are taken whole. ``||dtheta_p||^2`` is estimated as ``numel / k x sum over the subset of dtheta^2``
-(unbiased under uniform sampling without replacement). The relative standard error of one tensor's squared-norm
+(unbiased under uniform sampling; without replacement up to ``PERMUTE_LIMIT`` elements, with replacement above,
+where a permutation would cost gigabytes and k / numel is negligible anyway). The relative standard error of one tensor's squared-norm
 estimate is ``sqrt((kurt - 1) / k x (1 - k / numel))`` with ``kurt = E[d^4] / E[d^2]^2`` of the update entries:
 Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``k = 1024`` one tensor's *norm* is within ~2-3 %
 (one standard error), and the global norm, a sum over many tensors, closer still. A fault that changes only a
@@ -31,6 +32,7 @@ from .grads import local_shards
 from .partial import Partial
 
 DEFAULT_SAMPLE = 1024  # elements per parameter tensor; see the error note above
+PERMUTE_LIMIT = 1 << 22  # elements: above, positions are drawn with replacement (randperm would need 8 B each)
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 
 
@@ -60,8 +62,11 @@ class UpdateProbe:
                 self._index[key] = None
             else:
                 gen = torch.Generator(device="cpu").manual_seed(self.seed + len(self._index))
-                idx = torch.randperm(n, generator=gen)[: self.sample].sort().values
-                self._index[key] = idx.to(p.device)
+                if n <= PERMUTE_LIMIT:
+                    idx = torch.randperm(n, generator=gen)[: self.sample]
+                else:  # a permutation of a ZeRO flat partition or an embedding would take gigabytes
+                    idx = torch.randint(n, (self.sample,), generator=gen)
+                self._index[key] = idx.sort().values.to(p.device)
         return self._index[key]
 
     @staticmethod

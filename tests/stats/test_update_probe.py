@@ -11,7 +11,7 @@ import torch
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.summarize import summarize
-from rl_guard.stats.update import UpdateProbe
+from rl_guard.stats.update import PERMUTE_LIMIT, UpdateProbe
 
 
 def _metrics(partial) -> dict:
@@ -56,8 +56,9 @@ def test_exact_when_every_element_is_sampled():
     assert got["rl_guard/update/external_rel"] == 0.0  # nothing touched the weights since the step
 
 
-def test_sampled_estimate_is_within_its_documented_error():
-    groups = _model(big=200_000)
+@pytest.mark.parametrize("big", [200_000, PERMUTE_LIMIT + 1])  # positions drawn without / with replacement
+def test_sampled_estimate_is_within_its_documented_error(big):
+    groups = _model(big=big)
     probe = UpdateProbe(sample=1024)
     probe.pre_step(groups, [1.0, 1.0])
     rng = np.random.default_rng(0)
@@ -73,6 +74,8 @@ def test_sampled_estimate_is_within_its_documented_error():
     exact = math.sqrt(sum((d.astype(np.float32).astype(np.float64) ** 2).sum() for d in deltas))
     # Gaussian entries: kurtosis 3, so one standard error of the norm is ~sqrt(2/1024)/2 = 2.2 %; allow 4 sigma.
     assert got["rl_guard/update/norm"] == pytest.approx(exact, rel=0.09)
+    idx = probe._index[(0, 0, big)]
+    assert idx.numel() == 1024 and 0 <= int(idx.min()) and int(idx.max()) < big
 
 
 def test_a_change_outside_the_optimizer_is_seen_and_a_restore_is_not():
