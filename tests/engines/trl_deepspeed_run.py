@@ -1,6 +1,6 @@
-"""One rank of a tiny TRL ``GRPOTrainer`` under accelerate + DeepSpeed ZeRO-2 on CPU (gloo), guarded.
+"""One rank of a tiny TRL ``GRPOTrainer`` under accelerate + DeepSpeed ZeRO-2 or ZeRO-3 on CPU (gloo), guarded.
 
-Usage: torchrun --nproc_per_node N trl_deepspeed_run.py OUT ACTION ; ACTION is the ``nonfinite_grad`` action
+Usage: torchrun --nproc_per_node N trl_deepspeed_run.py OUT ACTION STAGE ; ACTION is the ``nonfinite_grad`` action
 (``skip_step`` or ``checkpoint_and_halt``). At FAULT_STEP the last rank's backward gives one gradient entry an
 inf (a tensor hook, before DeepSpeed reduces it). Every optimizer step records the guard's decision and digests of
 this rank's weights (module and fp32 master partition) before and after. Writes OUT/rank<r>.json.
@@ -29,10 +29,10 @@ from zero_reference import exact_update, masters
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 FAULT_STEP, STEPS = 1, 3
-OUT, ACTION = Path(sys.argv[1]), sys.argv[2]
+OUT, ACTION, STAGE = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-             "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}, "zero_allow_untested_optimizer": True,
+             "zero_optimization": {"stage": STAGE}, "bf16": {"enabled": False}, "zero_allow_untested_optimizer": True,
              "steps_per_print": 10**9}  # no "optimizer": the trainer's torch AdamW (no native op to build)
 
 
@@ -51,9 +51,10 @@ class Probe(TrainerCallback):
         self.before = self.decision = None
 
     def weights(self, model):
-        opt = self.guard_cb.trainer.model_wrapped.optimizer  # the DeepSpeed ZeRO optimizer
-        return {"module": digest(model.parameters()), "master": digest(opt.single_partition_of_fp32_groups),
-                "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+        # ZeRO-3: this rank's partitions (the module's parameters are empty placeholders between steps)
+        module = [p.ds_tensor for p in model.parameters()] if STAGE == 3 else list(model.parameters())
+        return {"module": digest(module), "master": digest(masters(self.guard_cb.trainer.model_wrapped)),
+                "finite": all(bool(torch.isfinite(p).all()) for p in module)}
 
     def on_step_begin(self, args, state, control, model=None, **kw):
         self.before = self.weights(model)
@@ -91,6 +92,9 @@ class Probe(TrainerCallback):
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model_path = build_tiny_model(OUT / f"model_rank{rank}", seed=0)
+    # DeepSpeed's own process group before the trainer: ZeRO-3's zero.Init (model creation) reads its world size
+    # there, as under DeepSpeed's launcher; accelerate alone starts only torch's on CPU.
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     args = GRPOConfig(output_dir=str(OUT / "trainer"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, max_steps=STEPS, use_cpu=True, bf16=False, report_to=[],
                       learning_rate=1e-3, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1, beta=0.0,
