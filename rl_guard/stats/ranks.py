@@ -91,27 +91,41 @@ class StepReducer:
         device = _device(dist, maxes)
         n_s, n_m = sums.numel(), maxes.numel()
         head = min(n_m, MAX_SLOTS)
-        buf = torch.full((HEADER + MAX_SLOTS,), -math.inf, dtype=torch.float64, device=device)
-        buf[:HEADER] = _header(n_s, n_m, False, device)
-        buf[HEADER : HEADER + head] = _nan_to_inf(maxes[:head]).to(device)
+        buf = _first_buffer(device, n_s, n_m, failed=False, maxes=maxes[:head])
         self.entered = True
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        all_reduce(dist, buf, largest=True)
         _check_header(read_header(buf))
         maxes[:head] = buf[HEADER : HEADER + head].to(maxes.device)
         if n_m > head:  # same n_m on every rank (checked above), so every rank enters this one too
-            _reduce_on(dist, maxes[head:], dist.ReduceOp.MAX, device, nan_to_inf=True)
-        _reduce_on(dist, sums, dist.ReduceOp.SUM, device)
+            _merge_into(dist, maxes[head:], device, largest=True)
+        _merge_into(dist, sums, device, largest=False)
+
+
+def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -> torch.Tensor:
+    """What the step's first collective merges by maximum: the header and up to ``MAX_SLOTS`` maxima (NaN sent as
+    +inf), padded with -inf to a size that never depends on the data."""
+    buf = torch.full((HEADER + MAX_SLOTS,), -math.inf, dtype=torch.float64, device=device)
+    buf[:HEADER] = _header(n_sums, n_maxes, failed, device)
+    if maxes is not None:
+        buf[HEADER : HEADER + maxes.numel()] = _nan_to_inf(maxes).to(device)
+    return buf
+
+
+def all_reduce(dist, t: torch.Tensor, largest: bool) -> None:
+    """In place across ranks: the elementwise maximum (``largest``) or the sum."""
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
 
 
 def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), math.inf, t)
 
 
-def _reduce_on(dist, t: torch.Tensor, op, device, nan_to_inf: bool = False) -> None:
-    work = _nan_to_inf(t) if nan_to_inf else t
+def _merge_into(dist, t: torch.Tensor, device, largest: bool) -> None:
+    """``all_reduce`` of ``t`` on the collective's device (maxima: NaN sent as +inf), written back into ``t``."""
+    work = _nan_to_inf(t) if largest else t
     if work.device != device:
         work = work.to(device)
-    dist.all_reduce(work, op=op)
+    all_reduce(dist, work, largest)
     if work is not t:
         t.copy_(work)
 
@@ -147,10 +161,7 @@ def abstain() -> None:
     dist = _dist()
     if dist is None:
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buf = torch.full((HEADER + MAX_SLOTS,), -math.inf, dtype=torch.float64, device=device)
-    buf[:HEADER] = _header(0, 0, True, device)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    all_reduce(dist, _first_buffer(_device(dist, torch.empty(0)), 0, 0, failed=True), largest=True)
 
 
 def any_rank(flag: bool) -> bool:
@@ -159,10 +170,9 @@ def any_rank(flag: bool) -> bool:
     dist = _dist()
     t = torch.tensor([1.0 if flag else 0.0])
     if dist is not None:
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() > 0
+        t = t.to(_device(dist, t))
+        all_reduce(dist, t, largest=True)
+    return t.item() > 0  # the documented host read of this rare path
 
 
 def raise_if_any_rank_failed(error: Exception | None, what: str) -> None:
