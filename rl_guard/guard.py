@@ -115,7 +115,16 @@ class Guard:
         optimizer updates when they are not its ``param_groups`` (None: they are), and ``state.params_sharded``
         True when those are this rank's partition (DeepSpeed ZeRO), so the update probe merges ranks by sum."""
         self.state = state
-        if self.config.sharded_grads is None and getattr(state, "params_sharded", False):
+        if getattr(state, "params_sharded", False):
+            self.mark_sharded()
+        return self
+
+    def mark_sharded(self) -> "Guard":
+        """This rank holds shards of the gradients and of the weights the optimizer updates, as plain tensors that
+        detection cannot tell from replicas (ZeRO partitions, FSDP1 flat parameters): ranks merge both by sum.
+        An explicit ``sharded_grads`` in the config wins."""
+        if self.config.sharded_grads is None:
+            self.config.sharded_grads = True
             self.update_probe.sharded = True
         return self
 
@@ -283,8 +292,11 @@ class Guard:
     def _internal_failure(self, where: str, exc: Exception) -> None:
         self.internal_failures += 1
         self._failed_this_step = True
-        device, self._acc = self._acc.device, StepAccumulator()
-        self._acc.device = device
+        if where == "check" or where.startswith("observe"):
+            # what the step recorded is spent or incomplete; other failures (the update probe, logging, snapshots)
+            # leave the step's statistics to be checked
+            device, self._acc = self._acc.device, StepAccumulator()
+            self._acc.device = device
         if where.startswith("observe"):
             self._incomplete_step = True
         self._last_failure = f"{where}: {exc!r}"

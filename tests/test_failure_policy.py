@@ -69,6 +69,17 @@ def test_failing_snapshot_and_log_do_not_stop_training(tmp_path, monkeypatch):
     assert guard.step == 2 and guard.internal_failures == 2
 
 
+def test_a_failing_update_probe_keeps_the_steps_statistics_and_their_rules(tmp_path, monkeypatch):
+    guard, model, opt, sched = setup(tmp_path, "version: 1\nrules:\n"
+                                     "  - {name: big_loss, metric: rl_guard/loss/value, op: '>', threshold: 1.0e+3, "
+                                     "action: skip_step}\n")
+    monkeypatch.setattr(guard.update_probe, "pre_step", lambda *a: 1 / 0)
+    with pytest.warns(RuntimeWarning, match="internal failure in update probe"):
+        d = train_step(guard, model, opt, sched, scale=1e6)
+    # the loss observed before the probe failed still reaches the rules
+    assert d.action == "skip_step" and guard.last_metrics["rl_guard/loss/value"] > 1e3
+
+
 def test_open_mode_announces_an_unguarded_run_once_and_recovery(tmp_path, monkeypatch, capsys):
     guard, model, opt, sched = setup(tmp_path, "version: 1\nmax_internal_failures: 3\n")
     with monkeypatch.context() as m:

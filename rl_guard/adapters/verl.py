@@ -109,8 +109,8 @@ def install(worker, guard):
         raise RuntimeError(f"rl_guard.adapters.verl guards verl's FSDP engines (actor strategy fsdp / fsdp2), "
                            f"not {type(engine).__name__}")
     guard.attach(engine.module, engine.optimizer, engine.lr_scheduler)
-    if guard.config.sharded_grads is None and type(engine.module).__name__ == "FullyShardedDataParallel":
-        guard.config.sharded_grads = True  # FSDP1 flat parameters: plain tensors, disjoint shards (sum over ranks)
+    if type(engine.module).__name__ == "FullyShardedDataParallel":
+        guard.mark_sharded()  # FSDP1 flat parameters: plain tensors, disjoint shards (sum over ranks)
     worker.loss_fn = observing(worker.loss_fn, guard)
     original_step, original_train = engine.optimizer_step, engine.train_batch
 
