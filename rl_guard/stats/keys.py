@@ -17,6 +17,7 @@ _FIELDS = (
     "microbatches", "empty_microbatches", "ranks", "nonfinite",  # tokens / loss bookkeeping
     "sq", "max_abs", "preclip_sq",  # gradients
     "base_sq", "param_sq", "drift_sq",  # update probe (stats/update.py)
+    "slots", "cells", "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/token_probes.py)
 )
 
 

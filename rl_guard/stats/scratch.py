@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .sketch import SketchSpec
+from .sketch import SketchSpec, cell_index
 
 F32, I32 = torch.float32, torch.int32
 
@@ -89,7 +89,4 @@ def finite_min(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
 def cell_index_into(ws: Scratch, x: torch.Tensor, spec: SketchSpec, extra: int = 0) -> torch.Tensor:
     """``sketch.cell_index`` of a finite fp32 ``x`` plus a constant ``extra``, computed in ``ws`` (int32
     ``ws("cell", I32)``)."""
-    a = torch.abs(x, out=ws("cell.a")).add_(spec.scale).clamp_(max=spec.top)
-    k = torch.bitwise_right_shift(a.view(I32), spec.shift, out=ws("cell", I32))
-    sign = torch.bitwise_right_shift(x.view(I32), 31, out=ws("cell.sign", I32))
-    return k.sub_(spec.base).bitwise_xor_(sign).add_(spec.bins // 2 + extra)
+    return cell_index(x, spec, extra, out=(ws("cell.a"), ws("cell", I32), ws("cell.sign", I32)))

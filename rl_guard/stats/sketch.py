@@ -89,18 +89,17 @@ LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=6)  # 2338 cells,
 ENTROPY = SketchSpec(scale=1e-3, max_abs=30.0, mantissa_bits=7)  # 3804 cells, eps 0.39%
 
 
-def cell_index(x: torch.Tensor, spec: SketchSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
-    """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor, plus a per-element ``offset``
-    (integer-valued, below 2^24 if float: several sketches counted in one vector). Values beyond ``max_abs`` (and
-    +-inf) land in the edge cells."""
+def cell_index(x: torch.Tensor, spec: SketchSpec, extra: int = 0, out=None) -> torch.Tensor:
+    """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor, plus a constant ``extra`` (several
+    sketches counted in one vector). Values beyond ``max_abs`` (and +-inf) land in the edge cells. ``out``: three
+    buffers shaped like ``x`` (float32, int32, int32) to compute in without allocating."""
     xf = x.float()
-    a = xf.abs().add_(spec.scale).clamp_(max=spec.top)
-    k = a.view(torch.int32).bitwise_right_shift_(spec.shift)
+    a_out, k_out, sign_out = out or (None, None, None)
+    a = torch.abs(xf, out=a_out).add_(spec.scale).clamp_(max=spec.top)
+    k = torch.bitwise_right_shift(a.view(torch.int32), spec.shift, out=k_out)
     # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
-    k.sub_(spec.base).bitwise_xor_(xf.view(torch.int32) >> 31).add_(spec.bins // 2)
-    if offset is not None:
-        k.add_(offset.to(torch.int32) if offset.dtype != torch.int32 else offset)
-    return k
+    sign = torch.bitwise_right_shift(xf.view(torch.int32), 31, out=sign_out)
+    return k.sub_(spec.base).bitwise_xor_(sign).add_(spec.bins // 2 + extra)
 
 
 def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:

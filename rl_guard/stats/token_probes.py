@@ -125,7 +125,7 @@ def lag_slot_offset(edges, regions: bool) -> int:
 def lag_counts_into(acc: ChunkStats, offset, edges) -> None:
     """Tokens per lag slot (no log-ratio: no cells), mapped to buckets by ``lag_finish``."""
     offset.add_(lag_slot_offset(edges, regions=False))
-    acc.sum("lag.slots", count_cells(offset, lag_slots(edges)))
+    acc.sum(keys.LAG.slots, count_cells(offset, lag_slots(edges)))
 
 
 def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, edges, z, k3) -> None:
@@ -137,8 +137,8 @@ def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, edges, z, k3) -> None:
     idx = cell_index_into(ws, z, LOG_RATIO, extra=bins * lag_slot_offset(edges, regions=True))
     idx.add_(offset, alpha=bins)
     size = 3 * lag_slots(edges) * bins
-    acc.sum("lag.cells", count_cells(idx, size))
-    acc.sum("lag.cells_k3", count_cells(idx, size, weights=ws("f64", F64).copy_(k3)))  # float64 sums per cell
+    acc.sum(keys.LAG.cells, count_cells(idx, size))
+    acc.sum(keys.LAG.cells_k3, count_cells(idx, size, weights=ws("f64", F64).copy_(k3)))  # float64 sums per cell
 
 
 def _by_bucket(counts: torch.Tensor, lut: torch.Tensor, nb: int, dim: int) -> torch.Tensor:
@@ -153,14 +153,14 @@ def lag_finish(acc: ChunkStats, lut: torch.Tensor, nb: int, ratio: bool, clipped
     with a log-ratio, clip counts (only when clipping was counted), ratio histograms and k3 sums."""
     slots = lut.numel()
     if not ratio:
-        acc.sum(keys.LAG.tokens, _by_bucket(acc.pop_sum("lag.slots"), lut, nb, 0)[:nb])
+        acc.sum(keys.LAG.tokens, _by_bucket(acc.pop_sum(keys.LAG.slots), lut, nb, 0)[:nb])
         return
     bins = LOG_RATIO.bins
-    per_slot = acc.pop_sum("lag.cells").view(3, slots, bins)
+    per_slot = acc.pop_sum(keys.LAG.cells).view(3, slots, bins)
     # every token with a finite ratio, whatever its version (the invalid-lag slot too)
     acc.sum(keys.RATIO.hist, (per_slot[0] + per_slot[1]).sum(0))
     cells = _by_bucket(per_slot, lut, nb, 1)[:, :nb]
-    k3 = _by_bucket(acc.pop_sum("lag.cells_k3").view(3, slots, bins), lut, nb, 1)[:, :nb]
+    k3 = _by_bucket(acc.pop_sum(keys.LAG.cells_k3).view(3, slots, bins), lut, nb, 1)[:, :nb]
     acc.sum(keys.LAG.tokens, cells.sum((0, 2)))
     if clipped:
         acc.sum(keys.LAG.clip, cells[1].sum(1))

@@ -137,11 +137,13 @@ def test_merging_sketches_adds_counts_exactly():
     assert torch.equal(whole, merged)
 
 
-def test_offset_places_several_sketches_in_one_vector():
-    x = torch.tensor([-1.0, 0.0, 0.5, 3.0])
+def test_extra_places_several_sketches_in_one_vector_and_buffers_give_the_same_cells():
+    x = torch.tensor([-1.0, 0.0, 0.5, 3.0, -math.inf, math.inf])
     base = cell_index(x, LOG_RATIO)
-    off = torch.tensor([0.0, 1.0, 2.0, 1.0]) * LOG_RATIO.bins
-    assert torch.equal(cell_index(x, LOG_RATIO, off), base + off.to(torch.int32))
+    assert torch.equal(cell_index(x, LOG_RATIO, 2 * LOG_RATIO.bins), base + 2 * LOG_RATIO.bins)
+    out = (torch.empty(6), torch.empty(6, dtype=torch.int32), torch.empty(6, dtype=torch.int32))
+    assert torch.equal(cell_index(x, LOG_RATIO, out=out), base) and out[1].data_ptr() == cell_index(
+        x, LOG_RATIO, out=out).data_ptr()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
