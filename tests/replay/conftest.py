@@ -10,14 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from replay_runs import quiet_demo_yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def quiet_demo_yaml(**sections) -> str:
-    from rl_guard.demo.run import demo_config
-
-    return demo_config("rollback", console_every=None, **sections)
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +62,6 @@ def trl_run(tmp_path_factory):
         wandb.finish()  # transformers leaves the run open for later logging; a script ends it like this
     trainer.state.save_to_json(str(root / "trainer_state.json"))
     return root, trainer
-
-
-def incidents_key(records, action_key="action"):
-    return [(r["step"], r["rule"], r[action_key], r.get("restored_to_step")) for r in records]
 
 
 @pytest.fixture(scope="session")

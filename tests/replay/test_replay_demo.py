@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import incidents_key
+from replay_runs import incidents_key
 from rl_guard.cli import main
 from rl_guard.control.config import load_config
 from rl_guard.replay import load_history, replay

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bitwise import assert_same
-from conftest import quiet_demo_yaml
+from replay_runs import quiet_demo_yaml
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
 from rl_guard.sinks.jsonl import read_jsonl
