@@ -81,9 +81,11 @@ def test_none_rewards_are_not_faults_but_a_returned_nan_is(tiny_model, tmp_path)
     metrics = read_jsonl(tmp_path / "none" / "guard" / "metrics.jsonl")
     assert all(m.get("rl_guard/input/rewards/nonfinite", 0) == 0 for m in metrics)
     # The reward statistic is TRL's own (a None adds nothing): equal to TRL's logged reward mean.
-    trl_logged = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    guard_logged = [m["rl_guard/reward/mean"] for m in metrics if "rl_guard/reward/mean" in m]
-    np.testing.assert_allclose(guard_logged[: len(trl_logged)], trl_logged[: len(guard_logged)], rtol=1e-5)
+    trl_logged = {h["step"]: h["reward"] for h in trainer.state.log_history if "reward" in h}
+    guard_logged = {m["step"]: m["rl_guard/reward/mean"] for m in metrics if "rl_guard/reward/mean" in m}
+    assert trl_logged and set(trl_logged) <= set(guard_logged), (sorted(trl_logged), sorted(guard_logged))
+    for step, reward in trl_logged.items():
+        np.testing.assert_allclose(guard_logged[step], reward, rtol=1e-5, err_msg=f"step {step}")
 
     def nan_when_applicable(prompts, completions, **kwargs):
         return [math.nan if r is not None else None for r in sometimes_none_reward(prompts, completions)]
