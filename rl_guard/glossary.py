@@ -75,8 +75,8 @@ GLOSSARY: dict[str, str] = {
     "1 for decays and restarts; a jump or a compounding ramp is trouble.",
     "logp/<stat>": "Log-probability of the sampled tokens under the current policy (loss tokens): mean/min/max. A "
     "jump in the mean means the policy moved far from the one that sampled (collapse, blow-up, weight fault).",
-    "group/no_signal_steps": "Consecutive optimizer steps whose generation batch had no group with differing "
-    "rewards (TRL adapter): nothing to learn from; up is trouble.",
+    "group/no_signal_steps": "Consecutive optimizer steps whose latest generation batch (observe_samples with "
+    "groups) had no group with differing rewards: nothing to learn from; up is trouble.",
     "loss/value": "Sum of the micro-batch losses fed this step, averaged over data-parallel ranks (NaN if any was "
     "non-finite).",
     "loss/nonfinite": "Number of non-finite micro-batch losses this step.",

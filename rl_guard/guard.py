@@ -178,6 +178,7 @@ class Guard:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
         params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
         self._probe_update_before()
+        self._host_metrics.update(self.diagnostics.no_signal_steps())
         reduce = ranks.reducer()
         try:
             if self._incomplete_step:

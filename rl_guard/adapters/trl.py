@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from .. import Guard, TokenBatch
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
-from .trl_samples import has_group_spread, samples_from_rewards
+from .trl_samples import samples_from_rewards
 
 SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
 logger = logging.getLogger("rl_guard")
@@ -72,8 +72,6 @@ class RLGuardCallback(TrainerCallback):
         self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
         self._engine_gate = None  # DeepSpeed: the decision is taken inside engine.step (adapters/deepspeed.py)
         self.coverage: list[dict] = []
-        self._batch_has_signal: bool | None = None  # did the last generation batch have a group with reward spread?
-        self._steps_without_signal = 0
         self._eos_cache: tuple | None = None
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
@@ -181,10 +179,10 @@ class RLGuardCallback(TrainerCallback):
         none = self._nones.not_applicable(n, local.device) if self._nones is not None else torch.zeros_like(local).bool()
         # As TRL, a None adds nothing; unlike TRL's nansum, a NaN a function really returned stays visible.
         self.guard.observe_sequences(rewards=applicable_total(local, weights, none))
-        total = (per_func * weights).sum(1)
-        samples = samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list)
-        self._batch_has_signal = has_group_spread(samples)
-        self.guard.observe_samples(samples)
+        # On one process the whole batch is local and its Nones are known; across processes only this rank's are.
+        total = applicable_total(per_func, weights, none) if n == len(per_func) else (per_func * weights).sum(1)
+        self.guard.observe_samples(samples_from_rewards(self.trainer, per_func, total, prompts, completions,
+                                                        completion_ids_list))
 
     def _wrap_clip(self, original):
         def wrapper(*args, **kwargs):
@@ -252,9 +250,6 @@ class RLGuardCallback(TrainerCallback):
             if decision is not None and decision.stop:
                 control.should_training_stop = control.should_save = True
             return control
-        if self._batch_has_signal is not None:
-            self._steps_without_signal = 0 if self._batch_has_signal else self._steps_without_signal + 1
-            self.guard.observe_partial(host_metrics={"rl_guard/group/no_signal_steps": float(self._steps_without_signal)})
         decision = self.guard.check(params=optimizer if optimizer is not None else model, pre_clip_norm=preclip,
                                     defer_restore=True)
         if decision.stop:  # should_save: the trainer also writes its own checkpoint of the halted state

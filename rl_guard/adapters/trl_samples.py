@@ -7,7 +7,6 @@ only known locally; they are included on a single process, where local is global
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..diagnostics import SampleBatch
@@ -31,18 +30,6 @@ def samples_from_rewards(trainer, per_func: torch.Tensor, total: torch.Tensor, p
                      funnel={"sampled": n, "completed": n - sum(truncated), "truncated": sum(truncated),
                              "reward_available": finite})
     return SampleBatch(**batch)
-
-
-def has_group_spread(batch: SampleBatch) -> bool:
-    """Some group of completions has finite rewards that differ: the only source of a GRPO gradient. Reads the host
-    copy made above (no further transfer)."""
-    rewards, groups = np.asarray(batch.rewards, dtype=np.float64), np.asarray(batch.group_ids)
-    ok = np.isfinite(rewards)
-    for g in np.unique(groups):
-        r = rewards[(groups == g) & ok]
-        if r.size > 1 and r.max() > r.min():
-            return True
-    return False
 
 
 def _text(x) -> str:

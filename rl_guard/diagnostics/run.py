@@ -17,7 +17,7 @@ from .budget import Budget, spent
 from .critic import critic
 from .funnel import funnel
 from .groups import groups
-from .names import Out
+from .names import PREFIX, Out
 from .quadrant import quadrant
 from .reward import reward
 from .samples import Prepared, SampleBatch
@@ -45,6 +45,8 @@ class RunDiagnostics:
         self.budget = Budget()
         self.trend = Trend(window)
         self.last_audit_file: Path | None = None
+        self.batch_has_signal: bool | None = None  # did the latest batch with groups have one with reward spread?
+        self.steps_without_signal = 0
 
     def update(self, samples: SampleBatch, step: int, *, optimizer_updates: int | None = None) -> dict[str, float]:
         """Metrics for this batch (names carry the ``rl_guard/`` prefix; no ``step`` key)."""
@@ -56,6 +58,8 @@ class RunDiagnostics:
         reward(p, out)
         cells = quadrant(p, self.quadrant_threshold, out)
         groups(p, out)
+        if PREFIX + "group/empty_frac" in out:  # groups given: does one have differing rewards (a GRPO gradient)?
+            self.batch_has_signal = out.get(PREFIX + "group/zero_std_frac", 1.0) < 1.0
         critic(p, out)
         self.budget.update(this, out)
         self.trend.update(p, step, out)
@@ -63,9 +67,17 @@ class RunDiagnostics:
             self.last_audit_file = self.audit.write(step, p, cells, self.rng)
         return dict(out)
 
+    def no_signal_steps(self) -> dict[str, float]:
+        """Once per optimizer step: ``group/no_signal_steps``, consecutive steps whose latest generation batch had
+        no group with differing rewards (nothing to learn from); nothing until a batch with groups was seen."""
+        if self.batch_has_signal is None:
+            return {}
+        self.steps_without_signal = 0 if self.batch_has_signal else self.steps_without_signal + 1
+        return {PREFIX + "group/no_signal_steps": float(self.steps_without_signal)}
+
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "budget": self.budget.state_dict(), "trend": self.trend.state_dict(),
-                "rng": self.rng.bit_generator.state}
+                "rng": self.rng.bit_generator.state, "signal": [self.batch_has_signal, self.steps_without_signal]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -73,3 +85,4 @@ class RunDiagnostics:
         self.budget.load_state_dict(state["budget"])
         self.trend.load_state_dict(state["trend"])
         self.rng.bit_generator.state = state["rng"]
+        self.batch_has_signal, self.steps_without_signal = state.get("signal", [None, 0])

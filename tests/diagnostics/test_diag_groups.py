@@ -81,3 +81,20 @@ def test_group_ids_as_tensor_and_numpy_match_lists(diag):
     as_tensor = diag(group_ids=torch.tensor(codes), rewards=torch.tensor(REWARDS[:10], dtype=torch.bfloat16),
                      lengths=np.array(LENGTHS[:10]))
     assert as_tensor == pytest.approx(base)
+
+
+def test_no_signal_steps_count_optimizer_steps_without_reward_spread_and_survive_a_resume():
+    from rl_guard.diagnostics import RunDiagnostics, SampleBatch
+
+    d = RunDiagnostics()
+    assert d.no_signal_steps() == {}  # no batch with groups yet: nothing to report
+    flat = SampleBatch(rewards=[1.0, 1.0, 0.0, 0.0], group_ids=[0, 0, 1, 1])
+    spread = SampleBatch(rewards=[1.0, 0.0, 0.0, 0.0], group_ids=[0, 0, 1, 1])
+    d.update(flat, step=1)
+    # two optimizer steps on one generation batch count twice
+    assert [d.no_signal_steps()["rl_guard/group/no_signal_steps"] for _ in range(2)] == [1.0, 2.0]
+    resumed = RunDiagnostics()
+    resumed.load_state_dict(d.state_dict())
+    assert resumed.no_signal_steps()["rl_guard/group/no_signal_steps"] == 3.0
+    resumed.update(spread, step=4)
+    assert resumed.no_signal_steps()["rl_guard/group/no_signal_steps"] == 0.0
