@@ -10,7 +10,6 @@ before ``engine.step``. Writes OUT/rank<r>.json.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from torch import distributed as dist
 
 from rl_guard import Guard
 from rl_guard.adapters.deepspeed import EngineCheckpointState, EngineGate, ZeroGradients
-from zero_reference import exact_update, masters
+from zero_reference import digest, exact_update, masters
 
 # DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
 # it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
@@ -56,19 +55,11 @@ def weights(eng) -> dict:
     parameters read through ``GatheredParameters`` gave bytes that differed from run to run here on CPU / gloo)."""
     ps = list(eng.module.parameters())
     local = [(p.ds_tensor if eng.zero_optimization_stage() == 3 else p).detach().clone() for p in ps]
-    opt = eng.optimizer
-    master = getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups
+    master = masters(eng)
     every = [None] * WORLD
-    dist.all_gather_object(every, _digest(local))
-    return {"local": _digest(local), "master": _digest([m.detach() for m in master]), "module": every,
-            "finite": all(bool(torch.isfinite(t.float()).all()) for t in local + list(master))}
-
-
-def _digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.float().contiguous().numpy().tobytes())  # bf16 -> fp32 is exact
-    return h.hexdigest()
+    dist.all_gather_object(every, digest(local))
+    return {"local": digest(local), "master": digest(master), "module": every,
+            "finite": all(bool(torch.isfinite(t.float()).all()) for t in local + master)}
 
 
 def run(stage: str, action: str) -> dict:

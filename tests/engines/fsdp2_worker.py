@@ -10,7 +10,6 @@ shard. Writes OUT/rank<r>.json.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -21,17 +20,11 @@ from torch import distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rl_guard import Guard
+from zero_reference import digest
 
 STEPS = 4
 FAULT_STEP = {"skip_step": 1, "checkpoint_and_halt": 1, "rollback": 2}  # rollback: a snapshot from step 0
 OUT = Path(sys.argv[1])
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def weights(model) -> dict:

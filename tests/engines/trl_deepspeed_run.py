@@ -8,7 +8,6 @@ this rank's weights (module and fp32 master partition) before and after. Writes 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -22,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.tiny import build_tiny_model, prompt_dataset, repeat_last_digit_reward
-from zero_reference import exact_update, masters
+from zero_reference import digest, exact_update, masters
 
 # DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
 # it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
@@ -34,13 +33,6 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto
              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
              "zero_optimization": {"stage": STAGE}, "bf16": {"enabled": False}, "zero_allow_untested_optimizer": True,
              "steps_per_print": 10**9}  # no "optimizer": the trainer's torch AdamW (no native op to build)
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class Probe(TrainerCallback):

@@ -1,9 +1,20 @@
-"""Float64 references over DeepSpeed ZeRO's fp32 master partitions, for the engine workers."""
+"""What the engine workers compare: sha256 digests of weights, and float64 references over DeepSpeed ZeRO's fp32
+master partitions."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import distributed as dist
+
+
+def digest(tensors) -> str:
+    """sha256 of the tensors' fp32 bytes (bf16 -> fp32 is exact, and so is fp32 -> fp64 -> fp32 for ``masters``)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def masters(eng) -> list[torch.Tensor]:
