@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROWS, COLS = 64, 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
@@ -75,12 +71,10 @@ def child() -> dict:
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def big():
+    from rank_launch import run_ranks  # here, not at the top: the child runs this file without tests/ on its path
+
+    return run_ranks(Path(__file__), [], 1, extra_env={"OMP_NUM_THREADS": "1"}, timeout=280)[0]
 
 
 def test_64m_tokens_in_one_micro_batch(big):
