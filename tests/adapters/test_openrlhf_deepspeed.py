@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rank_launch import free_port
 
 pytest.importorskip("openrlhf")
 pytestmark = pytest.mark.slow  # one process importing deepspeed, three engines: about 40 s
@@ -22,9 +22,7 @@ CONFIGS = ("1:fp32", "2:bf16", "3:bf16")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """OpenRLHF's DeepspeedStrategy methods on real ZeRO engines, in a subprocess (it initialises a process group)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     worker = Path(__file__).with_name("openrlhf_deepspeed_worker.py")

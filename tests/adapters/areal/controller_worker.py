@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 MODEL, OUT = sys.argv[1], sys.argv[2]
@@ -26,6 +25,7 @@ from areal.infra.rpc.guard.data_blueprint import data_bp  # noqa: E402
 from areal.infra.rpc.guard.engine_blueprint import engine_bp, register_engine_hooks  # noqa: E402
 from areal.infra.rpc.serialization import deserialize_value, serialize_value  # noqa: E402
 from areal.utils.environ import is_single_controller  # noqa: E402
+from rank_launch import free_port  # noqa: E402  (tests/ is on the PYTHONPATH test_areal_controller.py gives)
 
 
 GUARD = """version: 1
@@ -107,10 +107,7 @@ def main() -> None:
     controller = trainer._create_train_engine(config, ModelAllocation.from_str("fsdp:d1"))
     assert isinstance(controller, PPOActorController), type(controller)
     engine_path = f"{controller.train_engine.__module__}.{controller.train_engine.__name__}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "0",
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0",
            **config.scheduling_spec[0].env_vars}
     for key in ("RL_GUARD_CONFIG", "RL_GUARD_RUN_DIR"):
         del os.environ[key]  # the worker gets them only through /set_env, as a separate process would
