@@ -154,7 +154,7 @@ def install(engine, guard, shift_versions: bool = True):
         guard.step_done()
         stats.update(guard.last_logged)
         if decision.stop:
-            raise GuardHalted("; ".join(decision.messages) or f"rl_guard halted at step {decision.step}")
+            raise GuardHalted.of(decision)
         return stats
 
     engine.train_batch, engine.optimizer_step = train_batch, optimizer_step

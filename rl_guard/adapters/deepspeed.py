@@ -133,14 +133,19 @@ def suppressed_step(engine, step):
         opt.overflow = False
 
 
-class EngineGate:
-    """Wraps ``engine.step`` (this instance only): at the accumulation boundary, ``guard.check`` on the engine's
-    gradients, then the step as is or ``suppressed_step``. ``after(decision)`` runs after the step (OpenRLHF:
-    restore, step_done, halt); without it the caller collects the decision with ``take()`` (TRL's
-    ``on_pre_optimizer_step``)."""
+def gated_step(guard, engine, call):
+    """``guard.check`` on the engine's gradients (ZeRO partitions, or ``p.grad`` without ZeRO), then ``call`` as
+    is or through DeepSpeed's overflow path. Returns ``(decision, call's result)``."""
+    decision = guard.check(params=gradient_source(engine) if is_engine(engine) else None, defer_restore=True)
+    return decision, (call() if decision.apply_step else suppressed_step(engine, call))
 
-    def __init__(self, engine, guard, after=None):
-        self.engine, self.guard, self.after = engine, guard, after
+
+class EngineGate:
+    """Wraps ``engine.step`` (this instance only): at the accumulation boundary, ``gated_step``. The caller
+    collects the decision with ``take()`` (TRL's ``on_pre_optimizer_step``)."""
+
+    def __init__(self, engine, guard):
+        self.engine, self.guard = engine, guard
         self.decision = None
         self._original = engine.step
 
@@ -153,12 +158,7 @@ class EngineGate:
     def _step(self, *args, **kwargs):
         if not self.engine.is_gradient_accumulation_boundary():
             return self._original(*args, **kwargs)
-        decision = self.guard.check(params=gradient_source(self.engine), defer_restore=True)
-        call = functools.partial(self._original, *args, **kwargs)
-        out = call() if decision.apply_step else suppressed_step(self.engine, call)
-        self.decision = decision
-        if self.after is not None:
-            self.after(decision)
+        self.decision, out = gated_step(self.guard, self.engine, functools.partial(self._original, *args, **kwargs))
         return out
 
     def take(self):

@@ -36,7 +36,7 @@ from ..control.ram_dir import ram_dir
 from ..control.state import scale_lr
 from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
-from .deepspeed import MasterPartitions
+from .deepspeed import MasterPartitions, gated_step, is_engine
 
 SUPPORTED = {"openrlhf": ((0, 11), (0, 12))}
 # Experience fields as of openrlhf 0.11.2 (tests compare with the real dataclass) and the ones read here.
@@ -118,8 +118,6 @@ def load_guard_state(guard, client_states: dict) -> bool:
 def _engine(model):
     """The DeepSpeed engine of OpenRLHF's ``Actor`` (``.model``), or ``model`` when it is the engine already (a
     DeepSpeedEngine forwards unknown attributes to its module, so its ``.model`` would be the HF inner model)."""
-    from .deepspeed import is_engine
-
     return model if is_engine(model) else getattr(model, "model", model)
 
 
@@ -134,16 +132,12 @@ def gate_optimizer_step(strategy, actor, guard) -> None:
         boundary = getattr(engine, "is_gradient_accumulation_boundary", lambda: True)()  # plain optimizers: always
         if engine is not _engine(actor) or not boundary:  # another model (a critic), or DeepSpeed accumulates
             return original(optimizer, model, scheduler, *args, **kwargs)
-        from .deepspeed import gradient_source, is_engine, suppressed_step
-
-        # Under ZeRO the gradients are the optimizer's partitions, not p.grad.
-        decision = guard.check(params=gradient_source(engine) if is_engine(engine) else None, defer_restore=True)
-        call = functools.partial(original, optimizer, model, scheduler, *args, **kwargs)
-        out = call() if decision.apply_step else suppressed_step(engine, call)
+        decision, out = gated_step(guard, engine, functools.partial(original, optimizer, model, scheduler, *args,
+                                                                    **kwargs))
         guard.actions.restore_pending()
         guard.step_done()
         if decision.stop:
-            raise GuardHalted("; ".join(decision.messages) or f"rl_guard halted at step {decision.step}")
+            raise GuardHalted.of(decision)
         return out
 
     strategy.optimizer_step = optimizer_step
