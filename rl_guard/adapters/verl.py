@@ -16,10 +16,11 @@ verl 0.9.1 internals relied on (``verl/workers/engine_workers.py``, ``verl/worke
   this module wraps (behaviour unchanged); when it receives the PPO loss, the guard is installed on that instance.
 - ``engine.forward_step`` calls ``loss_function(model_output=, data=, dp_group=)`` per micro-batch, in training
   and (under ``no_grad``) for log-prob recomputation: only calls with gradients enabled are observed.
-  ``model_output["log_probs"]`` / ``["entropy"]`` are unpadded (``no_padding_2_padding`` pads them as ``ppo_loss``
-  does); ``data`` holds ``response_mask``, ``old_log_probs``, ``advantages``, ``ref_log_prob`` (reference, when
-  computed), ``rollout_log_probs`` (the inference engine's, kept with rollout correction) and
-  ``token_level_scores`` / ``token_level_rewards`` ``[B, R]`` (summed to each sequence's reward).
+  ``model_output["log_probs"]`` / ``["entropy"]`` are unpadded: they are gathered on the device at the positions
+  ``no_padding_2_padding`` (``verl/workers/utils/padding.py``) reads for ``ppo_loss``; ``data`` holds
+  ``response_mask``, ``old_log_probs``, ``advantages``, ``ref_log_prob`` (reference, when computed),
+  ``rollout_log_probs`` (the inference engine's, kept with rollout correction) and ``token_level_scores`` /
+  ``token_level_rewards`` ``[B, R]`` (summed to each sequence's reward).
   With rollout log-probs: behaviour = rollout, proximal = old, as ``rollout_corr_helper`` defines them.
 - ``BaseEngine.train_batch``: ``optimizer_zero_grad``, ``forward_backward_batch``, then ``optimizer_step`` once per
   mini-batch on every rank. The guard decides there, before the engine clips and steps (FSDP2 ``DTensor`` gradients
@@ -59,15 +60,50 @@ ACTOR_LOSSES = ("ppo_loss", "distillation_ppo_loss")  # the actor's loss functio
 ROLLOUT_FIELDS = ("ref_log_prob", "rollout_log_probs", "token_level_scores", "token_level_rewards")
 
 
+def response_positions(data, width=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where verl's ``no_padding_2_padding`` reads each response in the packed model output: indices ``[B, R]`` and
+    their validity. Its token ``j`` of sequence ``b`` sits at ``end[b] - response_len[b] - 1 + j`` (outputs are
+    shifted left by one), with the same lengths, ends and width verl uses; computed on the device, where verl's
+    function syncs the host once per sequence (its checks on these lengths ran in ``ppo_loss`` just before).
+    ``width``: the padded fields' width, used only in the nested layout when ``max_response_len`` is not set
+    (verl's loss subtracts those fields from the log-probs, so the widths agree)."""
+    from verl.utils import tensordict_utils as tu
+
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:  # packed end to end
+        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+        max_len = tu.get_non_tensor_data(data=data, key="max_response_len", default=-1)
+        if max_len < 0:  # verl takes the longest response (a host sync); the caller's width is that figure
+            max_len = int(response_lens.max()) if width is None else width
+        width = max_len
+    else:  # left-padded prompts, right-padded responses (verl's trainer): lengths from the attention mask
+        attention = data["attention_mask"]
+        prompt_lens = attention[:, : prompts.shape[1]].sum(dim=1)
+        response_lens = attention[:, prompts.shape[1]:].sum(dim=1)
+        width = responses.shape[1]
+    ends = (prompt_lens + response_lens).cumsum(dim=0)
+    steps = torch.arange(width, device=ends.device)
+    return (ends - response_lens - 1).unsqueeze(1) + steps, steps < response_lens.unsqueeze(1)
+
+
+def gather_response(output: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``no_padding_2_padding``'s tensor ``[B, R, *]`` from a packed model output (nested or ``[total, *]``):
+    the same values, zeros past each response."""
+    values = (output.values() if output.is_nested else output).detach()
+    index, valid = index.to(values.device), valid.to(values.device)
+    picked = values[index.clamp(0, values.shape[0] - 1)]  # clamped positions are zeroed below
+    return picked.masked_fill(~valid.view(*valid.shape, *[1] * (values.dim() - 1)), 0)
+
+
 def token_batch(model_output, data, config=None) -> TokenBatch:
     """One micro-batch's ``TokenBatch`` from the arguments verl passes the actor's loss function."""
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    logp = no_padding_2_padding(model_output["log_probs"], data).detach()
-    entropy = model_output.get("entropy", None)
-    entropy = None if entropy is None else no_padding_2_padding(entropy, data).detach().float()
     fields = ["response_mask", "old_log_probs", "advantages"] + [k for k in ROLLOUT_FIELDS if k in data.keys()]
-    td = data.select(*fields).to_padded_tensor()
+    # as ppo_loss pads them (torch's jagged padding reads the cached max length: no sync); plain tensors as they are
+    td = {k: torch.nested.to_padded_tensor(data[k], 0.0) if data[k].is_nested else data[k] for k in fields}
+    index, valid = response_positions(data, width=td["response_mask"].shape[-1])
+    logp = gather_response(model_output["log_probs"], index, valid)
+    entropy = model_output.get("entropy", None)
+    entropy = None if entropy is None else gather_response(entropy, index, valid).float()
     mask = td["response_mask"].bool()
     old, rollout = td["old_log_probs"], td.get("rollout_log_probs", None)
     behaviour, prox = (old, None) if rollout is None else (rollout, old)
