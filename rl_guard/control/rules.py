@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,12 +89,11 @@ class History:
 
     def __init__(self, maxlen: int = 1024, early: int = 1024):
         self.maxlen, self.early = maxlen, early
-        self.recent: dict[str, deque] = {}
         self.first: dict[str, list] = {}
-        self._rings: dict[str, _Ring] = {}  # the same values as ``recent``, readable as an array without copying
+        self._rings: dict[str, _Ring] = {}  # the last ``maxlen`` values, readable as an array without copying
 
     def values(self, metric: str) -> list[float]:
-        return list(self.recent.get(metric, ()))
+        return self.last(metric, self.maxlen).tolist()
 
     def last(self, metric: str, n: int) -> np.ndarray:
         """The last ``n`` values (fewer if fewer are known) as a read-only float64 view, oldest first."""
@@ -107,28 +105,25 @@ class History:
             if not math.isfinite(v):
                 continue
             v = float(v)
-            recent = self.recent.get(name)
-            if recent is None:
-                recent = self.recent[name] = deque(maxlen=self.maxlen)
-                self._rings[name] = _Ring(self.maxlen)
-            recent.append(v)
-            self._rings[name].append(v)
+            ring = self._rings.get(name)
+            if ring is None:
+                ring = self._rings[name] = _Ring(self.maxlen)
+            ring.append(v)
             first = self.first.setdefault(name, [])
             if len(first) < self.early:
                 first.append(v)
 
     def state_dict(self) -> dict:
         # Copies: a state dict must not change when training goes on after it was taken.
-        return {"recent": {k: list(v) for k, v in self.recent.items()},
+        return {"recent": {k: self.values(k) for k in self._rings},
                 "first": {k: list(v) for k, v in self.first.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.recent = {k: deque(v, maxlen=self.maxlen) for k, v in state["recent"].items()}
         self.first = {k: list(v) for k, v in state["first"].items()}
         self._rings = {}
-        for k, values in self.recent.items():
+        for k, values in state["recent"].items():
             ring = self._rings[k] = _Ring(self.maxlen)
-            for v in values:
+            for v in values[-self.maxlen:]:
                 ring.append(v)
 
 
