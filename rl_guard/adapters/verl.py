@@ -160,7 +160,7 @@ def install(worker, guard):
             grad_norm = guard.last_metrics.get("rl_guard/grad/norm", math.nan)
         guard.step_done()
         if decision.stop:
-            raise GuardHalted("; ".join(decision.messages) or f"rl_guard halted at step {decision.step}")
+            raise GuardHalted.of(decision)
         return grad_norm
 
     @functools.wraps(original_train)

@@ -105,13 +105,13 @@ class Controller:
         if decision.action == "rollback" and (not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
             decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
         persistent = self._persistent_fault(decision)
+        shadow = self.config.mode == "shadow"
         for f in decision.firings:
             f.action = decision.action if decision.escalated_from and f.action == decision.escalated_from else f.action
-            f.message = message(f.rule, f.verdict, self.step, self.rank, f.action) + persistent
-        if self.config.mode == "shadow":  # only say what it would do; every flag the loop reads stays neutral
+            said = f"would {f.action} (shadow mode)" if shadow else f.action
+            f.message = message(f.rule, f.verdict, self.step, self.rank, said) + persistent
+        if shadow:  # only say what it would do; every flag the loop reads stays neutral
             decision.would, decision.action = decision.action, None
-            for f in decision.firings:
-                f.message = message(f.rule, f.verdict, self.step, self.rank, f"would {f.action} (shadow mode)") + persistent
         # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
         # regime change must become the new normal for the spike detectors, or it would be refused forever.
         self.history.push({m: metrics[m] for m in self.watched if m in metrics})
