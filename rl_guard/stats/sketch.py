@@ -74,14 +74,22 @@ class SketchSpec:
         """Relative error bound: ``|x_hat - x| <= eps * (|x| + scale)``."""
         return math.expm1(self.width / 2.0)
 
+    @functools.cached_property
     def edges(self) -> np.ndarray:
-        """Cell edges in value space (float64), ``bins + 1`` of them."""
+        """Cell edges in value space (float64), ``bins + 1`` of them; computed once, shared read-only."""
         half = self.bins // 2
         k = (np.arange(half + 1, dtype=np.int64) + self.base) << self.shift
         a = k.astype(np.int32).view(np.float32).astype(np.float64)
         a[0] = self.scale  # a = |x| + c >= c: the first cell starts at x = 0
         pos = a - self.scale
-        return np.concatenate([-pos[::-1], pos[1:]])
+        edges = np.concatenate([-pos[::-1], pos[1:]])
+        edges.flags.writeable = False
+        return edges
+
+    @functools.cached_property
+    def edges_u(self) -> np.ndarray:
+        """Cell edges in ``u`` (cell midpoints are taken there)."""
+        return np.sign(self.edges) * np.log1p(np.abs(self.edges) / self.scale)
 
 
 # Log-ratios live near 0 (|log r| ~ 1e-3 matters); entropies in nats up to ~log(vocab).
@@ -118,13 +126,6 @@ def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = N
     return torch.zeros(size, dtype=torch.float64, device=index.device).index_add_(0, index, weights.to(torch.float64))
 
 
-@functools.lru_cache(maxsize=16)
-def _edges_u(spec: SketchSpec) -> np.ndarray:
-    """Cell edges in ``u`` (cell midpoints are taken there); cached: a spec's edges never change."""
-    edges = spec.edges()
-    return np.sign(edges) * np.log1p(np.abs(edges) / spec.scale)
-
-
 def quantiles_from_counts(
     counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES
 ) -> list[float]:
@@ -134,7 +135,7 @@ def quantiles_from_counts(
     if n <= 0:
         return [math.nan] * len(qs)
     cum = np.cumsum(counts)
-    edges_u = _edges_u(spec)
+    edges_u = spec.edges_u
     # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank
     ranks = [max(1.0, math.ceil(q * n * (1.0 - 1e-12))) for q in qs]
     cells = np.searchsorted(cum, np.asarray(ranks) - 0.5).tolist()  # one search for every quantile

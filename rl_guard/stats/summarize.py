@@ -6,7 +6,6 @@ the number of finite, unmasked entries; an empty denominator gives NaN and the m
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -17,14 +16,6 @@ from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, quantiles_from_counts
 from .update import summarize_update
 
 PREFIX = "rl_guard/"
-
-
-@functools.lru_cache(maxsize=8)
-def _hist_edges(spec) -> np.ndarray:
-    """A sketch's cell edges, computed once and shared read-only by every step's histograms."""
-    edges = spec.edges()
-    edges.flags.writeable = False
-    return edges
 
 
 def _exp(x: float) -> float:
@@ -162,9 +153,9 @@ def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[
     _loss(out, raw)
     hists = {}
     if keys.RATIO.hist in raw:
-        hists[PREFIX + "log_ratio"] = (_hist_edges(LOG_RATIO), raw[keys.RATIO.hist])
+        hists[PREFIX + "log_ratio"] = (LOG_RATIO.edges, raw[keys.RATIO.hist])
     if keys.ENTROPY.hist in raw:
-        hists[PREFIX + "entropy"] = (_hist_edges(ENTROPY), raw[keys.ENTROPY.hist])
+        hists[PREFIX + "entropy"] = (ENTROPY.edges, raw[keys.ENTROPY.hist])
     return dict(out), hists
 
 

@@ -43,7 +43,7 @@ def check_bound(x: np.ndarray, spec: SketchSpec, qs=QS) -> int:
     x32 = x.astype(np.float32)
     x64 = x32.astype(np.float64)  # the data the device sees
     eps = math.expm1(spec.width * (0.5 + FLOAT32_SLACK))
-    edges = spec.edges()
+    edges = spec.edges
     outside_hi, outside_lo = x64.max() > spec.max_abs, x64.min() < -spec.max_abs
     checked = 0
     for q, hat in zip(qs, sketch_quantiles(x32, spec, qs)):
@@ -150,7 +150,7 @@ def test_extra_places_several_sketches_in_one_vector_and_buffers_give_the_same_c
 def test_every_value_lies_in_its_cell_and_cells_are_at_most_w_wide(spec):
     """The cell of each value (read off the float32 bits) contains it, and no cell is wider than w in u: together
     they give the documented bound for every single value, not only for the quantiles sampled above."""
-    edges = spec.edges()
+    edges = spec.edges
     assert edges.size == spec.bins + 1 and edges[spec.bins // 2] == 0.0 and np.all(np.diff(edges) > 0)
     u = np.sign(edges) * np.log1p(np.abs(edges) / spec.scale)
     assert np.diff(u).max() <= spec.width * (1 + 1e-12)
