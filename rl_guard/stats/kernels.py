@@ -98,7 +98,8 @@ def log_ratio_terms(lr: torch.Tensor):
 
 
 def ratio_stats(acc: ChunkStats, name: str, lr, v, z=None, e=None, hist: bool = True) -> None:
-    """Ratio r = exp(lr) over valid tokens: count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
+    """Ratio r = exp(lr) over the valid entries of an allocated vector (the per-sequence ratio; token chunks use
+    ``token_probes.ratio_into``): count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
     key = keys.of(name)
     if z is None:
         z, e = log_ratio_terms(lr)

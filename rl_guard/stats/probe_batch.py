@@ -26,7 +26,6 @@ from .kernels import (
     kl_stats,
     lag_buckets,
     lag_lut,
-    log_ratio_terms,
     nonfinite,
     ratio_stats,
     seq_log_ratio,
@@ -115,7 +114,7 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, edges, 
     ratio = _old_family(acc, ws, b, ch, lp, n_lp) if b.old_logprobs is not None else None
     clip = ratio[:3] if ratio is not None else None
     if b.prox_logprobs is not None:
-        z_iw, v_iw = _prox_family(acc, b, ch, lp, n_lp, ratio)
+        z_iw, v_iw = _prox_family(acc, ws, b, ch, lp, n_lp, ratio)
         clip = (z_iw, v_iw, v_iw.sum())
     if b.ref_logprobs is not None:
         _ref_family(acc, ws, ch, b, lp, n_lp)
@@ -142,16 +141,16 @@ def _old_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, lp, n_lp):
     return z, v, n, kl_stats(acc, ch, ws, "kl_old", z, e, v, n)
 
 
-def _prox_family(acc, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
+def _prox_family(acc, ws: Scratch, b: TokenBatch, ch: Chunk, lp, n_lp, ratio):
     """Decoupled PPO: pi/pi_prox (the ratio that is clipped) and pi_prox/pi_behave."""
     prox = ch.token(b.prox_logprobs)
-    lr_iw = lp - prox
-    v_iw = validate_(lr_iw)
-    z_iw, e_iw = log_ratio_terms(lr_iw)
-    nonfinite(acc, "prox_logprobs", n_lp, ratio_stats(acc, "importance_weight", lr_iw, v_iw, z_iw, e_iw))
-    if ratio is not None:
-        lr_bw = (prox - ch.token(b.old_logprobs)).add_(lr_iw * 0.0).add_(ratio[1].log())  # log(0) = -inf: invalid
-        ratio_stats(acc, "behave_imp_weight", lr_bw, validate_(lr_bw))
+    lr_iw = torch.sub(lp, prox, out=ws("iw.lr"))  # non-finite wherever logprobs or prox is invalid
+    z_iw, v_iw, _, n_iw = ratio_into(acc, ws, "importance_weight", lr_iw)
+    nonfinite(acc, "prox_logprobs", n_lp, n_iw)
+    if ratio is not None:  # invalid where pi/pi_prox is (lr_iw * 0 is NaN there) or pi/pi_behave is (log 0)
+        lr_bw = torch.sub(prox, ch.token(b.old_logprobs), out=ws("bw.lr"))
+        lr_bw.add_(torch.mul(lr_iw, 0.0, out=ws("bw.t"))).add_(torch.log(ratio[1], out=ws("bw.t")))
+        ratio_into(acc, ws, "behave_imp_weight", lr_bw)
     return z_iw, v_iw
 
 
