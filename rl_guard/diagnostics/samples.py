@@ -68,7 +68,7 @@ def label(x: Any) -> str:
 
 def json_value(x: Any) -> Any:
     """Python scalar for JSON: numpy scalars unwrapped, non-finite floats -> None."""
-    if isinstance(x, np.generic):
+    if isinstance(x, np.generic):  # numpy scalars only: diagnostics run on host copies
         x = x.item()
     if isinstance(x, float) and not np.isfinite(x):
         return None
@@ -92,7 +92,7 @@ def _floats(x: Any, name: str) -> np.ndarray:
 
 def _objects(x: Any) -> list:
     a = _numpy(x) if hasattr(x, "detach") or isinstance(x, np.ndarray) else x
-    return [v.item() if isinstance(v, np.generic) else v for v in list(a)]
+    return [v.item() if isinstance(v, np.generic) else v for v in list(a)]  # host numpy values (see _numpy)
 
 
 class Prepared:

@@ -57,7 +57,8 @@ def to_jsonable(obj: Any) -> Any:
         return to_jsonable(obj.tolist())
     if isinstance(obj, pathlib.PurePath):
         return str(obj)
-    if hasattr(obj, "item") and callable(obj.item):  # np.bool_, 0-d torch tensors
+    # np.bool_, 0-d tensors: records hold host values (metrics come from the step's one transfer), so no sync
+    if hasattr(obj, "item") and callable(obj.item):
         try:
             return to_jsonable(obj.item())
         except (TypeError, ValueError, RuntimeError):

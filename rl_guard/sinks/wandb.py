@@ -39,7 +39,7 @@ def _cell(v: Any) -> Any:
     # Table cells must be scalars/strings; keep numbers, stringify the rest (e.g. None, dicts).
     if isinstance(v, (bool, int, float, str)):
         return v
-    if isinstance(v, np.generic):
+    if isinstance(v, np.generic):  # a numpy scalar already on the host
         return v.item()
     return "" if v is None else str(v)
 
