@@ -235,24 +235,25 @@ def _cpu_and_wall(fn) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
-def time_interleaved(fns: dict, repeats: int) -> dict:
-    """Process CPU and wall times of every function, each warmed up once and then run ``repeats`` times in
-    turn (one round runs each function once, so drifts in the machine's load hit all of them alike). A function
-    that raises (``torch.quantile`` above 2^24 elements) is dropped and its first error line kept."""
-    times = {name: {"cpu": [], "wall": []} for name in fns}
+def time_interleaved(fns: dict, repeats: int, measure=_cpu_and_wall, clocks=("cpu", "wall")) -> dict:
+    """The times (``measure(fn)``: one value per clock) of every function, each warmed up once and then run
+    ``repeats`` times in turn (one round runs each function once, so drifts in the machine's load hit all of them
+    alike). A function that raises (``torch.quantile`` above 2^24 elements) is dropped and its first error line
+    kept."""
+    times = {name: {clock: [] for clock in clocks} for name in fns}
     errors: dict = {}
     for r in range(repeats + 1):
         for name, fn in fns.items():
             if name in errors:
                 continue
             try:
-                cpu, wall = _cpu_and_wall(fn)
+                values = measure(fn)
             except RuntimeError as exc:  # torch.quantile: "quantile() input tensor is too large"
                 errors[name] = str(exc).splitlines()[0]
                 continue
             if r:  # round 0 is the warm-up
-                times[name]["cpu"].append(cpu)
-                times[name]["wall"].append(wall)
+                for clock, value in zip(clocks, values):
+                    times[name][clock].append(value)
     return {"times": times, "errors": errors}
 
 
@@ -327,9 +328,7 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (benchmarks/stats_cuda.py)")
     args = ap.parse_args(argv)
     if args.device != "cpu":
-        if str(ROOT / "benchmarks") not in sys.path:
-            sys.path.insert(0, str(ROOT / "benchmarks"))
-        from stats_cuda import main as cuda_main
+        from stats_cuda import main as cuda_main  # benchmarks/ is on sys.path (top of this file)
 
         return cuda_main(args)
     if sizes is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from stats import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step
+from stats import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step, time_interleaved
 
 SIZES_GPU = {**SIZES, "8M": 1 << 23}
 ASYNC_PRESET = "async"
@@ -38,19 +38,8 @@ def _event_ms(fn) -> float:
 
 def time_paths(d: dict, repeats: int) -> dict:
     fns = {"full": lambda: full_step(d), "floor": lambda: floor_pass(d), "naive": lambda: naive_step(d)}
-    times: dict = {name: [] for name in fns}
-    errors: dict = {}
-    for r in range(repeats + 1):  # round 0 warms up
-        for name, fn in fns.items():
-            if name in errors:
-                continue
-            try:
-                ms = _event_ms(fn)
-            except RuntimeError as exc:  # torch.quantile refuses inputs above 2^24 elements
-                errors[name] = str(exc).splitlines()[0]
-                continue
-            if r:
-                times[name].append(ms)
+    timed = time_interleaved(fns, repeats, measure=lambda fn: (_event_ms(fn),), clocks=("ms",))
+    times, errors = {name: t["ms"] for name, t in timed["times"].items()}, timed["errors"]
     out = {f"{name}_ms": min(v) if v else None for name, v in times.items()}
     out.update({f"{name}_ms_median": statistics.median(v) if v else None for name, v in times.items()})
     if out["naive_ms"]:
