@@ -97,21 +97,42 @@ def local_shards(groups, sharded: bool | None = None) -> tuple[list[list[tuple[t
     return out, merge_sum
 
 
-def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[dict[float, list[torch.Tensor]]], bool]:
-    """Per group, this rank's gradient tensors bucketed by weight (``local_shards``), and whether ranks merge
+def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[list[tuple[torch.Tensor, float]]], bool]:
+    """Per group, ``(this rank's gradient tensor, merge weight)`` pairs (``local_shards``), and whether ranks merge
     them by sum."""
     if is_gradient_source(param_groups):
         merge_sum = param_groups.sharded if sharded is None else sharded
         groups = param_groups.grad_groups()
-        return [{1.0: [g for g in group if g is not None and g.numel()]} for group in groups], merge_sum
-    pairs, merge_sum = local_shards([[p.grad for p in group if p.grad is not None] for group in param_groups], sharded)
-    out = []
+        return [[(g, 1.0) for g in group if g is not None and g.numel()] for group in groups], merge_sum
+    return local_shards([[p.grad for p in group if p.grad is not None] for group in param_groups], sharded)
+
+
+def flatten(pairs) -> tuple[list[torch.Tensor], list[float], list[tuple[int, int]]]:
+    """Every group's ``(tensor, weight)`` pairs as one tensor list, one weight list and each group's span in them
+    (multi-tensor kernels then run once over all groups)."""
+    tensors, weights, spans = [], [], []
     for group in pairs:
-        buckets: dict[float, list[torch.Tensor]] = {}
-        for local, weight in group:
-            buckets.setdefault(weight, []).append(local)
-        out.append(buckets)
-    return out, merge_sum
+        start = len(tensors)
+        for t, w in group:
+            tensors.append(t)
+            weights.append(w)
+        spans.append((start, len(tensors)))
+    return tensors, weights, spans
+
+
+def weighted_squares(tensors: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L2 norm, merge weight x squared L2 norm)`` of every tensor, float64 (fp32 squares overflow above ~1e19),
+    from one multi-tensor norm; constants are made on the tensors' device (a CPU constant would need a sync)."""
+    l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
+    sq = l2 * l2
+    if any(w != 1.0 for w in weights):
+        sq = sq * _weight_vector(weights, l2.device)
+    return l2, sq
+
+
+def group_sums(values: torch.Tensor | None, spans, device) -> list[torch.Tensor]:
+    """Per group, the sum of its span of ``values`` (a float64 zero for an empty group)."""
+    return [values[a:b].sum() if b > a else torch.zeros((), dtype=torch.float64, device=device) for a, b in spans]
 
 
 @torch.no_grad()
@@ -121,32 +142,23 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     ``param_groups``: lists of parameters (``param_groups_of``) or a ``GradientSource``. ``sharded``: None to
     detect (see the module docstring), True / False to force sum / max merging across ranks.
     """
-    groups, merge_sum = local_grads(param_groups, sharded)
+    pairs, merge_sum = local_grads(param_groups, sharded)
     scale = float(getattr(param_groups, "scale", 1.0))
     p = Partial()
     add = p.add_sum if merge_sum else p.add_max
-    # One multi-tensor norm per kind over every group (per-call cost is paid once, not per group and weight).
-    tensors, weights, spans = [], [], []
-    for group in groups:
-        start = len(tensors)
-        for weight, grads in group.items():
-            tensors.extend(grads)
-            weights.extend([weight] * len(grads))
-        spans.append((start, len(tensors)))
-    # Constants are created on the gradients' device: a CPU tensor would need a blocking copy (a sync) later.
+    tensors, weights, spans = flatten(pairs)
     device = tensors[0].device if tensors else None
+    sq = None
     if tensors:
-        l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))  # fp32 squares overflow above ~1e19
+        l2, sq = weighted_squares(tensors, weights)
         linf = abs_max(tensors).double()
-        sq = l2 * l2
         bad = (l2 + linf).isfinite().logical_not_().double()  # any NaN/inf makes the L2 or the inf norm non-finite
         if any(w != 1.0 for w in weights):
-            w = _weight_vector(weights, device)
-            sq, bad = sq * w, bad * w
+            bad = bad * _weight_vector(weights, device)
         if scale != 1.0:
             sq, linf = sq * (scale * scale), linf * scale
-    for i, (a, b) in enumerate(spans):
-        add(keys.grad_group(i), sq[a:b].sum() if b > a else torch.zeros((), dtype=torch.float64, device=device))
+    for i, group_sq in enumerate(group_sums(sq, spans, device)):
+        add(keys.grad_group(i), group_sq)
     if tensors:
         add(keys.GRAD.sq, sq.sum())
         p.add_max(keys.GRAD.max_abs, linf.max())
@@ -192,8 +204,8 @@ def param_groups_of(optimizer_or_params):
 @torch.no_grad()
 def any_nonfinite_grad(param_groups) -> bool:
     """Host-side check of this rank's gradients, used only on the guard's failure path (it synchronises)."""
-    groups, _ = local_grads(param_groups, sharded=True)
-    grads = [g for group in groups for ts in group.values() for g in ts]
+    pairs, _ = local_grads(param_groups, sharded=True)
+    grads = flatten(pairs)[0]
     norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)) if grads else None
     return norms is not None and not bool(torch.isfinite(norms).all())
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from . import keys
-from .grads import local_shards
+from .grads import flatten, group_sums, local_shards, weighted_squares
 from .partial import Partial
 
 DEFAULT_SAMPLE = 1024  # elements per parameter tensor; see the error note above
@@ -115,19 +115,10 @@ class UpdateProbe:
         return groups, torch.dot(d, w)
 
     def _param_sq(self, groups, pairs) -> list[torch.Tensor]:
-        sq, device = [], self._device(groups)
-        for group in pairs:
-            buckets: dict[float, list[torch.Tensor]] = {}
-            for p, weight in group:
-                buckets.setdefault(weight, []).append(p)
-            total = None
-            for weight, tensors in buckets.items():  # a host float times a device sum: no host-to-device copy
-                norms = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
-                part = norms.mul_(norms).sum()
-                part = part if weight == 1.0 else part * weight
-                total = part if total is None else total + part
-            sq.append(total if total is not None else torch.zeros((), dtype=torch.float64, device=device))
-        return sq
+        """Exact ||theta_g||^2 per group (merge weights applied), one multi-tensor norm over all groups."""
+        tensors, weights, spans = flatten(pairs)
+        sq = weighted_squares(tensors, weights)[1] if tensors else None
+        return group_sums(sq, spans, self._device(groups))
 
     # -- the step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
