@@ -22,6 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave(code: int = 0) -> None:
+    """End a rank process once its results are written and its process group is torn down, without the
+    interpreter's teardown: gloo / DeepSpeed thread destructors there abort a finished rank now and then under
+    load ("terminate called without an active exception", exit -6)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None = None, timeout: int = 500) -> list[dict]:
     """Each rank's output goes to a temporary file, not a pipe: a rank blocked on a full pipe while another waits
     for it in a collective would hang. On a timeout every rank is killed and the test fails with their output."""

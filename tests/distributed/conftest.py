@@ -20,7 +20,7 @@ LAUNCH_TIMEOUT = 150  # seconds for a whole bundle; one scenario hanging hits th
 
 def child_env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
 

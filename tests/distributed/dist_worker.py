@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import dist_scenarios as sc
+from rank_launch import leave
 
 RUNS = {
     "merge": sc.scenario_merge,
@@ -54,4 +55,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    leave(main())

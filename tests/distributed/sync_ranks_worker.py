@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync detector
 
 import dist_scenarios as sc  # noqa: E402
+from rank_launch import leave  # noqa: E402
 from rl_guard import Guard  # noqa: E402
 from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector  # noqa: E402
 
@@ -57,9 +58,10 @@ def main() -> int:
     guard.close()
     result = {"steps": record, "internal_failures": guard.internal_failures, "world": guard.world_size}
     (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    leave(main())

@@ -22,6 +22,7 @@ from torch import distributed as dist
 
 from rl_guard import Guard
 from rl_guard.adapters.deepspeed import EngineCheckpointState, EngineGate, ZeroGradients
+from rank_launch import leave
 from zero_reference import digest, exact_update, masters
 
 # DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
@@ -110,13 +111,9 @@ def main() -> None:
         for action in FAULT_STEP:
             result[f"zero{stage}_{action}"] = run(stage, action)
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result), encoding="utf-8")
-    # A clean shutdown: gloo / DeepSpeed threads left running at interpreter exit can abort the process after its
-    # results are written ("terminate called without an active exception", exit -6, seen under load), so the
-    # ranks meet, tear the group down and leave without the interpreter's teardown.
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

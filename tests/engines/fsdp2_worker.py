@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from torch import distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rl_guard import Guard
+from rank_launch import leave
 from zero_reference import digest
 
 STEPS = 4
@@ -89,8 +89,7 @@ def main() -> None:
     # process after its results are written (exit -6, seen under load).
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter teardown: its thread destructors are what aborted
+    leave()
 
 
 if __name__ == "__main__":
