@@ -22,6 +22,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def finish(path: Path, result: dict, code: int = 0) -> None:
+    """A rank's end: write its results to ``path``, meet the other ranks (unless it failed), tear the process group
+    down and ``leave``."""
+    import torch.distributed as dist
+
+    path.write_text(json.dumps(result), encoding="utf-8")
+    if code == 0:  # a rank tearing gloo down while a peer is still in a collective can abort that peer
+        dist.barrier()
+    dist.destroy_process_group()
+    leave(code)
+
+
 def leave(code: int = 0) -> None:
     """End a rank process once its results are written and its process group is torn down, without the
     interpreter's teardown: gloo / DeepSpeed thread destructors there abort a finished rank now and then under

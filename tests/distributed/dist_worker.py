@@ -6,7 +6,6 @@ Collectives time out after 30 s, so a rank left waiting raises instead of blocki
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import traceback
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import dist_scenarios as sc
-from rank_launch import leave
+from rank_launch import finish
 
 RUNS = {
     "merge": sc.scenario_merge,
@@ -33,7 +32,7 @@ RUNS = {
 }
 
 
-def main() -> int:
+def main() -> None:
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
     names = sys.argv[5].split(",")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -49,10 +48,8 @@ def main() -> int:
     except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
         result["error"] = traceback.format_exc()
         code = 1
-    (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
-    dist.destroy_process_group()
-    return code
+    finish(out / f"rank{rank}.json", result, code)
 
 
 if __name__ == "__main__":
-    leave(main())
+    main()

@@ -6,7 +6,6 @@ Usage: python sync_ranks_worker.py RANK WORLD INIT_FILE OUT_DIR STEPS
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -17,12 +16,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync detector
 
 import dist_scenarios as sc  # noqa: E402
-from rank_launch import leave  # noqa: E402
+from rank_launch import finish  # noqa: E402
 from rl_guard import Guard  # noqa: E402
 from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector  # noqa: E402
 
 
-def main() -> int:
+def main() -> None:
     rank, world, init_file, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -57,11 +56,8 @@ def main() -> int:
                        for call, events in seen.items()})
     guard.close()
     result = {"steps": record, "internal_failures": guard.internal_failures, "world": guard.world_size}
-    (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    finish(out / f"rank{rank}.json", result)
 
 
 if __name__ == "__main__":
-    leave(main())
+    main()

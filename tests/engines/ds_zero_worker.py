@@ -10,7 +10,6 @@ before ``engine.step``. Writes OUT/rank<r>.json.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ from torch import distributed as dist
 
 from rl_guard import Guard
 from rl_guard.adapters.deepspeed import EngineCheckpointState, EngineGate, ZeroGradients
-from rank_launch import leave
+from rank_launch import finish
 from zero_reference import digest, exact_update, masters
 
 # DeepSpeed JIT-compiles a CPU shared-memory op at init when a compiler is present; only inference_all_reduce uses
@@ -110,10 +109,7 @@ def main() -> None:
     for stage in STAGES:
         for action in FAULT_STEP:
             result[f"zero{stage}_{action}"] = run(stage, action)
-    (OUT / f"rank{RANK}.json").write_text(json.dumps(result), encoding="utf-8")
-    dist.barrier()
-    dist.destroy_process_group()
-    leave()
+    finish(OUT / f"rank{RANK}.json", result)
 
 
 if __name__ == "__main__":

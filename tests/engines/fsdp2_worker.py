@@ -10,7 +10,6 @@ shard. Writes OUT/rank<r>.json.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from torch import distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from rl_guard import Guard
-from rank_launch import leave
+from rank_launch import finish
 from zero_reference import digest
 
 STEPS = 4
@@ -84,12 +83,7 @@ def main() -> None:
     result = {"rank": rank, "world": world}
     for action in FAULT_STEP:
         result[action] = run(action, rank, world)
-    (OUT / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
-    # Both ranks leave together: a rank tearing gloo down while its peer is still in a collective can abort the
-    # process after its results are written (exit -6, seen under load).
-    dist.barrier()
-    dist.destroy_process_group()
-    leave()
+    finish(OUT / f"rank{rank}.json", result)
 
 
 if __name__ == "__main__":
