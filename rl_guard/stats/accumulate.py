@@ -15,13 +15,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .partial import Partial
+from .partial import Layout, Partial
 
 class RankMismatch(RuntimeError):
     """Ranks fed different statistics layouts (e.g. one rank passed ref_logprobs, another did not)."""
-
-
-Layout = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
 
 
 def _layout(p: Partial) -> Layout:
@@ -64,17 +61,24 @@ class StepAccumulator:
         self.device: torch.device | None = None
 
     def add(self, partial: Partial) -> None:
-        if not partial.sum and not partial.max:
-            return
+        packed = partial.packed
+        if packed is not None:
+            layout, s, m = packed
+            if not s.numel() and not m.numel():
+                return
+            device = s.device
+        else:
+            if not partial.sum and not partial.max:
+                return
+            device = next(iter(partial.sum.values() or partial.max.values())).device
+            layout = _layout(partial)
+            s = _cat(list(partial.sum.values()), self.device or device)
+            m = _cat(list(partial.max.values()), self.device or device)
         if self.device is None:
-            first = next(iter(partial.sum.values() or partial.max.values()))
-            self.device = first.device
-        layout = _layout(partial)
-        s = _cat(list(partial.sum.values()), self.device)
-        m = _cat(list(partial.max.values()), self.device)
+            self.device = device
         seg = self._segments.get(layout)
-        if seg is None:
-            self._segments[layout] = [s, m]
+        if seg is None:  # a packed Partial's entries are views of s and m: the running total must not alias them
+            self._segments[layout] = [s.clone(), m.clone()] if packed is not None else [s, m]
         else:
             seg[0].add_(s)
             torch.maximum(seg[1], m, out=seg[1])

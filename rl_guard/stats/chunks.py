@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
-from .partial import Partial
+from .partial import pack
 
 F64 = torch.float64
 
@@ -54,7 +54,8 @@ class Chunk:
             return t[self.start : self.stop]
         T = self.b.logprobs.shape[1]
         if self.rows is not None:
-            return t[self.rows[0] : self.rows[1]].reshape(-1)
+            r0, r1 = self.rows
+            return t.reshape(-1) if r0 == 0 and r1 == t.shape[0] else t[r0:r1].reshape(-1)
         row = self.start // T
         return t[row, self.start - row * T : self.stop - row * T]
 
@@ -79,16 +80,22 @@ class Chunk:
         return per_seq[row : row + 1].expand(self.n)
 
     def seq_add(self, acc: torch.Tensor, values: torch.Tensor) -> None:
-        """Adds the per-sequence sums of the chunk's token ``values`` into ``acc`` (``[S]``, float64)."""
+        """Adds the per-sequence sums of the chunk's token ``values`` (``[..., n]``) into ``acc`` (``[..., S]``,
+        float64)."""
         if self.b.packed:
-            acc.index_add_(0, self.seq_ids(), values.to(acc.dtype))
-        elif self.rows is not None:
+            acc.index_add_(acc.dim() - 1, self.seq_ids(), values.to(acc.dtype))
+            return
+        T = self.b.logprobs.shape[1]
+        if self.rows is not None:
             r0, r1 = self.rows
-            rows = values.view(r1 - r0, self.b.logprobs.shape[1])
-            acc[r0:r1] += rows.sum(1, dtype=torch.int32) if rows.dtype == torch.bool else rows.sum(1)
+            rows = values.view(*values.shape[:-1], r1 - r0, T)
+            sums = rows.sum(-1, dtype=torch.int32) if rows.dtype == torch.bool else rows.sum(-1)
         else:
-            row = self.start // self.b.logprobs.shape[1]
-            acc[row : row + 1] += values.count_nonzero() if values.dtype == torch.bool else values.sum()
+            r0 = self.start // T
+            r1 = r0 + 1
+            sums = values.count_nonzero(-1) if values.dtype == torch.bool else values.sum(-1)
+            sums = sums.unsqueeze(-1)
+        (acc if (r0, r1) == (0, acc.shape[-1]) else acc[..., r0:r1]).add_(sums)
 
 
 def chunks(b: TokenBatch, size: int | None = None):
@@ -116,79 +123,105 @@ def chunks(b: TokenBatch, size: int | None = None):
 
 
 class ChunkStats:
-    """Chunk contributions of one micro-batch. Scalars are kept in lists and reduced once at the end (one stack
-    per statistic instead of one add per chunk); vectors (histograms) are added in place (the caller hands over a
-    fresh tensor). ``seq(name)`` is a float64 ``[S]`` accumulator of per-sequence sums."""
+    """Chunk contributions of one micro-batch, as an ordered list of pieces per reduction (sum, max, min): each
+    piece is a tensor (0-d or 1-D) and the statistic names its elements carry. The chunks of a batch run the same
+    probes in the same order, so from the second chunk on (``next_chunk``) the i-th contribution is merged into the
+    i-th piece in place: no lookup by name, and a one-chunk micro-batch (the common small case) only appends.
+    Float sums turn float64 when a second chunk arrives (fp32 counts are exact per chunk, not beyond 2^24 in
+    total). ``seq(name)`` is a float64 ``[S]`` (or ``[rows, S]``) accumulator of per-sequence sums."""
 
     def __init__(self, num_seqs: int, device: torch.device) -> None:
         self.num_seqs, self.device = num_seqs, device
-        self._sum: dict = {}
-        self._max: dict = {}
-        self._min: dict = {}
+        self._pieces: dict[str, list] = {"sum": [], "max": [], "min": []}
+        self._cursor: dict[str, int] | None = None
+        self._chunks = 0
         self._seq: dict = {}
-        self._zero_cell: dict = {}
+
+    def next_chunk(self) -> None:
+        """Called before each chunk's probes; after the last chunk, ``chunks_done``."""
+        self._chunks += 1
+        if self._chunks > 1:
+            self._cursor = {"sum": 0, "max": 0, "min": 0}
+
+    def chunks_done(self) -> None:
+        self._cursor = None
+
+    def _add(self, op: str, layout: tuple, t: torch.Tensor) -> None:
+        pieces = self._pieces[op]
+        if self._cursor is None:
+            pieces.append([layout, t])
+            return
+        i = self._cursor[op]
+        self._cursor[op] = i + 1
+        piece = pieces[i]
+        cur = piece[1]
+        if op == "sum":
+            if cur.is_floating_point() and cur.dtype != F64:
+                cur = piece[1] = cur.to(F64)
+            piece[1] = cur.add_(t) if cur.dim() else cur + t  # a 0-d piece may be a view of a row vector
+        else:
+            piece[1] = (torch.maximum if op == "max" else torch.minimum)(cur, t)
 
     def sum(self, name: str, t: torch.Tensor) -> None:
-        if t.dim() == 0:
-            self._sum.setdefault(name, []).append(t)
-        elif name in self._sum:
-            self._sum[name].add_(t)
-        else:
-            self._sum[name] = t
+        self._add("sum", ((name, t.numel() if t.dim() else 1),), t)
+
+    def max(self, name: str, t: torch.Tensor) -> None:
+        self._add("max", ((name, 1),), t)
+
+    def min(self, name: str, t: torch.Tensor) -> None:
+        self._add("min", ((name, 1),), t)
+
+    def sum_rows(self, layout: tuple, t: torch.Tensor) -> None:
+        """A row vector: ``layout`` is ``((name, 1), ...)``, one entry per element (``row_layout``)."""
+        self._add("sum", layout, t)
+
+    def max_rows(self, layout: tuple, t: torch.Tensor) -> None:
+        self._add("max", layout, t)
+
+    def min_rows(self, layout: tuple, t: torch.Tensor) -> None:
+        self._add("min", layout, t)
 
     def pop_sum(self, name: str) -> torch.Tensor:
         """Removes and returns the summed vector ``name`` (a working total that is not itself a statistic)."""
-        return self._sum.pop(name)
+        pieces = self._pieces["sum"]
+        for i, (layout, t) in enumerate(pieces):
+            if layout[0][0] == name:
+                del pieces[i]
+                return t
+        raise KeyError(name)
 
-    def max(self, name: str, t: torch.Tensor) -> None:
-        self._max.setdefault(name, []).append(t)
+    def hist(self, names, counts: torch.Tensor, zero_cell: int, n_invalid) -> None:
+        """Cell counts of a zero-filled chunk; its ``n_invalid`` zero fills are taken out of ``zero_cell``. With a
+        tuple of ``names``, ``counts`` holds one histogram per name back to back and ``n_invalid`` one count each."""
+        names = (names,) if isinstance(names, str) else names
+        cells = counts.view(len(names), -1)
+        cells[:, zero_cell].sub_(n_invalid.to(cells.dtype))
+        self._add("sum", tuple((n, cells.shape[1]) for n in names), counts)
 
-    def min(self, name: str, t: torch.Tensor) -> None:
-        self._min.setdefault(name, []).append(t)
+    def total(self, name: str) -> torch.Tensor:
+        """The sum so far of the scalar statistic ``name`` (0-d)."""
+        return next(t for layout, t in self._pieces["sum"] if layout[0][0] == name).reshape(())
 
-    def hist(self, name: str, counts: torch.Tensor, zero_cell: int, n_invalid) -> None:
-        """Cell counts of a zero-filled chunk; its ``n_invalid`` zero fills are taken out of ``zero_cell``."""
-        self.sum(name, counts)
-        self.sum(f"{name}.fill", n_invalid)
-        self._zero_cell[name] = zero_cell
-
-    def seq(self, name: str) -> torch.Tensor:
+    def seq(self, name: str, rows: int | None = None) -> torch.Tensor:
         if name not in self._seq:
-            self._seq[name] = torch.zeros(self.num_seqs, dtype=F64, device=self.device)
+            shape = (self.num_seqs,) if rows is None else (rows, self.num_seqs)
+            self._seq[name] = torch.zeros(shape, dtype=F64, device=self.device)
         return self._seq[name]
 
     def partial(self):
-        """One ``Partial`` (float64 1-D tensors) of everything added.
-
-        Scalars are reduced in groups (one stack per dtype and chunk count, one reduction and one cast) and handed
-        over as 1-element views of the group's vector, because on a small micro-batch a few kernels per statistic
-        would cost more than the statistics."""
-        vectors = {k: v.to(F64) for k, v in self._sum.items() if not isinstance(v, list)}
-        scalars = _grouped({k: v for k, v in self._sum.items() if isinstance(v, list)}, "sum")
-        for name, cell in self._zero_cell.items():
-            vectors[name][cell : cell + 1] -= scalars.pop(f"{name}.fill")
-        p = Partial()
-        p.sum.update(vectors)
-        p.sum.update(scalars)
-        p.max.update(_grouped(self._max, "amax"))
-        p.max.update({"-" + k: v for k, v in _grouped(self._min, "amin", negate=True).items()})
-        return p
+        """One ``Partial``: every piece packed into one float64 vector per reduction (sum, max; minima negated),
+        whose views are the named entries. The 0-d pieces are stacked once per reduction, because on a small
+        micro-batch a kernel per statistic would cost more than the statistics."""
+        out = []
+        for op in ("sum", "max", "min"):
+            vectors = [(lay, t) for lay, t in self._pieces[op] if t.dim()]
+            scalars = [(lay, t) for lay, t in self._pieces[op] if not t.dim()]
+            if scalars:
+                vectors.append((tuple(e for lay, _ in scalars for e in lay), torch.stack([t for _, t in scalars])))
+            out.append(vectors)
+        return pack(*out, self.device)
 
 
-def _grouped(lists: dict, op: str, negate: bool = False) -> dict:
-    """``{name: [0-d tensors]}`` -> ``{name: float64 1-element view}`` reduced with ``op`` over each list (and
-    negated: minima travel as negated maxima)."""
-    groups: dict = {}
-    for name, values in lists.items():
-        groups.setdefault((values[0].dtype, len(values)), []).append(name)
-    out = {}
-    for (dtype, chunks), names in groups.items():
-        if chunks == 1:  # the common case (a micro-batch within one chunk): nothing to reduce
-            reduced = torch.stack([lists[n][0] for n in names]).to(F64)
-        else:
-            table = torch.stack([torch.stack(lists[n]) for n in names])  # [names, chunks]
-            reduced = table.sum(1, dtype=F64) if op == "sum" else getattr(table, op)(1).to(F64)
-        if negate:
-            reduced = -reduced
-        out.update(zip(names, reduced.split(1)))
-    return out
+def row_layout(names) -> tuple:
+    """``((name, 1), ...)``: the layout of a row vector holding one statistic per element."""
+    return tuple((n, 1) for n in names)

@@ -26,7 +26,6 @@ from . import keys
 from .constants import EXP_CLAMP
 from .chunks import ChunkStats
 from .partial import Partial
-from .scratch import Scratch
 from .sketch import LOG_RATIO, SketchSpec, cell_index, count_cells
 
 F64 = torch.float64
@@ -115,42 +114,6 @@ def ratio_stats(acc: ChunkStats, name: str, lr, v, z=None, e=None, hist: bool = 
 
 def zero_filled_hist(acc: ChunkStats, name: str, z, spec: SketchSpec, n_invalid) -> None:  # see ChunkStats.hist
     acc.hist(name, count_cells(cell_index(z, spec), spec.bins), spec.bins // 2, n_invalid)
-
-
-def kl_stats(acc: ChunkStats, chunk, ws: Scratch, name: str, z, e, v, n) -> torch.Tensor:
-    """k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r of the valid tokens (``z`` zero-filled log r, ``e``
-    = r - 1, ``v`` validity): per-sequence sums into ``[S]`` accumulators, from which ``kl_finish`` takes the
-    token sums, the per-sequence mean and max. Returns the per-token k3 (0 where invalid, in ``ws``)."""
-    key = keys.of(name)
-    k3 = torch.sub(e, z, out=ws(f"{name}.k3"))
-    acc.sum(key.count, n)
-    chunk.seq_add(acc.seq(key.tokens), v)
-    chunk.seq_add(acc.seq(key.lr), z)
-    chunk.seq_add(acc.seq(key.lr2), torch.mul(z, z, out=ws("square")))
-    chunk.seq_add(acc.seq(key.k3), k3)
-    return k3
-
-
-def kl_finish(acc: ChunkStats, name: str) -> None:
-    """Token sums, and the mean (as a sum plus a sequence count) and max over sequences of the per-sequence
-    estimator sums (float64: each sequence's sum was added there chunk by chunk)."""
-    key = keys.of(name)
-    seq_valid = acc.seq(key.tokens) > 0
-    acc.sum(key.seqs, count(seq_valid))
-    lr = acc.seq(key.lr)
-    for k, per_seq in (("k1", -lr), ("k2", 0.5 * acc.seq(key.lr2)), ("k3", acc.seq(key.k3))):
-        total = per_seq.sum()
-        acc.sum(key.estimator(k, "sum"), total)
-        acc.sum(key.estimator(k, "seqsum"), total)
-        acc.max(key.estimator(k, "seqmax"), masked_max(per_seq, seq_valid))
-
-
-def seq_log_ratio(acc: ChunkStats, name: str = "kl_old"):
-    """GSPO sequence log-ratio: mean token log-ratio per sequence, NaN for sequences without a valid token;
-    returns (values [S], validity [S] as 0/1)."""
-    key = keys.of(name)
-    tokens = acc.seq(key.tokens)
-    return acc.seq(key.lr) / tokens, (tokens > 0).to(F64)  # 0 / 0 = NaN marks the empty sequences
 
 
 def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high: float) -> torch.Tensor:

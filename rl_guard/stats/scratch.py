@@ -9,15 +9,17 @@ reads (the log-ratio, its validity, k3, the advantage sign) has its own name; th
 (``t0``..``t3``, ``z``, ``e``, ``count``, ``extreme``, ``cell*``) are reused by the next family, which keeps the set
 small and the buffers warm in cache.
 
-Validity travels inside the values: ``field`` adds the mask's gate (0 or -inf) to an input, so a value is
-non-finite exactly where the token is masked out or the input itself is NaN/inf; its zero-filled copy (needed for
-the sums anyway) equals it exactly at the finite entries, so one comparison written as floats gives the 0/1
-validity, several times cheaper per element on CPU than boolean masks.
+Validity travels inside the values: the mask's gate (0 or -inf) is added to an input, so a value is non-finite
+exactly where the token is masked out or the input itself is NaN/inf; its zero-filled copy (needed for the sums
+anyway) equals it exactly at the finite entries, so one comparison written as floats gives the 0/1 validity,
+several times cheaper per element on CPU than boolean masks. ``rows`` buffers hold several such per-token rows
+back to back, so that one operation serves them all (``token_rows.py``).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -28,7 +30,21 @@ F32, I32 = torch.float32, torch.int32
 
 class Scratch:
     """Named buffers of ``n`` elements (the current chunk's length); capacity is the first chunk's length, which
-    is the largest (``chunks`` yields full chunks first)."""
+    is the largest (``chunks`` yields full chunks first). ``Scratch.for_batch`` keeps one per device for small
+    micro-batches, whose buffers would otherwise be allocated anew every call."""
+
+    KEEP_TOKENS = 1 << 16  # micro-batches up to this size reuse one kept set of buffers (< ~10 MiB)
+    _kept = threading.local()  # per thread: two guards probing at once in one process never share buffers
+
+    @classmethod
+    def for_batch(cls, device: torch.device, tokens: int) -> "Scratch":
+        if tokens > cls.KEEP_TOKENS:
+            return cls(device)
+        kept = cls._kept.__dict__.setdefault("by_device", {})
+        ws = kept.get(device)
+        if ws is None:
+            ws = kept[device] = cls(device)
+        return ws
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.n, self.cap = device, 0, None
@@ -38,7 +54,7 @@ class Scratch:
     def start(self, n: int) -> None:
         if self.cap is None:
             self.cap = n
-        if n > self.cap:  # never happens with ``chunks``; stay correct if it does
+        if n > self.cap:  # a kept Scratch meeting a larger batch (``chunks`` yields the largest chunk first)
             self._bufs.clear()
             self.cap = n
         if n != self.n:
@@ -54,11 +70,17 @@ class Scratch:
             view = self._views[(name, dtype)] = buf[: self.n]
         return view
 
-
-def field(ws: Scratch, name: str, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x + gate`` into ``ws(name)``: ``x`` where the token reaches the loss, non-finite where it does not or
-    where ``x`` is non-finite."""
-    return torch.add(x, gate, out=ws(name))
+    def rows(self, name: str, r: int, dtype: torch.dtype = F32) -> torch.Tensor:
+        """A contiguous ``[r, n]`` buffer: ``r`` per-token rows of the current chunk, so that one operation (and one
+        kernel launch) serves every row."""
+        key = (name, dtype, r)
+        view = self._views.get(key)
+        if view is None:
+            buf = self._bufs.get(key)
+            if buf is None:
+                buf = self._bufs[key] = torch.empty(r * self.cap, dtype=dtype, device=self.device)
+            view = self._views[key] = buf[: r * self.n].view(r, self.n)
+        return view
 
 
 def valid_of(ws: Scratch, name: str, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -77,13 +99,6 @@ def finite_max(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
     if y.numel() == 0:
         return y.new_full((), -math.inf)
     return torch.nan_to_num(y, -math.inf, -math.inf, -math.inf, out=ws("extreme")).amax()
-
-
-def finite_min(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
-    """Smallest finite entry of ``y`` (+inf if none)."""
-    if y.numel() == 0:
-        return y.new_full((), math.inf)
-    return torch.nan_to_num(y, math.inf, math.inf, math.inf, out=ws("extreme")).amin()
 
 
 def cell_index_into(ws: Scratch, x: torch.Tensor, spec: SketchSpec, extra: int = 0) -> torch.Tensor:

@@ -1,8 +1,6 @@
-"""Token probes of one chunk on reused chunk buffers (``scratch.py``): the per-chunk path of ``probe_batch``.
-
-Each probe reads values that are non-finite exactly where a token is invalid (masked out, or an input is NaN/inf),
-writes its temporaries into the chunk's ``Scratch`` and appends its chunk contribution to a ``ChunkStats`` (see
-``kernels.py`` for the conventions: sums, maxima, minima stored negated, histogram counts).
+"""Clipping and policy-lag probes of one chunk on reused chunk buffers (``scratch.py``): they read the stacked
+rows of ``token_rows.py`` (zero-filled log-ratio, validity, k3) and append their chunk contribution to a
+``ChunkStats`` (see ``kernels.py`` for the conventions: sums, maxima, minima stored negated, histogram counts).
 """
 
 from __future__ import annotations
@@ -13,65 +11,14 @@ import torch
 
 from . import keys
 from .chunks import ChunkStats
-from .constants import EXP_CLAMP
-from .scratch import Scratch, cell_index_into, finite_max, finite_min, valid_of, zero_filled
-from .sketch import ENTROPY, LOG_RATIO, count_cells
+from .scratch import Scratch, cell_index_into, finite_max, valid_of, zero_filled
+from .sketch import LOG_RATIO, count_cells
 
 F64 = torch.float64
 
 
-def values_into(acc: ChunkStats, ws: Scratch, name: str, y, n, z, squares: bool = False) -> torch.Tensor:
-    """count ``n``, sum, (sum of squares), min, max of the finite entries of ``y`` (``z``: ``y`` zero-filled)."""
-    key = keys.of(name)
-    acc.sum(key.count, n)
-    if squares:
-        # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
-        zd = ws("f64", F64).copy_(z)
-        acc.sum(key.sum, zd.sum())
-        acc.sum(key.sumsq, torch.dot(zd, zd))
-    else:
-        acc.sum(key.sum, z.sum())
-    acc.max(key.max, finite_max(ws, y))
-    acc.min(key.min, finite_min(ws, y))
-    return z
-
-
-def field_values(ws: Scratch, name: str, y):
-    """``(z, v, n)`` of a field ``y`` that is non-finite where invalid: ``y`` zero-filled (a chunk temporary, read
-    before the next family), its validity as 0/1 floats (in ``ws(name)``) and the valid count."""
-    z = zero_filled(ws, "z", y)
-    v = valid_of(ws, name, y, z)
-    return z, v, v.sum()
-
-
-def ratio_into(acc: ChunkStats, ws: Scratch, name: str, lr, hist: bool = True):
-    """Ratio r = exp(lr) of a log-ratio ``lr`` (non-finite where invalid): count, sum r, min/max log r and (with
-    ``hist``) the log-ratio histogram. Returns (zero-filled lr, validity, r - 1, count)."""
-    key = keys.of(name)
-    z = zero_filled(ws, f"{name}.z", lr)
-    v = valid_of(ws, f"{name}.v", lr, z)
-    n = v.sum()
-    # expm1 keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32
-    e = torch.clamp(z, max=EXP_CLAMP, out=ws("e")).expm1_()
-    acc.sum(key.count, n)
-    acc.sum(key.sum, e.sum() + n)  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
-    acc.max(key.logmax, finite_max(ws, lr))
-    acc.min(key.logmin, finite_min(ws, lr))
-    if hist:
-        acc.hist(key.hist, count_cells(cell_index_into(ws, z, LOG_RATIO), LOG_RATIO.bins), LOG_RATIO.bins // 2,
-                 z.numel() - n)
-    return z, v, e, n
-
-
-def entropy_into(acc: ChunkStats, ws: Scratch, y, n, z) -> None:
-    """Entropy (non-finite where invalid, ``n`` valid, ``z`` zero-filled): value statistics and histogram."""
-    values_into(acc, ws, "entropy", y, n, z)
-    acc.hist(keys.ENTROPY.hist, count_cells(cell_index_into(ws, z, ENTROPY), ENTROPY.bins), ENTROPY.bins // 2,
-             z.numel() - n)
-
-
-def clip_into(acc: ChunkStats, ws: Scratch, z, v, n, sign, adv_valid, eps_low: float, eps_high: float):
-    """PPO clip fractions of the zero-filled log-ratio ``z`` (validity ``v``, ``n`` valid) against the advantage
+def clip_into(acc: ChunkStats, ws: Scratch, z, v, sign, adv_valid, eps_low: float, eps_high: float):
+    """PPO clip fractions of the zero-filled log-ratio ``z`` (validity ``v``) against the advantage
     ``sign`` (0 where invalid; ``adv_valid`` its validity). With s = sign(A) both regions are one comparison,
     s * (lr - b) > a, where a -+ b are the two log thresholds (a > |b|, so a zero-filled lr or A = 0 never clips);
     the low/high split follows from sum(s * clipped) = high - low. Returns the clipped tokens as 0/1 floats."""

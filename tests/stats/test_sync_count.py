@@ -18,7 +18,7 @@ import torch
 
 from rl_guard import Guard
 from rl_guard.control.state import TrainState
-from rl_guard.stats import accumulate, kernels
+from rl_guard.stats import accumulate, kernels, sketch
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.probe_batch import probe_batch
 from sync_detector import SyncDetector
@@ -111,10 +111,10 @@ def test_whole_guard_steps_sync_only_in_the_one_transfer(tmp_path):
 
 
 # -- the detector is not blind: each kind the earlier Tensor-method counter missed, inside a guard call ----------
-def _inject(monkeypatch, name, extra):
+def _inject(monkeypatch, name, extra, module=kernels):
     """Wrap one kernel the guard calls on every micro-batch so that it also runs ``extra(args)`` (patched in every
     rl_guard module that imported it by name)."""
-    original = getattr(kernels, name)
+    original = getattr(module, name)
 
     def patched(*args, **kwargs):
         extra(args)
@@ -159,7 +159,7 @@ def test_an_injected_sync_inside_observe_is_caught(tmp_path, monkeypatch, extra,
 
 def test_an_injected_nonzero_in_a_kernel_is_caught(tmp_path, monkeypatch):
     """A kernel that picks entries with ``torch.where(cond)`` (``nonzero`` underneath) instead of arithmetic."""
-    _inject(monkeypatch, "count", lambda args: torch.where(args[0]))
+    _inject(monkeypatch, "count_cells", lambda args: torch.where(args[0]), module=sketch)
     loop = Loop(tmp_path)
     seen = loop.run(SyncDetector(), steps=1)[0]
     stray = [e for e in seen["observe"] + seen["check"] if e.site is None]
