@@ -2,20 +2,27 @@
 
 Every metric is documented once in ``rl_guard/glossary.py``; this module only computes them. Means divide by
 the number of finite, unmasked entries; an empty denominator gives NaN and the metric is left out.
+
+This runs once per optimizer step on the host, between the step's transfer and the rules: metric names are
+formatted once (module constants, and per key layout for the keys that vary), scalars are read as Python floats
+and each sketch's quantiles take one numpy call.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 
 import numpy as np
 
 from . import keys
 from .constants import DEFAULT_LAG_EDGES, EXP_ARG_MAX
-from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, quantiles_from_counts
+from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, QUANTILES, SketchSpec
 from .update import summarize_update
 
 PREFIX = "rl_guard/"
+_NAN = math.nan
 
 
 def _exp(x: float) -> float:
@@ -30,160 +37,239 @@ def lag_bucket_names(edges=DEFAULT_LAG_EDGES) -> list[str]:
     return names
 
 
-def _f(raw, key, default=math.nan) -> float:
-    v = raw.get(key)
-    return float(v[0]) if v is not None else default
+# -- metric names, formatted once ----------------------------------------------------------------------------------
+def _names(family: str, *stats: str) -> tuple[str, ...]:
+    return tuple(f"{PREFIX}{family}/{s}" for s in stats)
 
 
-def _div(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
+# family -> (family keys, mean, min, max, quantile names)
+_RATIO = {name: (keys.of(name), *_names(name, "mean", "min", "max"), _names(name, *QUANTILE_NAMES))
+          for name in keys.RATIO_FAMILIES}
+# family -> (count key, seqs key, [(sum key, seqsum key, seqmax key, mean, seq_mean, seq_max) per estimator])
+_KL = {name: (keys.of(name).count, keys.of(name).seqs,
+              [(keys.of(name).estimator(k, "sum"), keys.of(name).estimator(k, "seqsum"),
+                keys.of(name).estimator(k, "seqmax"), *_names(name, f"{k}_mean", f"{k}_seq_mean", f"{k}_seq_max"))
+               for k in keys.KL_ESTIMATORS])
+       for name in keys.KL_FAMILIES}
+# family -> (family keys, mean, min, max, std)
+_VALUES = {name: (keys.of(name), *_names(name, "mean", "min", "max", "std"))
+           for name in ("entropy", "adv", "length", "reward", "logp")}
+_ENTROPY_Q = _names("entropy", *QUANTILE_NAMES)
+_HIST_RATIO, _HIST_ENTROPY = PREFIX + "log_ratio", PREFIX + "entropy"
 
 
-class _Out(dict):
-    def put(self, name: str, value: float | None) -> None:
-        """Non-finite values are kept (they are the point); ``None`` means 'no data this step'."""
+@functools.lru_cache(maxsize=None)
+def _lag_names(edges: tuple) -> list[tuple[str, ...]]:
+    """Per bucket: token_frac, ratio_p50, ratio_p99, clip_frac, k3_mean."""
+    return [_names(f"lag/{b}", "token_frac", "ratio_p50", "ratio_p99", "clip_frac", "k3_mean")
+            for b in lag_bucket_names(edges)]
+
+
+class _Layout:
+    """What varies with the set of keys a step carries (input fields, optimizer groups), worked out once per set."""
+
+    __slots__ = ("inputs", "grad_groups")
+
+    def __init__(self, raw_keys: tuple[str, ...]):
+        self.inputs = [(k, PREFIX + k.replace(".", "/")) for k in raw_keys
+                       if k.startswith(keys.INPUT_PREFIX) and k.endswith(keys.NONFINITE_SUFFIX)]
+        groups = sorted(k for k in raw_keys if k.startswith(keys.GRAD_GROUP_PREFIX))
+        self.grad_groups = [(k, f"{PREFIX}grad/{k.split('.')[1]}/norm") for k in groups] if len(groups) > 1 else []
+
+
+_LAYOUTS: dict[tuple[str, ...], _Layout] = {}
+
+
+def _layout(raw) -> _Layout:
+    key = tuple(raw)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) > 64:  # layouts are few (one per kind of step); never grow without bound
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _Layout(key)
+    return layout
+
+
+# -- quantiles --------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _edges_u(spec: SketchSpec) -> list[float]:
+    return spec.edges_u.tolist()
+
+
+def quantiles(counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES) -> list[float]:
+    """``sketch.quantiles_from_counts`` (the same values) with one numpy call: right after a training step numpy's
+    code is out of the CPU caches and each distinct call costs tens of microseconds, so the running count is
+    searched through a memoryview. The counts are whole numbers: the running count's last entry is their exact
+    total, and ``bisect_left`` is ``searchsorted``'s default side."""
+    cum = memoryview(counts.cumsum())
+    n = float(cum[-1])
+    if n <= 0:
+        return [_NAN] * len(qs)
+    edges_u, out = _edges_u(spec), []
+    scale, max_abs, last = spec.scale, spec.max_abs, spec.bins - 1
+    for q in qs:
+        # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank
+        cell = bisect.bisect_left(cum, max(1.0, math.ceil(q * n * (1.0 - 1e-12))) - 0.5)
+        u = 0.5 * (edges_u[cell] + edges_u[cell + 1])
+        value = math.copysign(math.expm1(abs(u)) * scale, u)
+        if cell == 0:
+            value = min(value, vmin) if vmin < -max_abs else value
+        if cell == last:
+            value = max(value, vmax) if vmax > max_abs else value
+        out.append(float(min(max(value, vmin), vmax)))
+    return out
+
+
+# -- the step's metrics -----------------------------------------------------------------------------------------------
+def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[dict[str, float], dict]:
+    """Metrics ``{rl_guard/<family>/<stat>: float}`` and histograms ``{name: (edges, counts)}`` of one step."""
+    layout = _layout(raw)
+    get = raw.get
+
+    def f(key, default=_NAN) -> float:
+        v = get(key)
+        return float(v[0]) if v is not None else default
+
+    out: dict[str, float] = {}
+    if keys.TOKENS.count in raw:  # absent when no token batch was fed (e.g. a plain supervised Trainer)
+        out[PREFIX + "tokens/count"] = f(keys.TOKENS.count)
+        out[PREFIX + "tokens/microbatches"] = f(keys.TOKENS.microbatches)
+    for key, name in layout.inputs:
+        out[name] = float(raw[key][0])
+    if keys.LAG.tokens in raw:
+        _lag(out, raw, f, tuple(lag_edges))
+    for name in keys.RATIO_FAMILIES:
+        _ratio(out, raw, f, name)
+    for name in keys.KL_FAMILIES:
+        _kl(out, raw, f, name)
+    if _values(out, f, "entropy"):
+        ent = _VALUES["entropy"][0]
+        for name, v in zip(_ENTROPY_Q, quantiles(raw[ent.hist], ENTROPY, f(ent.min), f(ent.max))):
+            out[name] = v
+    n_clip = f(keys.CLIP.count, 0.0)
+    if n_clip > 0:
+        low, high = f(keys.CLIP.low), f(keys.CLIP.high)
+        out[PREFIX + "clip/low_frac"] = low / n_clip
+        out[PREFIX + "clip/high_frac"] = high / n_clip
+        out[PREFIX + "clip/region_frac"] = (low + high) / n_clip
+    n_adv = _values(out, f, "adv", std=True)
+    if n_adv:
+        out[PREFIX + "adv/zero_frac"] = f(keys.ADV.zero) / n_adv
+    n_seq = _values(out, f, "length")
+    if n_seq and keys.LENGTH.truncated in raw:
+        out[PREFIX + "length/truncated_frac"] = f(keys.LENGTH.truncated) / n_seq
+    _values(out, f, "reward", std=True)
+    _values(out, f, "logp")
+    for name, value in summarize_update(raw).items():
         if value is not None:
-            self[PREFIX + name] = float(value)
+            out[PREFIX + name] = float(value)
+    _grad(out, raw, f, layout)
+    _loss(out, raw, f)
+    hists = {}
+    if keys.RATIO.hist in raw:
+        hists[_HIST_RATIO] = (LOG_RATIO.edges, raw[keys.RATIO.hist])
+    if keys.ENTROPY.hist in raw:
+        hists[_HIST_ENTROPY] = (ENTROPY.edges, raw[keys.ENTROPY.hist])
+    return out, hists
 
 
-def _ratio(out: _Out, raw, name: str, hist=None) -> None:
-    key = keys.of(name)
-    n = _f(raw, key.count, 0.0)
+def _ratio(out: dict, raw, f, name: str) -> None:
+    key, mean, vmin, vmax, qnames = _RATIO[name]
+    n = f(key.count, 0.0)
     if n <= 0:
         return
-    lo, hi = _f(raw, key.logmin), _f(raw, key.logmax)
-    out.put(f"{name}/mean", _f(raw, key.sum) / n)
-    out.put(f"{name}/min", _exp(lo))
-    out.put(f"{name}/max", _exp(hi))
-    hist = raw.get(key.hist) if hist is None else hist
+    lo, hi = f(key.logmin), f(key.logmax)
+    out[mean] = f(key.sum) / n
+    out[vmin] = _exp(lo)
+    out[vmax] = _exp(hi)
+    hist = raw.get(key.hist)
     if hist is not None:
-        for q, v in zip(QUANTILE_NAMES, quantiles_from_counts(hist, LOG_RATIO, lo, hi)):
-            out.put(f"{name}/{q}", _exp(v))
+        for q, v in zip(qnames, quantiles(hist, LOG_RATIO, lo, hi)):
+            out[q] = _exp(v)
 
 
-def _values(out: _Out, raw, name: str, std: bool = False) -> float:
-    key = keys.of(name)
-    n = _f(raw, key.count, 0.0)
+def _values(out: dict, f, name: str, std: bool = False) -> float:
+    key, mean_name, min_name, max_name, std_name = _VALUES[name]
+    n = f(key.count, 0.0)
     if n <= 0:
         return 0.0
-    mean = _f(raw, key.sum) / n
-    out.put(f"{name}/mean", mean)
-    out.put(f"{name}/min", _f(raw, key.min))
-    out.put(f"{name}/max", _f(raw, key.max))
+    mean = f(key.sum) / n
+    out[mean_name] = mean
+    out[min_name] = f(key.min)
+    out[max_name] = f(key.max)
     if std:
-        var = max(_f(raw, key.sumsq) / n - mean * mean, 0.0)
-        out.put(f"{name}/std", math.sqrt(var * n / (n - 1)) if n > 1 else 0.0)
+        var = max(f(key.sumsq) / n - mean * mean, 0.0)
+        out[std_name] = math.sqrt(var * n / (n - 1)) if n > 1 else 0.0
     return n
 
 
-def _kl(out: _Out, raw, name: str) -> None:
-    key = keys.of(name)
-    n, seqs = _f(raw, key.count, 0.0), _f(raw, key.seqs, 0.0)
-    for k in keys.KL_ESTIMATORS:
-        out.put(f"{name}/{k}_mean", _div(_f(raw, key.estimator(k, "sum")), n))
-        out.put(f"{name}/{k}_seq_mean", _div(_f(raw, key.estimator(k, "seqsum")), seqs))
+def _kl(out: dict, raw, f, name: str) -> None:
+    count, seqs_key, estimators = _KL[name]
+    if count not in raw:
+        return
+    n, seqs = f(count, 0.0), f(seqs_key, 0.0)
+    for sum_key, seqsum_key, seqmax_key, mean, seq_mean, seq_max in estimators:
+        if n > 0:
+            out[mean] = f(sum_key) / n
         if seqs > 0:
-            out.put(f"{name}/{k}_seq_max", _f(raw, key.estimator(k, "seqmax")))
+            out[seq_mean] = f(seqsum_key) / seqs
+            out[seq_max] = f(seqmax_key)
 
 
-def _lag(out: _Out, raw, edges) -> None:
+def _lag(out: dict, raw, f, edges: tuple) -> None:
     tokens = raw[keys.LAG.tokens]
-    total = tokens.sum()
-    out.put("lag/mean", _div(_f(raw, keys.LAG.sum), total))
+    total = float(tokens.sum())
     if total > 0:
-        out.put("lag/max", _f(raw, keys.LAG.max))
+        out[PREFIX + "lag/mean"] = f(keys.LAG.sum) / total
+        out[PREFIX + "lag/max"] = f(keys.LAG.max)
     hist = raw.get(keys.LAG.hist)
     nb = len(edges)
-    for i, bucket in enumerate(lag_bucket_names(edges)):
-        out.put(f"lag/{bucket}/token_frac", _div(tokens[i], total))
+    bins = LOG_RATIO.bins
+    token_counts = tokens.tolist()
+    clip = raw.get(keys.LAG.clip)  # absent without advantages (nothing is clipped)
+    lo, hi = f(keys.RATIO.logmin), f(keys.RATIO.logmax)
+    for i, (frac, p50_name, p99_name, clip_name, k3_name) in enumerate(_lag_names(edges)):
+        if total > 0:
+            out[frac] = token_counts[i] / total
         if hist is None:
             continue
-        cells = hist[i * LOG_RATIO.bins : (i + 1) * LOG_RATIO.bins]
-        count = cells.sum()  # tokens of the bucket with a finite ratio
+        cells = hist[i * bins : (i + 1) * bins]
+        count = float(cells.sum())  # tokens of the bucket with a finite ratio
         if count <= 0:
             continue
-        lo, hi = _f(raw, keys.RATIO.logmin), _f(raw, keys.RATIO.logmax)
-        p50, p99 = quantiles_from_counts(cells, LOG_RATIO, lo, hi, qs=(0.5, 0.99))
-        out.put(f"lag/{bucket}/ratio_p50", _exp(p50))
-        out.put(f"lag/{bucket}/ratio_p99", _exp(p99))
-        if keys.LAG.clip in raw:  # absent without advantages (nothing is clipped)
-            out.put(f"lag/{bucket}/clip_frac", raw[keys.LAG.clip][i] / count)
-        out.put(f"lag/{bucket}/k3_mean", raw[keys.LAG.k3][i] / count)
+        p50, p99 = quantiles(cells, LOG_RATIO, lo, hi, qs=(0.5, 0.99))
+        out[p50_name] = _exp(p50)
+        out[p99_name] = _exp(p99)
+        if clip is not None:
+            out[clip_name] = float(clip[i]) / count
+        out[k3_name] = float(raw[keys.LAG.k3][i]) / count
     if hist is not None and nb:
-        raw.setdefault(keys.RATIO.hist, hist.reshape(nb, LOG_RATIO.bins).sum(0))
+        raw.setdefault(keys.RATIO.hist, hist.reshape(nb, bins).sum(0))
 
 
-def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[dict[str, float], dict]:
-    """Metrics ``{rl_guard/<family>/<stat>: float}`` and histograms ``{name: (edges, counts)}`` of one step."""
-    out = _Out()
-    if keys.TOKENS.count in raw:  # absent when no token batch was fed (e.g. a plain supervised Trainer)
-        out.put("tokens/count", _f(raw, keys.TOKENS.count))
-        out.put("tokens/microbatches", _f(raw, keys.TOKENS.microbatches))
-    for key, v in raw.items():
-        if key.startswith(keys.INPUT_PREFIX) and key.endswith(keys.NONFINITE_SUFFIX):
-            out.put(key.replace(".", "/"), float(v[0]))
-    if keys.LAG.tokens in raw:
-        _lag(out, raw, lag_edges)
-    for name in ("ratio", "seq_ratio", "importance_weight", "behave_imp_weight"):
-        _ratio(out, raw, name)
-    for name in ("kl_old", "kl_ref"):
-        if keys.of(name).count in raw:
-            _kl(out, raw, name)
-    if _values(out, raw, "entropy"):
-        lo, hi = _f(raw, keys.ENTROPY.min), _f(raw, keys.ENTROPY.max)
-        for q, v in zip(QUANTILE_NAMES, quantiles_from_counts(raw[keys.ENTROPY.hist], ENTROPY, lo, hi)):
-            out.put(f"entropy/{q}", v)
-    n_clip = _f(raw, keys.CLIP.count, 0.0)
-    if n_clip > 0:
-        low, high = _f(raw, keys.CLIP.low), _f(raw, keys.CLIP.high)
-        out.put("clip/low_frac", low / n_clip)
-        out.put("clip/high_frac", high / n_clip)
-        out.put("clip/region_frac", (low + high) / n_clip)
-    n_adv = _values(out, raw, "adv", std=True)
-    if n_adv:
-        out.put("adv/zero_frac", _f(raw, keys.ADV.zero) / n_adv)
-    n_seq = _values(out, raw, "length")
-    if n_seq and keys.LENGTH.truncated in raw:
-        out.put("length/truncated_frac", _f(raw, keys.LENGTH.truncated) / n_seq)
-    _values(out, raw, "reward", std=True)
-    _values(out, raw, "logp")
-    for name, value in summarize_update(raw).items():
-        out.put(name, value)
-    _grad(out, raw)
-    _loss(out, raw)
-    hists = {}
-    if keys.RATIO.hist in raw:
-        hists[PREFIX + "log_ratio"] = (LOG_RATIO.edges, raw[keys.RATIO.hist])
-    if keys.ENTROPY.hist in raw:
-        hists[PREFIX + "entropy"] = (ENTROPY.edges, raw[keys.ENTROPY.hist])
-    return dict(out), hists
-
-
-def _grad(out: _Out, raw) -> None:
+def _grad(out: dict, raw, f, layout: _Layout) -> None:
     # One meaning for grad/norm: the pre-clip total norm. Where the gradients are seen after the trainer clipped
     # them, the trainer's own pre-clip norm is grad/norm and the norm seen here is grad/norm_postclip.
     if keys.GRAD.sq in raw:
-        measured = math.sqrt(_f(raw, keys.GRAD.sq))
+        measured = math.sqrt(f(keys.GRAD.sq))
         if keys.GRAD.preclip_sq in raw:
             # Clipping cannot make a finite norm non-finite: non-finite gradients here were corrupted after the
             # trainer measured them, and the pre-clip figure no longer describes what the optimizer receives.
-            preclip = math.sqrt(_f(raw, keys.GRAD.preclip_sq))
-            out.put("grad/norm", preclip if math.isfinite(measured) else measured)
-            out.put("grad/norm_postclip", measured)
+            preclip = math.sqrt(f(keys.GRAD.preclip_sq))
+            out[PREFIX + "grad/norm"] = preclip if math.isfinite(measured) else measured
+            out[PREFIX + "grad/norm_postclip"] = measured
         else:
-            out.put("grad/norm", measured)
-        out.put("grad/max_abs", _f(raw, keys.GRAD.max_abs))
-        out.put("grad/nonfinite", _f(raw, keys.GRAD.nonfinite))
-        groups = sorted(k for k in raw if k.startswith(keys.GRAD_GROUP_PREFIX))
-        if len(groups) > 1:
-            for key in groups:
-                out.put(f"grad/{key.split('.')[1]}/norm", math.sqrt(_f(raw, key)))
+            out[PREFIX + "grad/norm"] = measured
+        out[PREFIX + "grad/max_abs"] = f(keys.GRAD.max_abs)
+        out[PREFIX + "grad/nonfinite"] = f(keys.GRAD.nonfinite)
+        for key, name in layout.grad_groups:
+            out[name] = math.sqrt(f(key))
     elif keys.GRAD.preclip_sq in raw:
-        out.put("grad/norm", math.sqrt(_f(raw, keys.GRAD.preclip_sq)))
+        out[PREFIX + "grad/norm"] = math.sqrt(f(keys.GRAD.preclip_sq))
 
 
-def _loss(out: _Out, raw) -> None:
+def _loss(out: dict, raw, f) -> None:
     if keys.LOSS.count in raw:
-        ranks = max(_f(raw, keys.LOSS.ranks, 1.0), 1.0)  # data-parallel ranks each add their own step loss
-        out.put("loss/value", _f(raw, keys.LOSS.sum) / ranks if _f(raw, keys.LOSS.nonfinite) == 0 else math.nan)
-        out.put("loss/nonfinite", _f(raw, keys.LOSS.nonfinite))
+        ranks = max(f(keys.LOSS.ranks, 1.0), 1.0)  # data-parallel ranks each add their own step loss
+        out[PREFIX + "loss/value"] = f(keys.LOSS.sum) / ranks if f(keys.LOSS.nonfinite) == 0 else _NAN
+        out[PREFIX + "loss/nonfinite"] = f(keys.LOSS.nonfinite)

@@ -1,0 +1,50 @@
+"""``summarize.quantiles`` (the per-step reader) gives exactly ``sketch.quantiles_from_counts``'s values, whose error
+bound tests/stats/test_sketch.py checks: same cells, same clamping, on data inside and beyond the sketch's range."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rl_guard.stats.sketch import ENTROPY, LOG_RATIO, QUANTILES, SketchSpec, cell_index, count_cells, quantiles_from_counts
+from rl_guard.stats.summarize import quantiles
+
+SPECS = (LOG_RATIO, ENTROPY, SketchSpec(scale=1.0, max_abs=10.0, mantissa_bits=3))
+QS = (*QUANTILES, 0.001, 0.1, 0.333, 0.9, 0.999, 1.0)
+
+
+def _data(kind: str, rng: np.random.Generator) -> np.ndarray:
+    n = int(rng.integers(1, 3000))
+    if kind == "normal":
+        return rng.normal(0, 10 ** rng.uniform(-5, 1), n)
+    if kind == "heavy":
+        return rng.standard_cauchy(n) * 10 ** rng.uniform(-3, 1)  # values beyond max_abs land in the edge cells
+    if kind == "ties":
+        return rng.choice([-2.0, 0.0, 1e-4, 3.0], n)
+    if kind == "one":
+        return np.full(1, rng.normal())
+    return np.concatenate([rng.normal(size=n), [np.inf, -np.inf, 1e6]])  # "infinite"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
+@pytest.mark.parametrize("kind", ["normal", "heavy", "ties", "one", "infinite"])
+def test_quantiles_equal_the_sketch_reference(spec, kind):
+    rng = np.random.default_rng(abs(hash((spec.bins, kind))) % 2**32)
+    for _ in range(20):
+        x = _data(kind, rng).astype(np.float32)
+        counts = count_cells(cell_index(torch.from_numpy(x), spec), spec.bins).numpy().astype(np.float64)
+        lo, hi = float(x.min()), float(x.max())
+        for qs in (QS, (0.5, 0.99)):
+            got, want = quantiles(counts, spec, lo, hi, qs), quantiles_from_counts(counts, spec, lo, hi, qs)
+            assert got == want, (kind, qs)
+            assert all(type(v) is float for v in got)
+
+
+def test_empty_counts_give_nan_as_the_reference():
+    counts = np.zeros(LOG_RATIO.bins)
+    got = quantiles(counts, LOG_RATIO, math.inf, -math.inf)
+    assert len(got) == len(QUANTILES) and all(math.isnan(v) for v in got)
+    assert len(quantiles(counts, LOG_RATIO, 0.0, 1.0, qs=(0.5, 0.99))) == 2
