@@ -120,19 +120,40 @@ def flatten(pairs) -> tuple[list[torch.Tensor], list[float], list[tuple[int, int
     return tensors, weights, spans
 
 
-def weighted_squares(tensors: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L2 norm, merge weight x squared L2 norm)`` of every tensor, float64 (fp32 squares overflow above ~1e19),
-    from one multi-tensor norm; constants are made on the tensors' device (a CPU constant would need a sync)."""
-    l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
-    sq = l2 * l2
-    if any(w != 1.0 for w in weights):
-        sq = sq * _weight_vector(weights, l2.device)
-    return l2, sq
+class Segments:
+    """Per-group sums of a per-item vector laid out group after group (``spans``), with per-item merge weights.
+    Built once per layout (``segments_for`` caches it): the weights and lengths live on the device, so a step
+    makes no host-to-device copy. Sums stay per group: a NaN in one group leaves the others' sums finite."""
+
+    def __init__(self, weights: list[float], lengths: list[int], device):
+        self.groups = len(lengths)
+        self.unit = all(w == 1.0 for w in weights)
+        self.weights = None if self.unit else device_vector(weights, device)
+        self.lengths = device_vector(lengths, device, torch.int64) if self.groups > 1 else None
+
+    def sums(self, values: torch.Tensor, weighted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(per-group sums [groups], total [1])`` of ``values`` (float64), merge weights applied if asked."""
+        if weighted and not self.unit:
+            values = values * self.weights
+        if self.groups == 1:
+            total = values.sum().reshape(1)
+            return total, total
+        per_group = torch.segment_reduce(values, "sum", lengths=self.lengths)  # empty groups sum to 0
+        return per_group, per_group.sum().reshape(1)
 
 
-def group_sums(values: torch.Tensor | None, spans, device) -> list[torch.Tensor]:
-    """Per group, the sum of its span of ``values`` (a float64 zero for an empty group)."""
-    return [values[a:b].sum() if b > a else torch.zeros((), dtype=torch.float64, device=device) for a, b in spans]
+_SEGMENTS: dict = {}
+
+
+def segments_for(weights: list[float], lengths: list[int], device) -> Segments:
+    """The cached ``Segments`` of a layout (the parameter set rarely changes: one entry per layout seen)."""
+    key = (tuple(weights), tuple(lengths), device)
+    seg = _SEGMENTS.get(key)
+    if seg is None:
+        if len(_SEGMENTS) > 16:
+            _SEGMENTS.clear()
+        seg = _SEGMENTS[key] = Segments(weights, lengths, device)
+    return seg
 
 
 @torch.no_grad()
@@ -145,24 +166,28 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     pairs, merge_sum = local_grads(param_groups, sharded)
     scale = float(getattr(param_groups, "scale", 1.0))
     p = Partial()
-    add = p.add_sum if merge_sum else p.add_max
     tensors, weights, spans = flatten(pairs)
+    # Entries are written as 1-element float64 vectors, the form ``Partial.add_*`` gives them.
+    entries = p.sum if merge_sum else p.max
     device = tensors[0].device if tensors else None
-    sq = None
     if tensors:
-        l2, sq = weighted_squares(tensors, weights)
-        linf = abs_max(tensors).double()
-        bad = (l2 + linf).isfinite().logical_not_().double()  # any NaN/inf makes the L2 or the inf norm non-finite
-        if any(w != 1.0 for w in weights):
-            bad = bad * _weight_vector(weights, device)
+        seg = segments_for(weights, [b - a for a, b in spans], device)
+        per_group, total = _group_squares(tensors, spans, seg)
+        ends = extremes(tensors)
+        bad = (ends * 0).sum(1).isnan()  # per tensor: an extreme that is NaN or +-inf makes its row NaN
+        bad = bad.double() if seg.unit else bad * seg.weights
+        linf = ends.abs().amax().double().reshape(1)
         if scale != 1.0:
-            sq, linf = sq * (scale * scale), linf * scale
-    for i, group_sq in enumerate(group_sums(sq, spans, device)):
-        add(keys.grad_group(i), group_sq)
-    if tensors:
-        add(keys.GRAD.sq, sq.sum())
-        p.add_max(keys.GRAD.max_abs, linf.max())
-        add(keys.GRAD.nonfinite, bad.sum())
+            per_group, total, linf = per_group * (scale * scale), total * (scale * scale), linf * scale
+        groups = per_group.split(1) if seg.groups > 1 else (per_group,)
+        for i, group_sq in enumerate(groups):
+            entries[keys.grad_group(i)] = group_sq
+        entries[keys.GRAD.sq] = total
+        p.max[keys.GRAD.max_abs] = linf
+        entries[keys.GRAD.nonfinite] = bad.sum().reshape(1)
+    else:
+        for i in range(len(spans)):
+            entries[keys.grad_group(i)] = torch.zeros(1, dtype=torch.float64)
     if pre_clip_norm is not None:
         on = None if torch.is_tensor(pre_clip_norm) else device
         norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=on)
@@ -170,22 +195,99 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     return p
 
 
-def abs_max(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The largest |value| of every tensor, stacked (NaN where a tensor holds one). On CUDA the fused multi-tensor
-    inf-norm; on CPU one min/max pass per tensor, because torch's CPU inf-norm kernel is an order of magnitude
-    slower (6.7 ms against 0.5 ms for a 2.4M-parameter model on one thread)."""
+def _group_squares(tensors: list[torch.Tensor], spans, seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge-weighted sums of squares per group and in all, float64 (fp32 squares overflow above ~1e19).
+
+    Per-tensor norms come from one multi-tensor norm: fused on CUDA, but a loop of norm kernels on CPU, where each
+    call costs a few microseconds whatever the size. So on CPU, with unit weights, the tensors of up to
+    ``PACK_LIMIT`` elements are copied into one vector per group (cheaper than their calls) and only the larger
+    ones go through the multi-tensor norm."""
+    if tensors[0].device.type != "cpu" or not seg.unit:
+        return seg.sums(squares(tensors))
+    per_group = []
+    for a, b in spans:
+        small = [t for t in tensors[a:b] if t.numel() <= PACK_LIMIT]
+        big = [t for t in tensors[a:b] if t.numel() > PACK_LIMIT]
+        parts = []
+        if small:
+            flat = _pack(small).double()
+            parts.append(torch.dot(flat, flat))
+        if big:
+            sq = squares(big)
+            parts.append(sq.sum())
+        if not parts:
+            parts.append(torch.zeros((), dtype=torch.float64, device=tensors[0].device))
+        per_group.append(parts[0] if len(parts) == 1 else parts[0] + parts[1])
+    per_group = torch.stack(per_group)
+    return per_group, (per_group if seg.groups == 1 else per_group.sum().reshape(1))
+
+
+def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of every tensor, float64, from one multi-tensor norm."""
+    l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
+    return l2.mul_(l2)
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements in one flat copy (one kernel where ``torch._chunk_cat`` applies)."""
+    dtype = tensors[0].dtype
+    if _CHUNK_CAT is not None and all(t.dim() and t.dtype == dtype for t in tensors):
+        return _CHUNK_CAT(tensors, 0, 1).view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+_CHUNK_CAT = getattr(torch, "_chunk_cat", None)
+PACK_LIMIT = 1 << 13  # elements; measured on one CPU thread, see _group_squares
+
+
+def extremes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, values whose magnitudes reach its largest |value| and which are NaN / +-inf exactly when the
+    tensor holds a NaN / an infinity: shape [n, 2] (min, max) on CPU, [n, 1] (the inf-norm) elsewhere.
+
+    On CUDA the fused multi-tensor inf-norm; on CPU one min/max pass per tensor, because torch's CPU inf-norm
+    kernel is an order of magnitude slower (6.7 ms against 0.5 ms for a 2.4M-parameter model on one thread, and
+    ~3 ns an element on small tensors against ~2 us a call for min/max)."""
     if tensors[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(tensors, math.inf))
-    lows, highs = zip(*(torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(())) for t in tensors))
-    return torch.maximum(torch.stack(highs), torch.stack(lows).neg_())
+        return torch.stack(torch._foreach_norm(tensors, math.inf)).view(-1, 1)
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        tensors = [t.to(torch.float32) for t in tensors]  # exact for every gradient dtype but float64
+        dtype = torch.float32
+    out, rows = _extremes_out(len(tensors), dtype)
+    for t, row in zip(tensors, rows):
+        if t.numel():
+            torch.aminmax(t, out=row)
+        else:
+            row[0].zero_(), row[1].zero_()
+    return out
 
 
-def _weight_vector(weights: list[float], device) -> torch.Tensor:
-    """Per-tensor merge weights on ``device``, built from one ``full`` per run of equal weights (no host copy)."""
+def _extremes_out(n: int, dtype) -> tuple[torch.Tensor, list]:
+    """A CPU [n, 2] buffer and per-row (min, max) views for ``aminmax(out=)``: writing in place skips stacking
+    2n scalars, which on CPU costs about as much as the min/max passes. Reused from step to step: callers reduce
+    it before the next probe."""
+    cached = _EXTREMES.get((n, dtype))
+    if cached is None:
+        out = torch.empty(n, 2, dtype=dtype)
+        cached = _EXTREMES[(n, dtype)] = (out, [(out[i, 0], out[i, 1]) for i in range(n)])
+    return cached
+
+
+_EXTREMES: dict = {}
+
+
+def abs_max(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest |value| of every tensor, stacked (NaN where a tensor holds one)."""
+    return extremes(tensors).abs().amax(1)
+
+
+def device_vector(values: list, device, dtype=torch.float64) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, built from one ``full`` per run of equal values: no host-to-device
+    copy (which CUDA makes the host wait for)."""
     runs, start = [], 0
-    for i in range(1, len(weights) + 1):
-        if i == len(weights) or weights[i] != weights[start]:
-            runs.append(torch.full((i - start,), weights[start], dtype=torch.float64, device=device))
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            runs.append(torch.full((i - start,), values[start], dtype=dtype, device=device))
             start = i
     return torch.cat(runs)
 

@@ -5,16 +5,27 @@ step it reports ``update/rel`` = ||dtheta|| / ||theta|| (global and per paramete
 learning rate per group, and ``update/external_rel``: how far the weights moved *between* two optimizer steps
 (nothing but the optimizer, or a rollback, should move them; a changed weight there is a bug or a fault).
 
-No full copy of the weights is kept. Each parameter tensor with more than ``sample`` elements contributes a fixed
-random subset of ``sample`` element positions (drawn once, with a fixed seed, on the parameter's device); smaller
-tensors are taken whole. ``||dtheta_p||^2`` is estimated as ``numel / k x sum over the subset of dtheta^2``
-(unbiased under uniform sampling; without replacement up to ``PERMUTE_LIMIT`` elements, with replacement above,
-where a permutation would cost gigabytes and k / numel is negligible anyway). The relative standard error of one tensor's squared-norm
-estimate is ``sqrt((kurt - 1) / k x (1 - k / numel))`` with ``kurt = E[d^4] / E[d^2]^2`` of the update entries:
-Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``k = 1024`` one tensor's *norm* is within ~2-3 %
-(one standard error), and the global norm, a sum over many tensors, closer still. A fault that changes only a
-handful of elements of a large tensor can fall outside the subset: the probe is for update *size*, not for
-locating single corrupted entries. ``||theta||`` is exact (one fused multi-tensor norm).
+No full copy of the weights is kept. Tensors of up to ``WHOLE x sample`` elements are taken whole (exact); a
+larger tensor of ``n`` elements contributes a systematic sample: every ``s``-th element from a random offset
+``r`` in ``[0, s)`` (drawn once per tensor from a fixed seed), where ``s`` is the largest prime <= ``n / sample``
+that does not divide ``n``, so ``m`` >= ``sample`` elements (up to ~1.5 x near the whole limit, ~1 x for large
+tensors; a tensor below ~13 x sample elements whose every such prime divides ``n`` is taken whole). Each element
+is in the sample with probability exactly ``1 / s``, so ``s x sum over the sample of dtheta^2`` is an unbiased
+estimate of ``||dtheta_p||^2``. Because ``s`` is a prime that does not divide ``n``, it shares no factor with any row length or other period of the tensor's
+shape (those divide ``n``): the sample visits every column (and every row band) evenly rather than a few
+columns, so structure along rows or columns does not inflate the error, and a ZeRO flat partition's rows are
+spread over the same way unless a row length is a multiple of ``s``. For values whose order is unrelated to their
+position the error is that of simple random sampling: the relative standard error of one tensor's squared-norm
+estimate is ``sqrt((kurt - 1) / m x (1 - m / n))`` with ``m`` >= ``sample`` the sample size and ``kurt = E[d^4] /
+E[d^2]^2`` of the update entries. Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``sample = 1024``
+one tensor's *norm* is within ~2-3 % (one standard error), and the global norm, a sum over many tensors, closer
+still. A fault that changes only a handful of elements of a large tensor can fall outside the sample: the probe
+is for update *size*, not for locating single corrupted entries. ``||theta||`` is exact: the whole tensors from
+their copy, the larger ones from one fused multi-tensor norm.
+
+The samples are strided views of the live weights, built once per parameter layout (made again when a tensor
+gets new storage, e.g. ``p.data = ...``, or the parameter set changes), so taking them is one ``torch.cat`` (and
+one conversion to float64) per call; the per-group sums are one dot product per group.
 
 All figures stay on the device and travel in the step's one device-to-host transfer: the update of step t is
 measured right after ``optimizer.step()`` and reported with step t+1's statistics (where a rule on it rolls back
@@ -24,16 +35,144 @@ to a state from before step t). The learning rates are host floats read from the
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
 from . import keys
-from .grads import flatten, group_sums, local_shards, weighted_squares
+from .grads import device_vector, local_shards, squares
 from .partial import Partial
 
-DEFAULT_SAMPLE = 1024  # elements per parameter tensor; see the error note above
-PERMUTE_LIMIT = 1 << 22  # elements: above, positions are drawn with replacement (randperm would need 8 B each)
+DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note above
+WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole (a stride below 5 samples too coarsely)
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
+F64 = torch.float64
+
+
+def stride_for(n: int, sample: int) -> int | None:
+    """The sampling stride of a tensor of ``n`` elements: the largest prime <= n / sample that does not divide
+    ``n``; None (take it whole) when there is none, which only happens below ~13 x sample elements (every prime up
+    to n / sample would have to divide n)."""
+    if n <= WHOLE * sample:
+        return None
+    for s in range(n // sample, 1, -1):
+        if n % s and all(s % q for q in range(2, math.isqrt(s) + 1)):
+            return s
+    return None
+
+
+class _Layout:
+    """Where every parameter's sampled elements sit in the sample vector, built once per parameter layout
+    (``structure``: shapes, dtypes, merge weights and grouping; the sample positions follow from it and the seed).
+
+    Per group, its whole tensors come first, then its sampled ones, so a group is one contiguous span
+    ``[lo, hi)`` of the vector and its whole tensors the span ``[lo, mid)``. ``weights``: per sampled element,
+    ``s`` (1 for a whole tensor) times the merge weight; None when all are 1."""
+
+    def __init__(self, pairs, structure: tuple, sample: int, seed: int, device):
+        self.structure, self.storage, self.device = structure, None, device
+        # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
+        self.plan, self.spans, big_w, big_counts, elem_w = [], [], [], [], []
+        pos = first = 0
+        for group in pairs:
+            indexed = list(enumerate(group, first))
+            first += len(group)
+            strides = [stride_for(t.numel(), sample) for t, _ in group]
+            whole = [(i, t, w) for (i, (t, w)), s in zip(indexed, strides) if s is None]
+            sampled = [(i, t, w, s) for (i, (t, w)), s in zip(indexed, strides) if s is not None]
+            lo = pos
+            for i, t, w in whole:
+                self.plan.append((i, 0, 1))
+                elem_w.append((w, t.numel()))
+                pos += t.numel()
+            mid = pos
+            for i, t, w, s in sampled:
+                offset = random.Random(seed * 1_000_003 + len(big_w)).randrange(s)
+                self.plan.append((i, offset, s))
+                n = len(range(offset, t.numel(), s))
+                elem_w.append((w * s, n))
+                pos += n
+                big_w.append(w)
+            big_counts.append(len(sampled))
+            self.spans.append((lo, mid, pos))
+        self.size = pos
+        self.weights = None
+        if any(w != 1.0 for w, _ in elem_w):
+            self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
+        self.big_weights = None if all(w == 1.0 for w in big_w) else device_vector(big_w, device)
+        self.big_spans, start = [], 0
+        for n in big_counts:
+            self.big_spans.append((start, start + n))
+            start += n
+        self.views: list[torch.Tensor] = []
+        self.big: list[torch.Tensor] = []
+
+    def bind(self, pairs, storage: tuple | None) -> None:
+        """The sample views of these tensors (same structure): 1-D views that alias the live weights, so they are
+        made again only when a tensor moved (``storage``: addresses and strides; None: copies, made every call)."""
+        if storage is not None and storage == self.storage:
+            return
+        tensors = [t for group in pairs for t, _ in group]
+        self.views, self.big = [], []
+        for i, offset, s in self.plan:
+            flat = tensors[i].view(-1) if tensors[i].is_contiguous() else tensors[i].reshape(-1)
+            self.views.append(flat if s == 1 else flat[offset::s])
+            if s > 1:
+                self.big.append(tensors[i])
+        self.storage = storage
+
+    def take(self) -> torch.Tensor:
+        """The current sampled values, float64 (exact for every floating dtype up to float64). Concatenated in the
+        weights' dtype, then converted: on CPU a ``cat`` that converts as it copies is several times slower."""
+        if not self.views:
+            return torch.zeros(0, dtype=F64, device=self.device)
+        return torch.cat(self.views).to(F64)
+
+    def group_sq(self, a: torch.Tensor, b: torch.Tensor | None, part: int = 2) -> list[torch.Tensor]:
+        """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over the group's span: its
+        whole tensors only (``part`` 1) or all its samples (``part`` 2). One dot product per group: a NaN in one
+        group leaves the others finite."""
+        d = a if b is None else a - b
+        dw = d if self.weights is None else d * self.weights
+        out = []
+        for span in self.spans:
+            lo, hi = span[0], span[part]
+            if hi == lo:
+                out.append(torch.zeros((), dtype=F64, device=a.device))
+            elif lo == 0 and hi == self.size:
+                out.append(torch.dot(dw, d))
+            else:
+                x = d[lo:hi]
+                out.append(torch.dot(x if dw is d else dw[lo:hi], x))
+        return out
+
+    def total_sq(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of ``(a - b)^2`` over every sample."""
+        d = a - b
+        return torch.dot(d if self.weights is None else d * self.weights, d)
+
+    def big_sq(self) -> list[torch.Tensor] | None:
+        """Per group, the exact merge-weighted squared norm of its sampled (large) tensors; None when there are
+        none (one multi-tensor norm over all of them)."""
+        if not self.big:
+            return None
+        sq = squares(self.big)
+        if self.big_weights is not None:
+            sq = sq * self.big_weights
+        if len(self.big_spans) == 1:
+            return [sq.sum()]
+        return [sq[a:b].sum() if b > a else torch.zeros((), dtype=F64, device=sq.device) for a, b in self.big_spans]
+
+
+def _keys(pairs) -> tuple[tuple, tuple | None]:
+    """``(structure, storage)`` of the tensors: what the sample positions depend on (shapes, dtypes, weights,
+    grouping), and what the cached views depend on (addresses and strides; None when a tensor is not contiguous:
+    its flat view is a copy, made again every call)."""
+    structure = tuple(tuple((t.shape, t.dtype, w) for t, w in group) for group in pairs)
+    storage = tuple((t.data_ptr(), t.stride()) for group in pairs for t, _ in group)
+    if not all(t.is_contiguous() for group in pairs for t, _ in group):
+        storage = None
+    return structure, storage
 
 
 class UpdateProbe:
@@ -42,12 +181,12 @@ class UpdateProbe:
 
     def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None):
         self.sample, self.seed, self.sharded = sample, seed, sharded
-        self._index: dict[tuple, torch.Tensor | None] = {}
-        self._weights: torch.Tensor | None = None  # numel / k (times the merge weight) per sampled element
-        self._spans: tuple[tuple[int, int], ...] = ()   # where each group's samples sit in the sampled vector
-        self._before: torch.Tensor | None = None   # sampled weights (float32) right before the last optimizer step
+        self._layout: _Layout | None = None
+        self._seen: tuple | None = None  # the tensors (and addresses) the layout's views were made from
+        self._before: torch.Tensor | None = None   # sampled weights (float64) right before the last optimizer step
         self._after: torch.Tensor | None = None    # sampled weights right after it
-        self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step
+        self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
+        self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step, then the total
         self._pending: Partial | None = None             # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
@@ -55,70 +194,36 @@ class UpdateProbe:
         self._merge_sum = bool(sharded)  # ranks hold shards (FSDP2 DTensors, or sharded: true): merge by sum
 
     # -- sampling ------------------------------------------------------------------------------------------------
-    def _idx(self, key: tuple, p: torch.Tensor) -> torch.Tensor | None:
-        if key not in self._index:
-            n = p.numel()
-            if n <= self.sample:
-                self._index[key] = None
-            else:
-                gen = torch.Generator(device="cpu").manual_seed(self.seed + len(self._index))
-                if n <= PERMUTE_LIMIT:
-                    idx = torch.randperm(n, generator=gen)[: self.sample]
-                else:  # a permutation of a ZeRO flat partition or an embedding would take gigabytes
-                    idx = torch.randint(n, (self.sample,), generator=gen)
-                self._index[key] = idx.sort().values.to(p.device)
-        return self._index[key]
-
     @staticmethod
     def _device(groups):
         # Empty groups get their zeros on the parameters' device: stacking a CPU zero with device tensors would fail.
         return next((p.device for group in groups for p in group), None)
 
-    def _local(self, groups) -> list[list[tuple[torch.Tensor, float]]]:
-        """This rank's part of every parameter with its merge weight (``grads.local_shards``: DTensor shards,
-        replicas counted once)."""
-        pairs, self._merge_sum = local_shards(groups, self.sharded)  # callers run under no_grad: no detach needed
-        return pairs
+    def _take(self, groups) -> torch.Tensor:
+        """The sampled weights of every group in one float64 vector (``self._layout`` made current)."""
+        # This rank's part of every parameter with its merge weight (``grads.local_shards``: DTensor shards,
+        # replicas counted once); callers run under no_grad, so no detach is needed.
+        pairs, self._merge_sum = local_shards(groups, self.sharded)
+        tensors = [t for group in pairs for t, _ in group]
+        seen = self._seen
+        # The same tensor objects at the same addresses (every step of a plain run): the views are still valid.
+        if seen is None or len(seen[0]) != len(tensors) or not all(a is b for a, b in zip(seen[0], tensors)) \
+                or seen[1] != [t.data_ptr() for t in tensors] or seen[2] != [len(g) for g in pairs]:
+            structure, storage = _keys(pairs)
+            if self._layout is None or self._layout.structure != structure:
+                self._layout = _Layout(pairs, structure, self.sample, self.seed, self._device(groups))
+            self._layout.bind(pairs, storage)
+            self._seen = None if storage is None else (tensors, [t.data_ptr() for t in tensors],
+                                                       [len(g) for g in pairs])
+        return self._layout.take()
 
-    def _take(self, groups, pairs=None) -> torch.Tensor:
-        """The sampled weights of every group in one float32 vector (``self._spans``: where each group sits)."""
-        parts, counts = [], []
-        for i, group in enumerate(self._local(groups) if pairs is None else pairs):
-            for j, (p, _) in enumerate(group):
-                idx = self._idx((i, j, p.numel()), p)
-                flat = p.reshape(-1)
-                parts.append(flat if idx is None else flat.index_select(0, idx))
-            counts.append(len(group))
-        device = parts[0].device if parts else self._device(groups)
-        # cat copies (whole small tensors are views of the live weights until here) and promotes mixed dtypes
-        out = torch.cat(parts).to(torch.float32) if parts else torch.zeros(0, device=device)
-        if self._weights is None:  # the layout is fixed for the run: weights and group spans are built once
-            pairs = self._local(groups) if pairs is None else pairs
-            weight = [(w * p.numel() / part.numel(), part.numel())
-                      for (p, w), part in zip((pair for group in pairs for pair in group), parts)]
-            self._weights = torch.cat([torch.full((n,), w, dtype=torch.float64, device=device) for w, n in weight]
-                                      ) if weight else torch.zeros(0, dtype=torch.float64, device=device)
-            spans, start, k = [], 0, 0
-            for n in counts:
-                size = sum(part.numel() for part in parts[k:k + n])
-                spans.append((start, start + size))
-                start, k = start + size, k + n
-            self._spans = tuple(spans)
-        return out
-
-    def _sq(self, a: torch.Tensor, b: torch.Tensor, per_group: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Estimated ||a - b||^2 per group (when asked) and over all groups."""
-        d = a.double().sub_(b)  # the difference in float64 (float32 would round a small update)
-        d.mul_(d)
-        w = self._weights
-        groups = [torch.dot(d[lo:hi], w[lo:hi]) for lo, hi in self._spans] if per_group else []
-        return groups, torch.dot(d, w)
-
-    def _param_sq(self, groups, pairs) -> list[torch.Tensor]:
-        """Exact ||theta_g||^2 per group (merge weights applied), one multi-tensor norm over all groups."""
-        tensors, weights, spans = flatten(pairs)
-        sq = weighted_squares(tensors, weights)[1] if tensors else None
-        return group_sums(sq, spans, self._device(groups))
+    def _param_sq(self, now: torch.Tensor) -> list[torch.Tensor]:
+        """Exact ||theta_g||^2 per group (merge weights applied): whole tensors from their copy in ``now``, the
+        larger ones from one multi-tensor norm."""
+        layout = self._layout
+        sq = layout.group_sq(now, None, part=1)
+        big = layout.big_sq()
+        return sq if big is None else [a + b for a, b in zip(sq, big)]
 
     # -- the step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -126,16 +231,17 @@ class UpdateProbe:
         """The last step's update, the weight change since then, the current norms (device, no sync)."""
         p = self._pending or Partial()
         self._pending = None
-        pairs = self._local(groups)  # first: it finds whether the parameters are shards
-        now = self._take(groups, pairs)
+        now = self._take(groups)  # first: it finds whether the parameters are shards
         add = p.add_sum if self._merge_sum else p.add_max
-        if self._after is not None and self._after.shape == now.shape:
-            add(keys.UPDATE.drift_sq, self._sq(now, self._after, per_group=False)[1])
-        self._base_sq = self._param_sq(groups, pairs)
-        for i, sq in enumerate(self._base_sq):
-            add(keys.update_group(i, "param_sq"), sq)
-        add(keys.UPDATE.param_sq, torch.stack(self._base_sq).sum())
-        self._before = now
+        if self._after is not None and self._after_layout is self._layout:
+            add(keys.UPDATE.drift_sq, self._layout.total_sq(now, self._after))
+        base = [sq.reshape(1) for sq in self._param_sq(now)]
+        base.append(base[0] if len(base) == 1 else torch.stack(base).sum().reshape(1))
+        entries = p.sum if self._merge_sum else p.max
+        for i, sq in enumerate(base[:-1]):
+            entries[keys.update_group(i, "param_sq")] = sq
+        entries[keys.UPDATE.param_sq] = base[-1]
+        self._base_sq, self._before = base, now
         self._last_lrs = list(lrs)
         return p
 
@@ -144,23 +250,28 @@ class UpdateProbe:
         """Measure the update ``optimizer.step()`` just applied (kept on the device until the next pre_step)."""
         if self._before is None:
             return
+        layout = self._layout
         after = self._take(groups)
         p = Partial()
-        add = p.add_sum if self._merge_sum else p.add_max
-        sq, total = self._sq(after, self._before)
-        for i, (s, b) in enumerate(zip(sq, self._base_sq)):
-            add(keys.update_group(i, "sq"), s)
-            add(keys.update_group(i, "base_sq"), b)
-            lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
-            p.add_max(keys.update_group(i, "lr"), torch.full((), lr, dtype=torch.float64, device=s.device))
-        add(keys.UPDATE.sq, total)
-        add(keys.UPDATE.base_sq, torch.stack(self._base_sq).sum())
-        self._pending, self._after, self._before = p, after, None
+        entries = p.sum if self._merge_sum else p.max
+        if self._layout is layout:
+            sq = [s.reshape(1) for s in layout.group_sq(after, self._before)]
+            total = sq[0] if len(sq) == 1 else torch.stack(sq).sum().reshape(1)
+            for i, (s, b) in enumerate(zip(sq, self._base_sq)):
+                entries[keys.update_group(i, "sq")] = s
+                entries[keys.update_group(i, "base_sq")] = b
+                lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
+                p.max[keys.update_group(i, "lr")] = torch.full((1,), lr, dtype=F64, device=s.device)
+            entries[keys.UPDATE.sq] = total
+            entries[keys.UPDATE.base_sq] = self._base_sq[-1]
+        self._pending, self._before = p, None
+        self._after, self._after_layout = after, self._layout
 
     @torch.no_grad()
     def resync(self, groups: list[list[torch.Tensor]]) -> None:
         """The weights were restored on purpose: measure later drift from here, and report no update."""
         self._after, self._pending, self._before = self._take(groups), None, None
+        self._after_layout = self._layout
 
     # -- learning rates (host floats) ----------------------------------------------------------------------------
     def lr_metrics(self, lrs: list[float]) -> dict[str, float]:

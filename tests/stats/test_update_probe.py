@@ -11,7 +11,7 @@ import torch
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.summarize import summarize
-from rl_guard.stats.update import PERMUTE_LIMIT, UpdateProbe
+from rl_guard.stats.update import WHOLE, UpdateProbe, stride_for
 
 
 def _metrics(partial) -> dict:
@@ -56,7 +56,7 @@ def test_exact_when_every_element_is_sampled():
     assert got["rl_guard/update/external_rel"] == 0.0  # nothing touched the weights since the step
 
 
-@pytest.mark.parametrize("big", [200_000, PERMUTE_LIMIT + 1])  # positions drawn without / with replacement
+@pytest.mark.parametrize("big", [200_000, WHOLE * 1024 + 1])  # a fine stride, and the coarsest one
 def test_sampled_estimate_is_within_its_documented_error(big):
     groups = _model(big=big)
     probe = UpdateProbe(sample=1024)
@@ -74,8 +74,41 @@ def test_sampled_estimate_is_within_its_documented_error(big):
     exact = math.sqrt(sum((d.astype(np.float32).astype(np.float64) ** 2).sum() for d in deltas))
     # Gaussian entries: kurtosis 3, so one standard error of the norm is ~sqrt(2/1024)/2 = 2.2 %; allow 4 sigma.
     assert got["rl_guard/update/norm"] == pytest.approx(exact, rel=0.09)
-    idx = probe._index[(0, 0, big)]
-    assert idx.numel() == 1024 and 0 <= int(idx.min()) and int(idx.max()) < big
+    s = stride_for(big, 1024)
+    assert s >= 2 and big % s and all(s % q for q in range(2, s))  # a prime that does not divide numel
+    i, offset, stride = next(entry for entry in probe._layout.plan if entry[2] > 1)
+    assert (i, stride) == (0, s) and 0 <= offset < s and 1024 <= len(range(offset, big, s)) <= 1.5 * 1024
+
+
+def test_sample_covers_a_periodic_column_pattern_evenly():
+    # An update that moves only every 64th column (e.g. one feature per head): a stride sharing a factor with the
+    # row length would see all of those columns or none; a prime stride visits them in proportion.
+    rows, cols = 512, 1024
+    w = torch.nn.Parameter(torch.zeros(rows, cols))
+    groups = [[w]]
+    probe = UpdateProbe(sample=1024)
+    probe.pre_step(groups, [1.0])
+    d = np.zeros((rows, cols))
+    d[:, ::64] = np.where(np.random.default_rng(1).random((rows, cols // 64)) < 0.5, -1.0, 1.0)
+    with torch.no_grad():
+        w.add_(torch.from_numpy(d).float())
+    probe.post_step(groups)
+    got = _metrics(probe.pre_step(groups, [1.0]))["rl_guard/update/norm"]
+    # m >= 1024 samples hold m / 64 +- 1 moved entries: the squared norm within 1/16, the norm within ~3.5 %
+    assert got == pytest.approx(math.sqrt((d**2).sum()), rel=0.035)
+
+
+def test_views_follow_a_parameter_given_new_storage():
+    groups = _model(big=50_000)
+    probe = UpdateProbe(sample=256)
+    probe.pre_step(groups, [0.1, 0.1])
+    with torch.no_grad():
+        groups[0][0].data = groups[0][0].data * 2  # new storage: views of the old one would see no change
+    probe.post_step(groups)
+    got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
+    assert got["rl_guard/update/rel"] > 0.5
+    assert got["rl_guard/update/param_norm"] == pytest.approx(
+        math.sqrt(sum(float(p.detach().double().square().sum()) for g in groups for p in g)), rel=1e-12)
 
 
 def test_a_change_outside_the_optimizer_is_seen_and_a_restore_is_not():
