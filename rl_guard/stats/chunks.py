@@ -190,13 +190,16 @@ class ChunkStats:
                 return t
         raise KeyError(name)
 
-    def hist(self, names, counts: torch.Tensor, zero_cell: int, n_invalid) -> None:
-        """Cell counts of a zero-filled chunk; its ``n_invalid`` zero fills are taken out of ``zero_cell``. With a
-        tuple of ``names``, ``counts`` holds one histogram per name back to back and ``n_invalid`` one count each."""
-        names = (names,) if isinstance(names, str) else names
-        cells = counts.view(len(names), -1)
-        cells[:, zero_cell].sub_(n_invalid.to(cells.dtype))
-        self._add("sum", tuple((n, cells.shape[1]) for n in names), counts)
+    def hist(self, layout, counts: torch.Tensor, zero_cells, n_invalid) -> None:
+        """Cell counts of zero-filled values: each histogram's ``n_invalid`` zero fills are taken out of its zero
+        cell. ``layout`` is a name, or ``((name, cells), ...)`` for histograms back to back, with ``zero_cells``
+        then the index of each one's zero cell (an int64 tensor)."""
+        if isinstance(layout, str):
+            counts[zero_cells : zero_cells + 1].sub_(n_invalid.reshape(1).to(counts.dtype))
+            layout = ((layout, counts.numel()),)
+        else:
+            counts.index_add_(0, zero_cells, n_invalid.to(counts.dtype), alpha=-1)
+        self._add("sum", layout, counts)
 
     def total(self, name: str) -> torch.Tensor:
         """The sum so far of the scalar statistic ``name`` (0-d)."""
@@ -214,10 +217,14 @@ class ChunkStats:
         micro-batch a kernel per statistic would cost more than the statistics."""
         out = []
         for op in ("sum", "max", "min"):
-            vectors = [(lay, t) for lay, t in self._pieces[op] if t.dim()]
-            scalars = [(lay, t) for lay, t in self._pieces[op] if not t.dim()]
-            if scalars:
-                vectors.append((tuple(e for lay, _ in scalars for e in lay), torch.stack([t for _, t in scalars])))
+            vectors, scalars = [], {}
+            for piece in self._pieces[op]:
+                if piece[1].dim():
+                    vectors.append(piece)
+                else:
+                    scalars.setdefault(piece[1].dtype, []).append(piece)
+            for group in scalars.values():  # stacking mixed dtypes costs several times more than one dtype
+                vectors.append((tuple(e for lay, _ in group for e in lay), torch.stack([t for _, t in group])))
             out.append(vectors)
         return pack(*out, self.device)
 

@@ -57,23 +57,31 @@ class Partial:
         self.max["-" + name] = -t.reshape(-1).to(F64)
 
 
-def _joined(parts: list, device) -> torch.Tensor:
+def _joined(parts: list, device) -> tuple[tuple, torch.Tensor]:
+    """``(layout, float64 vector)`` of ``[(layout, tensor)]`` pieces, concatenated one dtype at a time (a
+    concatenation of mixed dtypes costs several times more), so the layout follows the dtype groups."""
     if not parts:
-        return torch.zeros(0, dtype=F64, device=device)
-    out = torch.cat([t if t.dim() == 1 else t.reshape(-1) for _, t in parts])  # mixed dtypes promote (int64 counts + float64 -> float64)
-    return out if out.dtype == F64 else out.to(F64)
+        return (), torch.zeros(0, dtype=F64, device=device)
+    groups: dict = {}
+    for layout, t in parts:
+        groups.setdefault(t.dtype, []).append((layout, t))
+    layout, vectors = [], []
+    for dtype, group in groups.items():
+        layout.extend(e for lay, _ in group for e in lay)
+        v = torch.cat([t for _, t in group]) if len(group) > 1 else group[0][1].clone()
+        vectors.append(v if dtype == F64 else v.to(F64))
+    return tuple(layout), (torch.cat(vectors) if len(vectors) > 1 else vectors[0])
 
 
 def pack(sums: list, maxes: list, mins: list, device) -> Partial:
-    """A packed ``Partial`` from ``[(layout, tensor)]`` pieces (``layout``: ``((name, size), ...)`` covering the
+    """A packed ``Partial`` from ``[(layout, tensor)]`` 1-D pieces (``layout``: ``((name, size), ...)`` covering the
     tensor's elements in order); minima are negated into the max vector under ``-name``."""
     p = Partial()
-    s = _joined(sums, device)
-    m = _joined(maxes + mins, device)
-    n_max = sum(t.numel() for _, t in maxes)
+    sum_layout, s = _joined(sums, device)
+    max_layout, m = _joined(maxes, device)
     if mins:
-        m[n_max:].neg_()
-    layout = (tuple(e for lay, _ in sums for e in lay),
-              tuple(e for lay, _ in maxes for e in lay) + tuple(("-" + n, k) for lay, _ in mins for n, k in lay))
-    p._packed = (layout, s, m)
+        min_layout, m_min = _joined(mins, device)
+        max_layout += tuple(("-" + n, k) for n, k in min_layout)
+        m = torch.cat([m, m_min.neg_()])
+    p._packed = ((sum_layout, max_layout), s, m)
     return p

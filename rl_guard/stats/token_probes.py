@@ -79,13 +79,16 @@ def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, edges, z, k3) -> None:
     """One count for every per-bucket figure: token ``t`` lands in cell ``cell(log r) + bins * (slot + slots *
     region)`` (``lag_into``), where region is 0 for a valid ratio, 1 for a valid and clipped one, 2 for an invalid
     one. ``lag_finish`` maps slots to buckets and splits the counts into the per-bucket ratio histograms, token
-    counts and clip counts, and the k3 sums (the same index weighted by k3)."""
-    bins = LOG_RATIO.bins
-    idx = cell_index_into(ws, z, LOG_RATIO, extra=bins * lag_slot_offset(edges, regions=True))
+    counts and clip counts, and the k3 sums (per region and slot, weighted by k3)."""
+    bins, slots = LOG_RATIO.bins, lag_slots(edges)
+    base = lag_slot_offset(edges, regions=True)
+    idx = cell_index_into(ws, z, LOG_RATIO, extra=bins * base)
     idx.add_(offset, alpha=bins)
-    size = 3 * lag_slots(edges) * bins
-    acc.sum(keys.LAG.cells, count_cells(idx, size))
-    acc.sum(keys.LAG.cells_k3, count_cells(idx, size, weights=ws("f64", F64).copy_(k3)))  # float64 sums per cell
+    acc.sum(keys.LAG.cells, count_cells(idx, 3 * slots * bins))
+    # k3 is only wanted per bucket: summed per (region, slot), not per cell, into a vector small enough to stay in
+    # the L1 cache (float64 sums)
+    region_slot = offset.add_(base)
+    acc.sum(keys.LAG.cells_k3, count_cells(region_slot, 3 * slots, weights=ws("f64", F64).copy_(k3)))
 
 
 def _by_bucket(counts: torch.Tensor, lut: torch.Tensor, nb: int, dim: int) -> torch.Tensor:
@@ -107,9 +110,9 @@ def lag_finish(acc: ChunkStats, lut: torch.Tensor, nb: int, ratio: bool, clipped
     # every token with a finite ratio, whatever its version (the invalid-lag slot too)
     acc.sum(keys.RATIO.hist, (per_slot[0] + per_slot[1]).sum(0))
     cells = _by_bucket(per_slot, lut, nb, 1)[:, :nb]
-    k3 = _by_bucket(acc.pop_sum(keys.LAG.cells_k3).view(3, slots, bins), lut, nb, 1)[:, :nb]
+    k3 = _by_bucket(acc.pop_sum(keys.LAG.cells_k3).view(3, slots), lut, nb, 1)[:, :nb]
     acc.sum(keys.LAG.tokens, cells.sum((0, 2)))
     if clipped:
         acc.sum(keys.LAG.clip, cells[1].sum(1))
     acc.sum(keys.LAG.hist, (cells[0] + cells[1]).reshape(-1))
-    acc.sum(keys.LAG.k3, k3.sum((0, 2)))
+    acc.sum(keys.LAG.k3, k3.sum(0))

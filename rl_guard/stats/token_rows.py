@@ -1,11 +1,11 @@
 """Stacked token probes: every per-token field of a chunk is one row of a ``[rows, n]`` buffer, so one operation
 (one kernel launch, one dispatch) serves all of them.
 
-Rows, in this order (absent fields drop out): ``logp`` (the sampled tokens' log-probs), ``entropy``, ``adv``,
+Rows, in this order (absent fields drop out): ``adv``, ``logp`` (the sampled tokens' log-probs), ``entropy``,
 ``importance_weight`` (log pi/pi_prox), ``behave_imp_weight`` (log pi_prox/pi_behave), ``ratio`` (log pi/pi_old)
 and ``kl_ref`` (log pi_ref/pi). The order makes every group a contiguous block: value sums (logp, entropy),
-extremes (all but kl_ref), log-ratios (importance_weight .. kl_ref), log-ratio histograms (importance_weight ..
-ratio), KL estimators (ratio, kl_ref). Each row is non-finite exactly where its token is invalid (masked out, or an
+extremes (all but kl_ref), histograms (entropy .. ratio, one cell index with per-row constants), log-ratios
+(importance_weight .. kl_ref), KL estimators (ratio, kl_ref). Each row is non-finite exactly where its token is invalid (masked out, or an
 input it is made of is NaN/inf): the mask's gate (0 or -inf) is added to the log-probs, and every log-ratio is a
 difference with them. A small micro-batch then costs ~70 operations whatever the number of fields, instead of a
 dozen per field; a large one makes the same passes over memory as field-by-field probes.
@@ -28,7 +28,7 @@ from .sketch import ENTROPY, LOG_RATIO, cell_index, count_cells
 
 F32, F64, I32 = torch.float32, torch.float64, torch.int32
 NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))  # 0xFF800000 as a signed int32
-ROW_ORDER = ("logp", "entropy", "adv", "importance_weight", "behave_imp_weight", "ratio", "kl_ref")
+ROW_ORDER = ("adv", "logp", "entropy", "importance_weight", "behave_imp_weight", "ratio", "kl_ref")
 KL_ROWS = {"ratio": "kl_old", "kl_ref": "kl_ref"}  # the KL family each log-ratio row feeds
 # input/<field>/nonfinite: (field, the row valid before the field is taken into account, the row that adds it)
 NONFINITE = (("logprobs", "mask", "logp"), ("entropy", "mask", "entropy"), ("advantages", "mask", "adv"),
@@ -50,8 +50,9 @@ class RowPlan:
         return name in self.rows
 
     @functools.cached_property
-    def n_values(self) -> int:  # logp and entropy: float32 sums
-        return 1 + self.has("entropy")
+    def values(self) -> tuple[int, int]:  # logp and entropy: float32 sums
+        first = self.at("logp")
+        return first, first + 1 + self.has("entropy")
 
     @functools.cached_property
     def n_extremes(self) -> int:  # every row but kl_ref
@@ -66,8 +67,12 @@ class RowPlan:
         return tuple(r for r in self.rows[self.log_ratios:] if r != "kl_ref")
 
     @functools.cached_property
-    def hist_rows(self) -> tuple[str, ...]:
-        return tuple(r for r in self.ratio_families if r != "ratio" or self.hist_ratio)
+    def hist_rows(self) -> tuple[str, ...]:  # entropy and the log-ratios with a histogram
+        return tuple(r for r in self.rows if r == "entropy" or r in self.ratio_families and (r != "ratio" or self.hist_ratio))
+
+    @functools.cached_property
+    def hist_specs(self) -> tuple:
+        return tuple(ENTROPY if r == "entropy" else LOG_RATIO for r in self.hist_rows)
 
     @functools.cached_property
     def kl_first(self) -> int:
@@ -87,11 +92,11 @@ class RowPlan:
         return {
             "count": row_layout(fam[r].count for r in self.rows),
             "kl_count": row_layout((keys.KL_OLD.count,) if self.has("ratio") else ()),  # kl_ref's: its row's
-            "sum": row_layout(fam[r].sum for r in self.rows[: self.n_values]),
+            "sum": row_layout(fam[r].sum for r in self.rows[slice(*self.values)]),
             "ratio_sum": row_layout(fam[r].sum for r in self.ratio_families),
             "max": row_layout((fam[r].logmax if r in log else fam[r].max) for r in ext),
             "min": row_layout((fam[r].logmin if r in log else fam[r].min) for r in ext),
-            "hist": tuple(fam[r].hist for r in self.hist_rows),
+            "hist": tuple((fam[r].hist, spec.bins) for r, spec in zip(self.hist_rows, self.hist_specs)),
             "nonfinite": row_layout(keys.input_nonfinite(f) for f, _, after in NONFINITE if self.has(after)),
             "seqs": row_layout(keys.of(f).seqs for f in self.kl_families),
             "kl_sum": row_layout(fam.estimator(k, "sum") for k, fam in kl),
@@ -118,14 +123,20 @@ def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, hist_ra
 
 
 @functools.lru_cache(maxsize=64)
-def _device_constant(kind: str, plan: RowPlan | int, device: torch.device) -> torch.Tensor:
-    """Small constants built once per device: the nonfinite matrix, per-row histogram offsets, the KL estimator
-    scales (k1 = -sum log r, k2 = sum (log r)^2 / 2, k3 = sum k3)."""
+def _device_constant(kind: str, plan: RowPlan | None, device: torch.device):
+    """Small constants built once per device: the nonfinite matrix, the KL estimator scales (k1 = -sum log r,
+    k2 = sum (log r)^2 / 2, k3 = sum k3), the histogram rows' sketch constants."""
     if kind == "nonfinite":
         return torch.from_numpy(plan.nonfinite_matrix()).to(device)
     if kind == "estimators":
         return torch.tensor([-1.0, 0.5, 1.0], dtype=F64).view(3, 1, 1).to(device)
-    return (torch.arange(plan, dtype=I32) * LOG_RATIO.bins).view(plan, 1).to(device)
+    specs = plan.hist_specs
+    starts = np.cumsum([0] + [spec.bins for spec in specs])
+    col = lambda values, dtype: torch.tensor(values, dtype=dtype).view(-1, 1).to(device)  # noqa: E731
+    return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
+            col([spec.shift for spec in specs], I32), col([spec.base for spec in specs], I32),
+            col([spec.bins // 2 + int(start) for spec, start in zip(specs, starts)], I32),
+            torch.tensor([spec.bins // 2 + int(start) for spec, start in zip(specs, starts)], device=device))
 
 
 def gate_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,9 +165,9 @@ def _put(out: torch.Tensor, t: torch.Tensor, gate: torch.Tensor, b, ch: Chunk) -
 def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: torch.Tensor, n_mask) -> dict:
     """Fill the rows and add every row statistic of the chunk to ``acc``. Returns what later probes of the chunk
     read: ``z`` (rows zero-filled), ``v`` (validity 0/1), ``counts`` and, with a KL row, ``k3``."""
-    n = ch.n
-    y = ws.rows("y", len(plan.rows))
-    lp = y[0]
+    n, nrows = ch.n, len(plan.rows)
+    y = ws.rows("y", nrows)
+    lp = y[plan.at("logp")]
     torch.add(ch.raw(b.logprobs), gate, out=lp)
     if plan.has("entropy"):
         torch.add(ch.raw(b.entropy), gate, out=y[plan.at("entropy")])
@@ -173,12 +184,14 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
     if plan.has("kl_ref"):
         torch.sub(ch.raw(b.ref_logprobs), lp, out=y[plan.at("kl_ref")])
 
-    z = torch.nan_to_num(y, 0.0, 0.0, 0.0, out=ws.rows("z", len(plan.rows)))
-    v = torch.eq(y, z, out=ws.rows("v", len(plan.rows)))  # y == zero-filled y exactly at the finite entries
+    vz = ws.rows("vz", 2 * nrows)  # validity rows, then the zero-filled rows: the KL sums read both at once
+    v, z = vz[:nrows], vz[nrows:]
+    torch.nan_to_num(y, 0.0, 0.0, 0.0, out=z)
+    torch.eq(y, z, out=v)  # y == zero-filled y exactly at the finite entries
     counts = v.sum(1)
     names = plan.names
     acc.sum_rows(names["count"], counts)
-    acc.sum_rows(names["sum"], z[: plan.n_values].sum(1))
+    acc.sum_rows(names["sum"], z[slice(*plan.values)].sum(1))
     _extremes(acc, ws, y[: plan.n_extremes], names)
     out = {"z": z, "v": v, "counts": counts}
     if plan.has("adv"):
@@ -186,20 +199,16 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
         zd = ws("f64", F64).copy_(z[plan.at("adv")])
         acc.sum(keys.ADV.sum, zd.sum())
         acc.sum(keys.ADV.sumsq, torch.dot(zd, zd))
-    if plan.has("entropy"):
-        i = plan.at("entropy")
-        idx = cell_index(z[i], ENTROPY, out=(ws("cell.a"), ws("cell", I32), ws("cell.sign", I32)))
-        acc.hist(keys.ENTROPY.hist, count_cells(idx, ENTROPY.bins), ENTROPY.bins // 2, torch.rsub(counts[i : i + 1], n))
+    _hists(acc, ws, plan, z, counts, n)
     r0 = plan.log_ratios
-    if r0 < len(plan.rows):
+    if r0 < nrows:
         # expm1 keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32
-        e = torch.clamp(z[r0:], max=EXP_CLAMP, out=ws.rows("e", len(plan.rows) - r0)).expm1_()
+        e = torch.clamp(z[r0:], max=EXP_CLAMP, out=ws.rows("e", nrows - r0)).expm1_()
         nr = len(plan.ratio_families)
         if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
             acc.sum_rows(names["ratio_sum"], e[:nr].sum(1).add_(counts[r0 : r0 + nr]))
-        _log_ratio_hists(acc, ws, plan, z, counts, n)
-        if plan.kl_first < len(plan.rows):
-            out["k3"] = _kl_rows(acc, ws, ch, plan, z, v, e[plan.kl_first - r0 :], counts)
+        if plan.kl_first < nrows:
+            out["k3"] = _kl_rows(acc, ws, ch, plan, vz, e[plan.kl_first - r0 :], counts)
     c = torch.cat([n_mask.reshape(1), counts])
     acc.sum_rows(names["nonfinite"], torch.mv(_device_constant("nonfinite", plan, counts.device), c))
     return out
@@ -216,37 +225,41 @@ def _extremes(acc: ChunkStats, ws: Scratch, y: torch.Tensor, names: dict) -> Non
     acc.min_rows(names["min"], torch.nan_to_num(y, math.inf, math.inf, math.inf, out=ext).amin(1))
 
 
-def _log_ratio_hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> None:
-    """Log-ratio histograms of the importance-weight, behaviour and (without versions) ratio rows: one cell index
-    over the block and one count, each row's cells offset by ``bins``."""
+def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> None:
+    """Histograms of the entropy and log-ratio rows (``sketch.cell_index`` with each row's own constants): one
+    cell index over the block and one count, each row's cells after the previous row's."""
     rows = plan.hist_rows
     if not rows:
         return
     h0, h = plan.at(rows[0]), len(rows)
-    bins = LOG_RATIO.bins
-    idx = cell_index(z[h0 : h0 + h], LOG_RATIO,
-                     out=(ws.rows("cell.a", h), ws.rows("cell", h, I32), ws.rows("cell.sign", h, I32)))
-    if h > 1:
-        idx.add_(_device_constant("offsets", h, idx.device))
-    acc.hist(plan.names["hist"], count_cells(idx.view(-1), h * bins), bins // 2, torch.rsub(counts[h0 : h0 + h], n))
+    scale, top, shift, base, middle, zero_cells = _device_constant("hists", plan, z.device)
+    x = z[h0 : h0 + h]
+    a = torch.abs(x, out=ws.rows("cell.a", h)).add_(scale).clamp_(max=top)
+    k = torch.bitwise_right_shift(a.view(I32), shift, out=ws.rows("cell", h, I32))
+    # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
+    sign = torch.bitwise_right_shift(x.view(I32), 31, out=ws.rows("cell.sign", h, I32))
+    idx = k.sub_(base).bitwise_xor_(sign).add_(middle)
+    cells = count_cells(idx.view(-1), sum(spec.bins for spec in plan.hist_specs))
+    acc.hist(plan.names["hist"], cells, zero_cells, torch.rsub(counts[h0 : h0 + h], n))
 
 
-def _kl_rows(acc: ChunkStats, ws: Scratch, ch: Chunk, plan: RowPlan, z, v, e, counts) -> torch.Tensor:
+def _kl_rows(acc: ChunkStats, ws: Scratch, ch: Chunk, plan: RowPlan, vz, e, counts) -> torch.Tensor:
     """KL estimators of the ratio and reference rows: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r.
-    Per-sequence sums of (valid tokens, log r, (log r)^2, k3) go into one ``[4 * rows, S]`` accumulator, from which
+    Per-sequence sums of (valid tokens, log r, (log r)^2, k3) go into one ``[4, rows, S]`` accumulator, from which
     ``kl_finish`` takes the token sums and the mean and max over sequences. Returns k3 (0 where invalid)."""
-    k0 = plan.kl_first
-    nk = len(plan.rows) - k0
+    nrows, k0 = len(plan.rows), plan.kl_first
+    nk = nrows - k0
     if plan.has("ratio"):  # the ratio row's count is kl_old's too
         i = plan.at("ratio")
         acc.sum_rows(plan.names["kl_count"], counts[i : i + 1].clone())
-    zk = z[k0:]
-    k3 = torch.sub(e, zk, out=ws.rows("k3", nk))
-    seq = acc.seq("kl", 4 * nk)
-    ch.seq_add(seq[:nk], v[k0:])
-    ch.seq_add(seq[nk : 2 * nk], zk)
-    ch.seq_add(seq[2 * nk : 3 * nk], torch.mul(zk, zk, out=ws.rows("square", nk)))
-    ch.seq_add(seq[3 * nk :], k3)
+    vz_kl = vz.view(2, nrows, -1)[:, k0:]  # (valid tokens, log r) of the KL rows
+    zk = vz_kl[1]
+    sq_k3 = ws.rows("sq_k3", 2 * nk).view(2, nk, -1)
+    torch.mul(zk, zk, out=sq_k3[0])
+    k3 = torch.sub(e, zk, out=sq_k3[1])
+    seq = acc.seq("kl", 4 * nk).view(4, nk, -1)
+    ch.seq_add(seq[:2], vz_kl)
+    ch.seq_add(seq[2:], sq_k3)
     return k3
 
 
