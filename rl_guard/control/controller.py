@@ -92,14 +92,19 @@ class Controller:
     def decide(self, metrics: dict[str, float], can_rollback: bool = True) -> Decision:
         """Evaluate all rules on this step's metrics; update history and counters; return the decision."""
         decision = Decision(step=self.step)
+        self._count_missing(metrics)
+        history, consecutive = self.history, self.consecutive
         for rule in self.rules:
-            v = rule.evaluate(metrics, self.history)
-            self._warn_missing(rule, metrics)
-            self.consecutive[rule.name] = self.consecutive[rule.name] + 1 if v.fired else 0
-            if not v.fired or not self._armed(rule, v):
+            # The cheap test first: a verdict (and its reason) is only built for a rule that fires.
+            if not rule.fires(metrics, history):
+                consecutive[rule.name] = 0
+                continue
+            v = rule.evaluate(metrics, history)
+            consecutive[rule.name] += 1
+            if not self._armed(rule, v):
                 continue
             self.last_fired[rule.name] = self.step
-            window = {m: self.history.last(m, 32).tolist() for m in rule.metrics}
+            window = {m: history.last(m, 32).tolist() for m in rule.metrics}
             decision.firings.append(Firing(rule, v, rule.action, "", window))
         decision.action = max((f.action for f in decision.firings), key=PRECEDENCE.index, default=None)
         if decision.action == "rollback" and (not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
@@ -126,13 +131,18 @@ class Controller:
         decision.escalated_from, decision.action = decision.action, "checkpoint_and_halt"
         return f" ({self.dropped_streak + 1} consecutive dropped updates, max_consecutive_skips={limit})"
 
-    def _warn_missing(self, rule: Rule, metrics: dict) -> None:
+    def _count_missing(self, metrics: dict) -> None:
         """Once per metric: a rule whose metric is never reported can never fire, which must not stay silent.
         Some metrics arrive only on generation steps, so the warning waits for ``MISSING_PATIENCE`` steps."""
-        for m in rule.metrics:
-            self.absent_for[m] = 0 if m in metrics else self.absent_for.get(m, 0) + 1
-            if self.absent_for[m] >= MISSING_PATIENCE and m not in self.missing_warned:
+        absent_for = self.absent_for
+        for m in self.watched:
+            if m in metrics:
+                absent_for[m] = 0
+                continue
+            n = absent_for[m] = absent_for.get(m, 0) + 1
+            if n >= MISSING_PATIENCE and m not in self.missing_warned:
                 self.missing_warned.add(m)
+                rule = next(r for r in self.rules if m in r.metrics)
                 warnings.warn(f"rl_guard: rule {rule.name!r} watches {m}, which was not reported at step {self.step}; "
                               "it cannot fire while the metric is absent (is the input that produces it passed?)",
                               RuntimeWarning, stacklevel=4)

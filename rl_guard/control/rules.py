@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import RULE_DEFAULTS, SEVERITY_BY_ACTION, SPIKE_DEFAULTS
+from .rule_history import History
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -84,74 +85,6 @@ def verdict(fired: bool, metric: str, x: float, op: str, threshold, detail: Call
     return Verdict(fired, metric, x, op, threshold, text=None if detail is None else (lambda: (None, detail())))
 
 
-class History:
-    """Past finite values per metric (most recent last) and the first values seen (for ``early_max``)."""
-
-    def __init__(self, maxlen: int = 1024, early: int = 1024):
-        self.maxlen, self.early = maxlen, early
-        self.first: dict[str, list] = {}
-        self._rings: dict[str, _Ring] = {}  # the last ``maxlen`` values, readable as an array without copying
-
-    def values(self, metric: str) -> list[float]:
-        return self.last(metric, self.maxlen).tolist()
-
-    def last(self, metric: str, n: int) -> np.ndarray:
-        """The last ``n`` values (fewer if fewer are known) as a read-only float64 view, oldest first."""
-        ring = self._rings.get(metric)
-        return ring.last(n) if ring is not None else _EMPTY
-
-    def push(self, metrics: dict[str, float]) -> None:
-        for name, v in metrics.items():
-            if not math.isfinite(v):
-                continue
-            v = float(v)
-            ring = self._rings.get(name)
-            if ring is None:
-                ring = self._rings[name] = _Ring(self.maxlen)
-            ring.append(v)
-            first = self.first.setdefault(name, [])
-            if len(first) < self.early:
-                first.append(v)
-
-    def state_dict(self) -> dict:
-        # Copies: a state dict must not change when training goes on after it was taken.
-        return {"recent": {k: self.values(k) for k in self._rings},
-                "first": {k: list(v) for k, v in self.first.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.first = {k: list(v) for k, v in state["first"].items()}
-        self._rings = {}
-        for k, values in state["recent"].items():
-            ring = self._rings[k] = _Ring(self.maxlen)
-            for v in values[-self.maxlen:]:
-                ring.append(v)
-
-
-_EMPTY = np.zeros(0)
-_EMPTY.flags.writeable = False
-
-
-class _Ring:
-    """Fixed-size history of one metric in a doubled buffer: every value is written at ``i`` and ``i + size``, so
-    the last ``n`` values are always one contiguous slice (rules read windows without building lists)."""
-
-    __slots__ = ("buf", "size", "i", "n")
-
-    def __init__(self, size: int):
-        self.buf, self.size, self.i, self.n = np.empty(2 * size), size, 0, 0
-
-    def append(self, v: float) -> None:
-        self.buf[self.i] = self.buf[self.i + self.size] = v
-        self.i = (self.i + 1) % self.size
-        self.n = min(self.n + 1, self.size)
-
-    def last(self, n: int) -> np.ndarray:
-        n = min(n, self.n)
-        view = self.buf[self.i + self.size - n : self.i + self.size]
-        view.flags.writeable = False
-        return view
-
-
 _COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
@@ -166,6 +99,25 @@ class Condition:
         self._band_text = f"[{self.band[0]}, {self.band[1]}]" if self.band else ""
         self._compare = _COMPARE.get(self.op)
         self.spike = {**SPIKE_DEFAULTS, **spec["spike"]} if spec.get("spike") is not None else None
+        # ``fires`` runs every step for every condition: its test is chosen once here.
+        if self.spike is not None:
+            self._fires = self._spike_fires
+        elif self.op == "nonfinite":
+            self._fires = _never
+        elif self.op == "outside":
+            lo, hi = self.band
+            self._fires = lambda x, history: x < lo or x > hi
+        else:
+            compare, t = self._compare, float(self.threshold)
+            self._fires = lambda x, history: compare(x, t)
+
+    def fires(self, metrics: dict[str, float], history: History) -> bool:
+        """``evaluate(metrics, history).fired``, without building the verdict (few conditions fire in a step)."""
+        x = metrics.get(self.metric, _ABSENT)
+        if x is _ABSENT:
+            return False
+        x = float(x)
+        return not math.isfinite(x) or self._fires(x, history)
 
     def evaluate(self, metrics: dict[str, float], history: History) -> Verdict:
         if self.metric not in metrics:
@@ -183,26 +135,57 @@ class Condition:
         t = float(self.threshold)
         return verdict(self._compare(x, t), self.metric, x, self.op, t)
 
+    def _early_max(self, history: History) -> float | None:
+        """The max of the run's first ``window`` values; None until they are known or when it is not positive
+        (a multiple of a non-positive max means nothing)."""
+        window = self.spike["window"]
+        first = history.first.get(self.metric)
+        if first is None or len(first) < window:
+            return None
+        top = max(first[:window])
+        return top if top > 0 else None
+
+    def _window_stats(self, history: History) -> tuple[float, float, str, int] | None:
+        """(center, scale, label, values) of the spike window; None while it holds fewer than ``min_history``."""
+        s = self.spike
+        past = history.last(self.metric, s["window"])
+        if len(past) < s["min_history"]:
+            return None
+        center, scale, label = _center_scale(s["method"], past, s["window"])
+        scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
+        return center, scale, label, len(past)
+
+    def _spike_fires(self, x: float, history: History) -> bool:
+        s = self.spike
+        if s["method"] == "early_max":
+            top = self._early_max(history)
+            return top is not None and x >= float(s["factor"]) * top
+        stats = self._window_stats(history)
+        if stats is None:
+            return False
+        z = (x - stats[0]) / stats[1]
+        k = float(s["threshold"])
+        direction = s["direction"]
+        return z > k if direction == "up" else (z < -k if direction == "down" else abs(z) > k)
+
     def _spike(self, x: float, history: History) -> Verdict:
         s = self.spike
         method, window = s["method"], s["window"]
         if method == "early_max":
-            early = history.first.get(self.metric, [])[:window]
-            if len(early) < window or max(early) <= 0:  # a multiple of a non-positive max means nothing
+            top = self._early_max(history)
+            if top is None:
                 return Verdict(False, self.metric, x)
-            factor, top = float(s["factor"]), max(early)
+            factor = float(s["factor"])
             limit = factor * top
             return verdict(x >= limit, self.metric, x, ">=", limit,
                            lambda: f"{factor:g} x early max {_fmt(top)} (first {window} steps)")
-        past = history.last(self.metric, window)
-        if len(past) < s["min_history"]:
+        stats = self._window_stats(history)
+        if stats is None:
             return Verdict(False, self.metric, x)
-        center, scale, label = _center_scale(method, past, window)
-        scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
+        center, scale, label, n = stats
         z = (x - center) / scale
         k = float(s["threshold"])
         lo, hi = center - k * scale, center + k * scale
-        n = len(past)
 
         def detail() -> str:
             return f"{label} = {z:.3g} vs {k:g} (center {_fmt(center)}, scale {_fmt(scale)}, {n} steps)"
@@ -213,6 +196,13 @@ class Condition:
         if direction == "down":
             return verdict(z < -k, self.metric, x, "<", lo, detail)
         return verdict(abs(z) > k, self.metric, x, "outside", f"[{_fmt(lo)}, {_fmt(hi)}]", detail)
+
+
+_ABSENT = object()
+
+
+def _never(x: float, history: History) -> bool:
+    return False
 
 
 def _median(a: np.ndarray) -> float:
@@ -254,6 +244,14 @@ class Rule:
         subs = spec[self.mode] if self.mode != "single" else [spec]
         self.conditions = [Condition(c) for c in subs]
         self.metrics: list[str] = [c.metric for c in self.conditions]
+
+    def fires(self, metrics: dict[str, float], history: History) -> bool:
+        """``evaluate(metrics, history).fired`` without building verdicts."""
+        if self.mode == "single":
+            return self.conditions[0].fires(metrics, history)
+        if self.mode == "all":
+            return all(c.fires(metrics, history) for c in self.conditions)
+        return any(c.fires(metrics, history) for c in self.conditions)
 
     def evaluate(self, metrics: dict[str, float], history: History) -> Verdict:
         if self.mode == "single":
