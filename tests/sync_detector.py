@@ -8,9 +8,9 @@ On CPU nothing synchronises, so the detector models what a GPU would do. Two int
 * a ``TorchDispatchMode`` for what reaches the kernels: ``_local_scalar_dense`` (every scalar read, including
   ones made inside torch), ``equal`` / ``is_nonzero``, ops whose output shape depends on the data (``nonzero``,
   ``torch.where(cond)``, ``masked_select``, ``unique*``, ``repeat_interleave`` with tensor repeats and no
-  ``output_size``, ``bincount``, indexing with a boolean mask), device->host copies (``_to_copy`` / ``copy_``
-  from a non-CPU tensor or from a tensor marked device-side into a CPU one), blocking host->device copies
-  (CUDA synchronises the stream for those too), and collectives (``c10d.*``).
+  ``output_size``, ``bincount``, indexing with a boolean mask), device->host copies (``_to_copy`` / ``copy_`` /
+  ``_foreach_copy_`` from a non-CPU tensor or from a tensor marked device-side into a CPU one), blocking
+  host->device copies (CUDA synchronises the stream for those too), and collectives (``c10d.*``).
 
 A call counted at the Python level hides the kernels it runs (``.item()`` is one event, not two).
 
@@ -57,7 +57,8 @@ RANK_HEADER = {"rank header": (ranks.read_header.__code__, None)}
 CPU_ONLY_BINCOUNT = {"cpu-only bincount": (sketch.count_cells.__code__, {"aten.bincount.default"})}
 # Healthy snapshots (rollback rules) and checkpoints copy the training state to host memory by design, only on
 # the steps they are due (README, "Decisions").
-STATE_CAPTURE = {"state capture": (TrainState.capture.__code__, {"Tensor.to(cpu)", "Tensor.cpu"})}
+STATE_CAPTURE = {"state capture": (TrainState.capture.__code__,
+                                   {"Tensor.to(cpu)", "Tensor.cpu", "aten._foreach_copy_.default"})}
 DEFAULT_SITES = {**STEP_TRANSFER, **CPU_ONLY_BINCOUNT, **STATE_CAPTURE}
 
 # Python-level reads: (kind, name) by the function torch hands to the mode.
@@ -85,7 +86,7 @@ SHAPE_OPS = {aten.nonzero, aten.nonzero_numpy, aten.argwhere, aten.masked_select
 REPEAT_OPS = {aten.repeat_interleave}
 INDEX_OPS = {aten.index, aten._unsafe_index}
 INDEX_PUT_OPS = {aten.index_put, aten.index_put_, aten._index_put_impl_, aten._unsafe_index_put}
-COPY_OPS = {aten._to_copy, aten.copy_, aten.copy, aten._copy_from, aten._copy_from_and_resize}
+COPY_OPS = {aten._to_copy, aten.copy_, aten.copy, aten._copy_from, aten._copy_from_and_resize, aten._foreach_copy_}
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,10 @@ class _Kernels(TorchDispatchMode):
             if target is not None and torch.device(target).type != "cpu" and args[0].device.type == "cpu" and (
                     not kwargs.get("non_blocking")):
                 return "host_to_device", name
+        elif packet is aten._foreach_copy_:  # one event for the whole list (a GPU waits once, at the end)
+            if any(dst.device.type == "cpu" and not d.is_device(dst) and d.is_device(src)
+                   for dst, src in zip(args[0], args[1])):
+                return "device_to_host", name
         elif packet in COPY_OPS and len(args) > 1 and isinstance(args[1], torch.Tensor):
             dst, src = args[0], args[1]
             if dst.device.type == "cpu" and not d.is_device(dst) and d.is_device(src):

@@ -1,8 +1,9 @@
 """The small state protocol actions work on: model, optimizer, scheduler, RNG states, step, data cursor.
 
-``capture()`` copies everything to host memory (tensors cloned, so later training cannot alias them);
-``restore()`` loads it back bit for bit. Everything captured is plain tensors / containers, so it can be saved
-and loaded with ``torch.load(weights_only=True)``.
+``capture()`` copies everything to host memory (tensors copied, so later training cannot alias them; the model's
+and the optimizer's tensors in one multi-tensor copy, ``host_copy.py``); ``restore()`` loads it back bit for bit.
+Everything captured is plain tensors / containers, so it can be saved and loaded with
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from .host_copy import HostCopies
+
+
+_IMMUTABLE = (int, float, bool, str, type(None))
+
 
 def _to_host(obj):
+    if type(obj) in _IMMUTABLE:  # what deepcopy would return anyway
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _to_host(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
+        return type(obj)([v if type(v) in _IMMUTABLE else _to_host(v) for v in obj])
     return copy.deepcopy(obj)
 
 
@@ -61,11 +69,24 @@ class TrainState:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    _copies: HostCopies = field(default_factory=HostCopies, init=False, repr=False, compare=False)
 
     def capture(self, step: int) -> dict:
-        snap = {"step": step, "model": _to_host(self.model.state_dict()), "rng": rng_state()}
+        model = self._copies.model_tensors(self.model)
+        optimizer, places, opt_live = None, [], []
         if self.optimizer is not None:
-            snap["optimizer"] = _to_host(self.optimizer.state_dict())
+            optimizer, places, opt_live = _optimizer_host(self.optimizer.state_dict())
+        copies = self._copies.copy(model[1] + opt_live) if model is not None else None
+        if copies is None:  # not plain tensors (e.g. FSDP2's DTensor): copied one by one
+            snap = {"step": step, "model": _to_host(self.model.state_dict()), "rng": rng_state()}
+            if self.optimizer is not None:
+                snap["optimizer"] = _to_host(self.optimizer.state_dict())
+        else:
+            snap = {"step": step, "model": dict(zip(model[0], copies)), "rng": rng_state()}
+            for (out, k), c in zip(places, copies[len(model[0]):]):
+                out[k] = c
+            if optimizer is not None:
+                snap["optimizer"] = optimizer
         if self.scheduler is not None:
             snap["scheduler"] = _to_host(self.scheduler.state_dict())
         snap["extra"] = {k: _to_host(v.state_dict()) for k, v in self.extra.items()}
@@ -83,6 +104,22 @@ class TrainState:
         set_rng_state(snap["rng"])
         if lr_scale != 1.0:
             scale_lr(self.optimizer, self.scheduler, lr_scale)
+
+
+def _optimizer_host(sd: dict) -> tuple[dict, list[tuple[dict, Any]], list[torch.Tensor]]:
+    """``optimizer.state_dict()`` with every non-tensor leaf copied as ``_to_host`` does, the places its state
+    tensors go (filled in by the caller with their host copies), and those live tensors."""
+    places, live, state = [], [], {}
+    for i, per_param in sd["state"].items():
+        out = state[i] = {}
+        for k, v in per_param.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = None  # keeps the key order
+                places.append((out, k))
+                live.append(v)
+            else:
+                out[k] = copy.deepcopy(v)
+    return {key: state if key == "state" else _to_host(v) for key, v in sd.items()}, places, live
 
 
 def scale_lr(optimizer, scheduler, factor: float) -> None:

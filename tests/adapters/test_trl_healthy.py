@@ -92,16 +92,17 @@ def test_metric_values_agree_with_trl(healthy):
 
 
 def test_one_host_transfer_per_step_and_no_other_host_reads(healthy):
-    _, events, finishes = healthy
+    run, events, finishes = healthy
     assert finishes == STEPS
     train = [e for e in events if _phase(e) == "train"]
     # The whole per-step path (statistics of every micro-batch, gradient probe, rules, actions, logging): one
     # .cpu() of the packed vector per step, then .numpy() of that host copy; no .item(), bool(), nonzero, equal...
     assert [str(e) for e in train if e.site is None] == []
     assert [e.op for e in train if e.site == "step transfer"] == TRANSFER * STEPS
-    # Healthy snapshots (rollback rules: after 2 healthy steps, then every 3) copy the state to host memory.
-    snapshots = [e for e in train if e.site == "state capture"]
-    assert snapshots and {e.function for e in snapshots} == {"_to_host"}
+    # Healthy snapshots (rollback rules: after 2 healthy steps, then every 3) copy the state to host memory in one
+    # multi-tensor copy (host to host on this CPU run: nothing to wait for, so no event) and the ring holds them.
+    assert run.guard.actions.snapshots.steps()
+    assert {e.function for e in train if e.site == "state capture"} <= {"copy"}
     # At generation time (once per rollout batch, where TRL itself reads rewards and texts on the host) the
     # run-level sample diagnostics copy the gathered reward vectors to the host (at most two transfers per
     # generation, in the adapter) and read only those host copies afterwards.
