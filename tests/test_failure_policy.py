@@ -27,7 +27,10 @@ def test_every_caller_error_is_an_input_error():
 @pytest.mark.parametrize("text, where, expected", [
     ("version: 1\nsinks:\n  - jsonl\n  - tensorboard: {logdir: tb}\n", "sinks[1].tensorboard.logdir (line 4)",
      "unknown option 'logdir' for sink 'tensorboard'; allowed: log_dir"),
-    ("version: 1\nsinks: [{console: {every: 0}}]\n", "sinks[0].console (line 2)", "every must be >= 1"),
+    ("version: 1\nsinks: [{console: {every: 0}}]\n", "sinks[0].console.every (line 2)",
+     "every must be a whole number of steps >= 1, got 0"),
+    ("version: 1\nsinks:\n  - jsonl:\n      flush_every: 2.5\n", "sinks[0].jsonl.flush_every (line 4)",
+     "flush_every must be a whole number of steps >= 1, got 2.5"),
     ("", "<top level>", "is empty; a config of defaults says at least 'version: 1'"),
     ("# all commented out\n# rules: []\n", "<top level>", "is empty"),
 ])

@@ -16,7 +16,7 @@ import inspect
 import pathlib
 from typing import Any, Iterable, Union
 
-from .base import Histograms, Sink, SinkSet
+from .base import Histograms, Sink, SinkOptionError, SinkSet
 from .console import ConsoleSink
 from .jsonl import INCIDENTS_FILE, METRICS_FILE, JsonlSink, read_jsonl
 from .tensorboard import TensorBoardSink
@@ -55,6 +55,8 @@ def sink_options_error(name: str, options: dict) -> list[tuple[str | None, str]]
         return unknown
     try:
         cls(**options)
+    except SinkOptionError as err:
+        return [(err.option, str(err))]
     except (TypeError, ValueError) as err:
         return [(None, f"bad options for sink {name!r}: {err}")]
     return []
@@ -97,7 +99,7 @@ def build_sinks(spec: SinkSpec | Iterable[SinkSpec] | None, run_dir: str | pathl
 
 
 __all__ = [
-    "SINK_NAMES", "Histograms", "Sink", "SinkSet", "build_sinks", "make_sink", "sink_options_error",
+    "SINK_NAMES", "Histograms", "Sink", "SinkOptionError", "SinkSet", "build_sinks", "make_sink", "sink_options_error",
     "JsonlSink", "TensorBoardSink", "WandbSink", "ConsoleSink",
     "read_jsonl", "METRICS_FILE", "INCIDENTS_FILE",
 ]

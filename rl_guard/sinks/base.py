@@ -17,6 +17,21 @@ import numpy as np
 Histograms = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
+class SinkOptionError(ValueError):
+    """A sink option whose value the sink cannot use; ``option`` names it, so a config error points at its line."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def whole_steps(option: str, value: Any) -> int:
+    """``value`` as a number of steps >= 1 (an int, not a bool), else ``SinkOptionError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise SinkOptionError(option, f"{option} must be a whole number of steps >= 1, got {value!r}")
+    return int(value)
+
+
 class Sink:
     """Base class: every method is a no-op so subclasses override only what they need."""
 

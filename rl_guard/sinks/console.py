@@ -11,7 +11,7 @@ import pathlib
 import sys
 from typing import IO
 
-from .base import Histograms, Sink
+from .base import Histograms, Sink, whole_steps
 
 # (row label, [(column label, metric name), ...]) in display order.
 KEY_METRICS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
@@ -58,9 +58,7 @@ class ConsoleSink(Sink):
 
     def __init__(self, every: int = 10, rich: bool = True, file: IO[str] | None = None) -> None:
         super().__init__()
-        if int(every) < 1:
-            raise ValueError(f"console sink: every must be >= 1, got {every}")
-        self.every = int(every)
+        self.every = whole_steps("every", every)
         self.use_rich = rich
         self.file = file
         self._console = None

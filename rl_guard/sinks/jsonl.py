@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Histograms, Sink
+from .base import Histograms, Sink, whole_steps
 
 METRICS_FILE = "metrics.jsonl"
 INCIDENTS_FILE = "incidents.jsonl"
@@ -70,6 +70,22 @@ def _metric_value(v: Any) -> Any:
     if type(v) is float:  # the common case, without the generic conversion
         return v if math.isfinite(v) else _encode_float(v)
     return to_jsonable(v)
+
+
+_ENCODE = json.JSONEncoder(allow_nan=False, ensure_ascii=False).encode  # what ``json.dumps`` builds per call
+
+
+def metrics_line(values: dict[str, Any], step: int) -> str:
+    """The metrics line ``{"step": step, name: value...}\\n`` of one step (a ``step`` entry in ``values`` is
+    ignored)."""
+    if "step" not in values:
+        try:  # the common case, plain finite floats: encoded as they are, without a converted copy
+            return _ENCODE({"step": step, **values}) + "\n"
+        except (ValueError, TypeError):  # a non-finite float or a non-JSON type: converted below
+            pass
+    record = {"step": step}
+    record.update((str(k), _metric_value(v)) for k, v in values.items() if k != "step")
+    return _ENCODE(record) + "\n"
 
 
 def dumps(obj: Any) -> str:
@@ -148,10 +164,8 @@ class JsonlSink(Sink):
 
     def __init__(self, fsync: bool = False, keep_lost_incidents: bool = True, flush_every: int = 10) -> None:
         super().__init__()
-        if int(flush_every) < 1:
-            raise ValueError(f"flush_every must be a positive number of steps, got {flush_every!r}")
+        self.flush_every = whole_steps("flush_every", flush_every)
         self.fsync = fsync
-        self.flush_every = int(flush_every)
         # Incidents after the resume step are kept by default: they are the audit trail
         # of why the lost run was rolled back, not data that gets recomputed.
         self.keep_lost_incidents = keep_lost_incidents
@@ -200,9 +214,7 @@ class JsonlSink(Sink):
         if step in self._steps:
             return  # already recorded (resumed run replaying a step)
         # Histograms are not stored here: the tensorboard/wandb sinks handle them.
-        record = {"step": step}
-        record.update((str(k), _metric_value(v)) for k, v in values.items() if k != "step")
-        self._pending.append(json.dumps(record, allow_nan=False, ensure_ascii=False) + "\n")
+        self._pending.append(metrics_line(values, step))
         self._steps.add(step)
         if len(self._pending) >= self.flush_every or self._flush_next or values.get("rl_guard/guard/fired", 0) > 0:
             self._flush_next = False

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rl_guard.sinks import INCIDENTS_FILE, METRICS_FILE, JsonlSink, read_jsonl
+from rl_guard.sinks import INCIDENTS_FILE, METRICS_FILE, JsonlSink, SinkOptionError, read_jsonl
+from rl_guard.sinks.jsonl import metrics_line, to_jsonable
 
 
 def _run(run_dir, steps, resume_step=None, base=1.0, **kw):
@@ -59,9 +60,12 @@ def test_metrics_buffered_for_flush_every_steps_and_flushed_on_firing_incident_a
     assert _steps_on_disk(tmp_path) == list(range(9))
 
 
-def test_flush_every_must_be_positive():
-    with pytest.raises(ValueError, match="flush_every"):
-        JsonlSink(flush_every=0)
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
+def test_flush_every_must_be_a_whole_number_of_steps(bad):
+    with pytest.raises(SinkOptionError, match="flush_every must be a whole number of steps >= 1") as err:
+        JsonlSink(flush_every=bad)
+    assert err.value.option == "flush_every"  # config errors point at the option's own line
+    assert JsonlSink(flush_every=np.int64(3)).flush_every == 3
 
 
 _CHILD = """
@@ -180,3 +184,17 @@ def test_finish_is_idempotent(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sink.finish()
+
+
+@pytest.mark.parametrize("values", [
+    {"rl_guard/a": 0.1, "rl_guard/b": 1e-300, "rl_guard/c": -2.5, "rl_guard/é": 3.0},  # plain floats: the fast path
+    {"rl_guard/a": 0.1, "rl_guard/b": float("nan"), "rl_guard/c": -math.inf},
+    {"rl_guard/a": np.float32(0.5), "rl_guard/b": np.int64(3), "rl_guard/c": np.float64(0.25), "rl_guard/d": True},
+    {"rl_guard/a": 1, "rl_guard/b": None, "rl_guard/c": "text", "rl_guard/d": [1.0, math.nan]},
+    {"step": 99, "rl_guard/a": 0.5},  # a step entry in the values never replaces the step
+])
+def test_metrics_line_is_the_converted_record(values):
+    want = {"step": 7, **{k: to_jsonable(v) for k, v in values.items() if k != "step"}}
+    line = metrics_line(values, 7)
+    assert line == json.dumps(want, allow_nan=False, ensure_ascii=False) + "\n"
+    assert list(json.loads(line)) == ["step", *[k for k in values if k != "step"]]
