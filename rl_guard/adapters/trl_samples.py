@@ -7,6 +7,7 @@ only known locally; they are included on a single process, where local is global
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..diagnostics import SampleBatch
@@ -14,11 +15,13 @@ from ..diagnostics import SampleBatch
 
 def samples_from_rewards(trainer, per_func: torch.Tensor, total: torch.Tensor, prompts, completions,
                          completion_ids) -> SampleBatch:
-    per_func, total = per_func.detach().float().cpu(), total.detach().float().cpu()
+    # Host numpy copies: the diagnostics work on the host, and numpy costs less than torch per op on arrays this
+    # small (a batch of samples).
+    per_func, total = per_func.detach().float().cpu().numpy(), total.detach().float().cpu().numpy()
     n, g = total.shape[0], trainer.num_generations
     names = list(getattr(trainer, "reward_func_names", [f"func{i}" for i in range(per_func.shape[1])]))
-    finite = int(torch.isfinite(total).sum())
-    batch = dict(rewards=total, group_ids=torch.arange(n) // g,
+    finite = int(np.count_nonzero(np.isfinite(total)))
+    batch = dict(rewards=total, group_ids=np.arange(n) // g,
                  reward_components={name: per_func[:, i] for i, name in enumerate(names)},
                  funnel={"sampled": n, "reward_available": finite}, episodes=n)
     if trainer.accelerator.num_processes == 1:

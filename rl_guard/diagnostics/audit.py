@@ -23,6 +23,7 @@ from .samples import Prepared, json_value
 
 MAX_CELL_IDS = 256
 _FILE = re.compile(r"step_(\d+)\.jsonl\Z")
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # json.dumps with these options builds one per call
 
 
 def _cut(x, max_chars: int):
@@ -79,12 +80,16 @@ class AuditWriter:
             sign = -1.0 if cell == "hacking" else 1.0
             ordered = sorted(idx, key=lambda i: (sign * p.rewards[i], i))
             lines += [self._record(p, i, cell, step) for i in ordered[:self.k]]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        text = "".join(_JSON.encode(rec) + "\n" for rec in lines)  # a value JSON cannot hold fails before any write
         path = self.dir / f"step_{int(step)}.jsonl"
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in lines:
-                f.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+        tmp = f"{path}.tmp"
+        try:
+            f = open(tmp, "w", encoding="utf-8")
+        except FileNotFoundError:  # the first write (or the directory was removed)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "w", encoding="utf-8")
+        with f:
+            f.write(text)
         os.replace(tmp, path)
         self._prune(int(step), path)
         return path

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .names import Out, frac, pearson
+from .names import Out, frac, mean, pearson, share
 from .samples import Prepared
 
 DOCS = {
@@ -62,7 +62,7 @@ def groups(p: Prepared, out: Out) -> None:
     codes, g = p.group, int(p.group.max()) + 1
     sizes = np.bincount(codes, minlength=g)
     out.put("group/count", g)
-    out.put("group/size_mean", sizes.mean())
+    out.put("group/size_mean", sizes.sum() / g)
     out.put("group/size_min", sizes.min())
     out.put("group/size_max", sizes.max())
     _correctness(p, codes, g, out)
@@ -71,19 +71,19 @@ def groups(p: Prepared, out: Out) -> None:
     if p.lengths is not None and (p.advantages is not None or p.rewards is not None):
         out.put("group/len_adv_corr", _len_adv_corr(p, codes, g))
     if p.texts is not None:
-        shares = []
-        for k in range(g):
-            texts = [p.texts[i] for i in np.flatnonzero(codes == k) if p.texts[i] is not None]
-            if texts:
-                shares.append(len(set(texts)) / len(texts))
+        by_group: dict[int, list] = {}  # one pass over the samples (not one mask per group)
+        for k, text in zip(codes.tolist(), p.texts):
+            if text is not None:
+                by_group.setdefault(k, []).append(text)
+        shares = [len(set(texts)) / len(texts) for texts in (by_group.get(k) for k in range(g)) if texts]
         out.put("group/unique_frac", float(np.mean(shares)) if shares else None)
     if p.outcome is not None:
         m, c = _per_group(codes, p.outcome_ok, p.success.astype(np.float64), g)
         has = m > 0
         if has.any():
-            out.put("group/pass_at_k", np.mean(c[has] > 0))
-            out.put("group/pass_pow_k", np.mean(c[has] == m[has]))
-            out.put("group/pass_at_1", np.mean(c[has] / m[has]))
+            out.put("group/pass_at_k", share(c[has] > 0))
+            out.put("group/pass_pow_k", share(c[has] == m[has]))
+            out.put("group/pass_at_1", mean(c[has] / m[has]))
 
 
 def _correctness(p: Prepared, codes: np.ndarray, g: int, out: Out) -> None:
@@ -97,11 +97,12 @@ def _correctness(p: Prepared, codes: np.ndarray, g: int, out: Out) -> None:
         return
     m, c = _per_group(codes, valid, correct.astype(np.float64), g)
     has = m > 0
-    out.put("group/empty_frac", np.mean(~has))
+    out.put("group/empty_frac", share(~has))
     if has.any():
-        out.put("group/all_correct_frac", np.mean(c[has] == m[has]))
-        out.put("group/all_wrong_frac", np.mean(c[has] == 0))
-        out.put("group/mixed_frac", np.mean((c[has] > 0) & (c[has] < m[has])))
+        c, m = c[has], m[has]
+        out.put("group/all_correct_frac", share(c == m))
+        out.put("group/all_wrong_frac", share(c == 0))
+        out.put("group/mixed_frac", share((c > 0) & (c < m)))
 
 
 def _reward_spread(p: Prepared, codes: np.ndarray, g: int, out: Out) -> None:

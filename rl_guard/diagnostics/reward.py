@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .names import Out
+from .names import Out, mean, share
 from .samples import Prepared
 
 SHAPES = ("all_zero", "all_one", "heavy_tail", "mixed_sign")
@@ -51,22 +51,23 @@ DOCS = {
 def excess_kurtosis(v: np.ndarray) -> float | None:
     if len(v) < KURTOSIS_MIN_N:
         return None
-    d = v - v.mean()
-    m2 = float(np.mean(d * d))
+    d = v - mean(v)
+    m2 = float(mean(d * d))
     # Spread at the level of float rounding (e.g. a constant 0.1) would give a meaningless ratio.
     if m2 <= (1e-12 * float(np.max(np.abs(v)))) ** 2 or m2 == 0.0:
         return None
-    return float(np.mean(d ** 4)) / (m2 * m2) - 3.0
+    return float(mean(d ** 4)) / (m2 * m2) - 3.0
 
 
-def shape_flags(v: np.ndarray) -> dict[str, int]:
+def shape_flags(v: np.ndarray, kurt: float | None = None) -> dict[str, int]:
+    """``kurt``: ``excess_kurtosis(v)`` when the caller has it already."""
     top = float(v.max())
-    kurt = excess_kurtosis(v)
+    kurt = excess_kurtosis(v) if kurt is None else kurt
     return {
-        "all_zero": int(np.mean(v == 0) > 0.9),
-        "all_one": int(top > 0 and np.mean(v == top) > 0.9),
+        "all_zero": int(share(v == 0) > 0.9),
+        "all_one": int(top > 0 and share(v == top) > 0.9),
         "heavy_tail": int(kurt is not None and kurt > KURTOSIS_LIMIT),
-        "mixed_sign": int(min(np.mean(v > 0), np.mean(v < 0)) >= 0.1),
+        "mixed_sign": int(min(share(v > 0), share(v < 0)) >= 0.1),
     }
 
 
@@ -74,19 +75,20 @@ def reward(p: Prepared, out: Out) -> None:
     if p.rewards is not None:
         v = p.rewards[p.reward_ok]
         out.put("reward/n_valid", len(v))
-        out.put("reward/nonfinite_count", int(np.sum(p.ok & ~np.isfinite(p.rewards))))
-        out.put("reward/system_error_excluded", int(p.system_error.sum()))
+        out.put("reward/nonfinite_count", np.count_nonzero(p.ok & ~np.isfinite(p.rewards)))
+        out.put("reward/system_error_excluded", np.count_nonzero(p.system_error))
         if len(v):
-            flags = shape_flags(v)
+            kurt = excess_kurtosis(v)
+            flags = shape_flags(v, kurt)
             for name in SHAPES:
                 out.put(f"reward/shape_{name}", flags[name])
             out.put("reward/shape", next((i + 1 for i, s in enumerate(SHAPES) if flags[s]), 0))
-            out.put("reward/kurtosis", excess_kurtosis(v))
+            out.put("reward/kurtosis", kurt)
     means = {}
     for name, c in p.components.items():
         keep = p.ok & np.isfinite(c)
         if keep.any():
-            means[name] = float(c[keep].mean())
+            means[name] = float(mean(c[keep]))
             out.put(f"reward/component/{name}/mean", means[name])
     scale = sum(abs(m) for m in means.values())
     for name, m in means.items():

@@ -92,16 +92,27 @@ def _floats(x: Any, name: str) -> np.ndarray:
 
 def _objects(x: Any) -> list:
     a = _numpy(x) if hasattr(x, "detach") or isinstance(x, np.ndarray) else x
+    if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype != object:
+        return a.tolist()  # python scalars, as .item() gives for each element
     return [v.item() if isinstance(v, np.generic) else v for v in list(a)]  # host numpy values (see _numpy)
+
+
+def _length(x: Any) -> int:
+    """len(_objects(x)) without converting x."""
+    if isinstance(x, (list, tuple)):
+        return len(x)
+    if (hasattr(x, "detach") or isinstance(x, np.ndarray)) and len(x.shape):
+        return x.shape[0]
+    return len(_objects(x))
 
 
 class Prepared:
     """Validated view: float64 arrays, python lists, masks. Absent fields are None."""
 
     def __init__(self, s: SampleBatch):
-        lengths = {f: len(_objects(getattr(s, f))) for f in PER_SAMPLE if getattr(s, f) is not None}
+        lengths = {f: _length(getattr(s, f)) for f in PER_SAMPLE if getattr(s, f) is not None}
         for c, v in (s.reward_components or {}).items():
-            lengths[f"reward_components[{c!r}]"] = len(_objects(v))
+            lengths[f"reward_components[{c!r}]"] = _length(v)
         if len(set(lengths.values())) > 1:
             raise SampleError(f"SampleBatch per-sample fields differ in length: {lengths}")
         n = self.n = next(iter(lengths.values()), 0)

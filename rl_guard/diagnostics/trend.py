@@ -27,7 +27,7 @@ from collections import deque
 
 import numpy as np
 
-from .names import Out, slope
+from .names import Out, mean, share, slope
 from .samples import Prepared
 
 SERIES = ("reward", "length", "outcome")
@@ -53,14 +53,16 @@ class Trend:
 
     def update(self, p: Prepared, step: int, out: Out) -> None:
         if p.truncated is not None and p.n:
-            out.put("length/no_eos_frac", p.truncated.mean())
+            out.put("length/no_eos_frac", share(p.truncated))
         means = {}
         if p.rewards is not None and p.reward_ok.any():
-            means["reward"] = p.rewards[p.reward_ok].mean()
-        if p.lengths is not None and np.isfinite(p.lengths).any():
-            means["length"] = p.lengths[np.isfinite(p.lengths)].mean()
+            means["reward"] = mean(p.rewards[p.reward_ok])
+        if p.lengths is not None:
+            finite = p.lengths[np.isfinite(p.lengths)]
+            if len(finite):
+                means["length"] = mean(finite)
         if p.outcome is not None and p.outcome_ok.any():
-            means["outcome"] = p.outcome[p.outcome_ok].mean()
+            means["outcome"] = mean(p.outcome[p.outcome_ok])
         for x, pts in self.points.items():
             while pts and pts[-1][0] >= step:  # replay after resume / rollback
                 pts.pop()
