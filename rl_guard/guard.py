@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from .background import Background
 from .control.actions import Actions
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
@@ -66,6 +67,8 @@ class Guard:
         self.run_dir = Path(run_dir or config.run_dir or "runs/rl_guard")
         self.controller = Controller(config, rank=self.rank)
         self._acc = StepAccumulator()
+        # micro-batch statistics run on a worker thread during the trainer's backward (background.py)
+        self._background = Background(config.background_stats)
         self.state: TrainState | None = None
         self.actions = Actions(self)
         self.last_metrics: dict[str, float] = {}
@@ -143,22 +146,24 @@ class Guard:
 
     # -- per micro-batch ---------------------------------------------------------------------------------------------
     def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
-        """Accumulate one micro-batch's statistics on the device (no host sync)."""
+        """Accumulate one micro-batch's statistics on the device (no host sync; on the worker thread unless
+        ``background_stats: false``)."""
         with self.protect("observe"):
+            acc, edges = self._acc, self.config.lag_buckets
             if batch is not None:
-                self._acc.add(probe_batch(batch, self.config.lag_buckets))
+                self._background.submit(lambda: acc.add(probe_batch(batch, edges)), batch.device)
             if loss is not None:
                 self._saw_loss = True
-                p = Partial()
-                loss_stats(p, loss)
-                self._acc.add(p)
+                loss = loss.detach()
+                self._background.submit(lambda: acc.add(loss_stats(Partial(), loss)), loss.device)
 
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
         with self.protect("observe_sequences"):
             p = Partial()
             sequence_stats(p, lengths=lengths, truncated=truncated, rewards=rewards)
-            self._acc.add(p)
+            acc = self._acc
+            self._background.submit(lambda: acc.add(p))
 
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
@@ -169,7 +174,8 @@ class Guard:
         """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``
         (``rl_guard/stats/update.py``) and host floats such as learning rates; no host sync."""
         if partial is not None:
-            self._acc.add(partial)
+            acc = self._acc
+            self._background.submit(lambda: acc.add(partial))
         if host_metrics:
             self._host_metrics.update(host_metrics)
 
@@ -181,6 +187,7 @@ class Guard:
         self._host_metrics.update(self.diagnostics.no_signal_steps())
         reduce = ranks.reducer()
         try:
+            self._drain()  # the micro-batch statistics from the worker, then the update probe's partial
             if self._incomplete_step:
                 raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
             if params is not None:
@@ -258,7 +265,16 @@ class Guard:
             if decision.apply_step:
                 self.update_probe.accept(lrs)
 
+    def _drain(self) -> None:
+        """Wait for the worker's statistics; its failures go through the failure policy as observe failures."""
+        for exc in self._background.drain():
+            if isinstance(exc, (InputError, ranks.RankMismatch)):
+                raise exc
+            self._internal_failure("observe", exc)
+
     def close(self) -> None:
+        self._drain()
+        self._background.close()
         if self._sinks is not None:
             with self.protect("close"):
                 self._sinks.finish()
@@ -302,7 +318,7 @@ class Guard:
             self._incomplete_step = True
         self._last_failure = f"{where}: {exc!r}"
         warnings.warn(f"rl_guard internal failure in {where} at step {self.step} (fail_mode={self.config.fail_mode}): "
-                      f"{exc!r}\n{traceback.format_exc()}", RuntimeWarning, stacklevel=4)
+                      f"{exc!r}\n{''.join(traceback.format_exception(exc))}", RuntimeWarning, stacklevel=4)
 
     def _count_failing_step(self) -> None:
         """Consecutive failing steps; crossing ``max_internal_failures`` (or recovering) is announced once."""

@@ -159,13 +159,14 @@ def clip_by_lag(acc: ChunkStats, bucket, clipped, nb: int) -> None:
     acc.sum(keys.LAG.clip, count_cells(torch.where(clipped, bucket, nb), nb + 1)[:nb])
 
 
-def loss_stats(p: Partial, loss: torch.Tensor) -> None:
+def loss_stats(p: Partial, loss: torch.Tensor) -> Partial:
     """Sum of the finite micro-batch losses and the count of non-finite ones (the step loss when summed)."""
     loss = loss.detach().float().reshape(-1)
     ok = torch.isfinite(loss)
     p.add_sum(keys.LOSS.count, torch.ones((), device=loss.device) * loss.numel())
     p.add_sum(keys.LOSS.sum, torch.where(ok, loss, 0.0).sum())
     p.add_sum(keys.LOSS.nonfinite, (~ok).sum())
+    return p
 
 
 def rank_count(name: str, device) -> Partial:

@@ -24,7 +24,7 @@ from . import keys
 from .chunks import Chunk, ChunkStats, row_layout
 from .constants import EXP_CLAMP
 from .scratch import Scratch
-from .sketch import ENTROPY, LOG_RATIO, cell_index, count_cells
+from .sketch import ENTROPY, LOG_RATIO, count_cells
 
 F32, F64, I32 = torch.float32, torch.float64, torch.int32
 NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))  # 0xFF800000 as a signed int32
@@ -210,7 +210,8 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
         if plan.kl_first < nrows:
             out["k3"] = _kl_rows(acc, ws, ch, plan, vz, e[plan.kl_first - r0 :], counts)
     c = torch.cat([n_mask.reshape(1), counts])
-    acc.sum_rows(names["nonfinite"], torch.mv(_device_constant("nonfinite", plan, counts.device), c))
+    # a product and a sum, not a matrix-vector product: autocast would run that in half precision
+    acc.sum_rows(names["nonfinite"], (_device_constant("nonfinite", plan, counts.device) * c).sum(1))
     return out
 
 
