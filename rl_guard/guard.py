@@ -33,7 +33,6 @@ Failure policy, one code path (``protect``) for every entry point and for adapte
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 import traceback
@@ -280,16 +279,10 @@ class Guard:
                 self._sinks.finish()
 
     # -- failure policy -------------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def protect(self, where: str):
+    def protect(self, where: str) -> "_Protected":
         """Run guard or adapter code under the failure policy (module docstring): caller errors raise, anything
         else is recorded as an internal failure and swallowed."""
-        try:
-            yield
-        except (InputError, ranks.RankMismatch):
-            raise
-        except Exception as exc:  # noqa: BLE001 - the guard must not take the run down
-            self._internal_failure(where, exc)
+        return _Protected(self, where)
 
     def _fail(self, exc: Exception, params) -> Decision:
         self._internal_failure("check", exc)
@@ -358,3 +351,22 @@ class Guard:
             self.diagnostics.load_state_dict(state["diagnostics"])
         if "update" in state:
             self.update_probe.load_state_dict(state["update"])
+
+
+class _Protected:
+    """``Guard.protect``'s context manager, a plain class: several run every step, and a generator-based one costs
+    several times more."""
+
+    __slots__ = ("guard", "where")
+
+    def __init__(self, guard: Guard, where: str) -> None:
+        self.guard, self.where = guard, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if not isinstance(exc, Exception) or isinstance(exc, (InputError, ranks.RankMismatch)):
+            return False  # no exception, a caller error, or not an error at all (KeyboardInterrupt): it propagates
+        self.guard._internal_failure(self.where, exc)  # noqa: SLF001 - the guard must not take the run down
+        return True

@@ -43,8 +43,10 @@ class Actions:
     def can_rollback(self) -> bool:
         if self.plan is not None:
             return self.plan.can_rollback(self.guard.step)
+        if self.guard.state is None:
+            return False
         horizon = self.rollback_horizon(self.guard.step)
-        return self.guard.state is not None and any(s < horizon for s in self.snapshots.steps())
+        return min(self.snapshots.steps(), default=horizon) < horizon
 
     def apply(self, decision: Decision, params, defer_restore: bool) -> None:
         if self.plan is not None:
