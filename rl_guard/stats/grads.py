@@ -18,6 +18,7 @@ Where gradients live, and how ranks merge them (detected; ``sharded_grads`` in t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol, runtime_checkable
 
@@ -138,7 +139,8 @@ class Segments:
         if self.groups == 1:
             total = values.sum().reshape(1)
             return total, total
-        per_group = torch.segment_reduce(values, "sum", lengths=self.lengths)  # empty groups sum to 0
+        # unsafe: skip the validation of the lengths (ours, correct by construction), which reads them on the host
+        per_group = torch.segment_reduce(values, "sum", lengths=self.lengths, unsafe=True)  # an empty group: 0
         return per_group, per_group.sum().reshape(1)
 
 
@@ -172,19 +174,24 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     device = tensors[0].device if tensors else None
     if tensors:
         seg = segments_for(weights, [b - a for a, b in spans], device)
-        per_group, total = _group_squares(tensors, spans, seg)
-        ends = extremes(tensors)
-        bad = (ends * 0).sum(1).isnan()  # per tensor: an extreme that is NaN or +-inf makes its row NaN
-        bad = bad.double() if seg.unit else bad * seg.weights
-        linf = ends.abs().amax().double().reshape(1)
+        if device.type == "cpu" and seg.unit:
+            per_group, total, linf = _cpu_figures(tensors, spans)
+        else:
+            per_group, total = seg.sums(squares(tensors))
+            per_group = per_group.split(1) if seg.groups > 1 else (per_group,)
+            linf = abs_max(tensors)
+        # linf: per tensor (in any order when the weights are all 1), NaN / inf where the tensor holds one
+        bad = (linf * 0).isnan()
+        bad = bad.sum(0, keepdim=True, dtype=torch.float64) if seg.unit else (bad.double() @ seg.weights).reshape(1)
+        linf = linf.amax(0, keepdim=True).double()
         if scale != 1.0:
-            per_group, total, linf = per_group * (scale * scale), total * (scale * scale), linf * scale
-        groups = per_group.split(1) if seg.groups > 1 else (per_group,)
-        for i, group_sq in enumerate(groups):
+            per_group = [sq * (scale * scale) for sq in per_group]
+            total, linf = total * (scale * scale), linf * scale
+        for i, group_sq in enumerate(per_group):
             entries[keys.grad_group(i)] = group_sq
         entries[keys.GRAD.sq] = total
         p.max[keys.GRAD.max_abs] = linf
-        entries[keys.GRAD.nonfinite] = bad.sum().reshape(1)
+        entries[keys.GRAD.nonfinite] = bad
     else:
         for i in range(len(spans)):
             entries[keys.grad_group(i)] = torch.zeros(1, dtype=torch.float64)
@@ -195,31 +202,58 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     return p
 
 
-def _group_squares(tensors: list[torch.Tensor], spans, seg: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge-weighted sums of squares per group and in all, float64 (fp32 squares overflow above ~1e19).
+def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """CPU, unit weights: per group and in all the float64 sum of squares (fp32 squares overflow above ~1e19),
+    and every tensor's largest |value| (NaN where it holds one), in an order of its own.
 
-    Per-tensor norms come from one multi-tensor norm: fused on CUDA, but a loop of norm kernels on CPU, where each
-    call costs a few microseconds whatever the size. So on CPU, with unit weights, the tensors of up to
-    ``PACK_LIMIT`` elements are copied into one vector per group (cheaper than their calls) and only the larger
-    ones go through the multi-tensor norm."""
-    if tensors[0].device.type != "cpu" or not seg.unit:
-        return seg.sums(squares(tensors))
-    per_group = []
+    On CPU each call of a norm or min/max kernel costs microseconds whatever the size, and the multi-tensor norm
+    is a loop of them. So the tensors of up to ``PACK_LIMIT`` elements whose size is a multiple of ``ROW`` are
+    copied into one vector (one kernel), read as rows of ``ROW``: one |max| per row, one segment max per tensor,
+    one float64 dot product per group. Larger or odd-sized tensors get a multi-tensor norm and one min/max each."""
+    plan = _cpu_plan(tuple((t.shape, t.dtype) for t in tensors), tuple(spans))
+    fits, lengths, ranges = plan
+    packed = [t for t, ok in zip(tensors, fits) if ok]
+    rest = [t for t, ok in zip(tensors, fits) if not ok]
+    device = tensors[0].device
+    parts, per_group = [], []
+    if packed:
+        flat = _pack(packed)
+        rows = flat.view(-1, ROW).abs().amax(1)  # NaN-propagating, |+-inf| = inf
+        parts.append(torch.segment_reduce(rows, "max", lengths=lengths, unsafe=True))  # lengths: see Segments
+        flat = flat.double()
+    if rest:
+        parts.append(abs_max(rest))
+        rest_sq = squares(rest)
+    for lo, hi, r_lo, r_hi in ranges:  # per group: a range of ``flat`` (groups keep their order), one of rest_sq
+        sq = None
+        if hi > lo:
+            x = flat if hi - lo == flat.numel() else flat[lo:hi]
+            sq = torch.dot(x, x)
+        if r_hi > r_lo:
+            s = rest_sq.sum() if r_hi - r_lo == rest_sq.numel() else rest_sq[r_lo:r_hi].sum()
+            sq = s if sq is None else sq + s
+        per_group.append(torch.zeros(1, dtype=torch.float64, device=device) if sq is None else sq.reshape(1))
+    total = functools.reduce(torch.add, per_group)  # 1-element vectors: one add per further group
+    linf = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return per_group, total, linf
+
+
+@functools.lru_cache(maxsize=16)
+def _cpu_plan(layout: tuple, spans: tuple) -> tuple:
+    """For ``_cpu_figures``, per layout (shapes and dtypes, group spans): which tensors are packed, their row
+    counts (lengths for ``segment_reduce``), and per group its range of packed elements and of other tensors."""
+    dtype = layout[0][1]
+    sizes = [math.prod(shape) for shape, _ in layout]
+    fits = tuple(n <= PACK_LIMIT and n % ROW == 0 and d == dtype and len(shape) > 0
+                 for n, (shape, d) in zip(sizes, layout))
+    lengths = torch.tensor([n // ROW for n, ok in zip(sizes, fits) if ok], dtype=torch.int64)
+    ranges, lo, r_lo = [], 0, 0
     for a, b in spans:
-        small = [t for t in tensors[a:b] if t.numel() <= PACK_LIMIT]
-        big = [t for t in tensors[a:b] if t.numel() > PACK_LIMIT]
-        parts = []
-        if small:
-            flat = _pack(small).double()
-            parts.append(torch.dot(flat, flat))
-        if big:
-            sq = squares(big)
-            parts.append(sq.sum())
-        if not parts:
-            parts.append(torch.zeros((), dtype=torch.float64, device=tensors[0].device))
-        per_group.append(parts[0] if len(parts) == 1 else parts[0] + parts[1])
-    per_group = torch.stack(per_group)
-    return per_group, (per_group if seg.groups == 1 else per_group.sum().reshape(1))
+        n = sum(size for size, ok in zip(sizes[a:b], fits[a:b]) if ok)
+        r = sum(1 for ok in fits[a:b] if not ok)
+        ranges.append((lo, lo + n, r_lo, r_lo + r))
+        lo, r_lo = lo + n, r_lo + r
+    return fits, lengths, tuple(ranges)
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -237,7 +271,8 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 _CHUNK_CAT = getattr(torch, "_chunk_cat", None)
-PACK_LIMIT = 1 << 13  # elements; measured on one CPU thread, see _group_squares
+PACK_LIMIT = 1 << 13  # elements: above, a tensor's own kernels cost less than copying it (one CPU thread)
+ROW = 32  # row length of the packed gradients: the sizes of most tensors are multiples of it
 
 
 def extremes(tensors: list[torch.Tensor]) -> torch.Tensor:

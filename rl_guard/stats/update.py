@@ -34,6 +34,7 @@ to a state from before step t). The learning rates are host floats read from the
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -236,7 +237,7 @@ class UpdateProbe:
         if self._after is not None and self._after_layout is self._layout:
             add(keys.UPDATE.drift_sq, self._layout.total_sq(now, self._after))
         base = [sq.reshape(1) for sq in self._param_sq(now)]
-        base.append(base[0] if len(base) == 1 else torch.stack(base).sum().reshape(1))
+        base.append(functools.reduce(torch.add, base))  # 1-element vectors: one add per further group
         entries = p.sum if self._merge_sum else p.max
         for i, sq in enumerate(base[:-1]):
             entries[keys.update_group(i, "param_sq")] = sq
@@ -256,7 +257,7 @@ class UpdateProbe:
         entries = p.sum if self._merge_sum else p.max
         if self._layout is layout:
             sq = [s.reshape(1) for s in layout.group_sq(after, self._before)]
-            total = sq[0] if len(sq) == 1 else torch.stack(sq).sum().reshape(1)
+            total = functools.reduce(torch.add, sq)
             for i, (s, b) in enumerate(zip(sq, self._base_sq)):
                 entries[keys.update_group(i, "sq")] = s
                 entries[keys.update_group(i, "base_sq")] = b

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -82,3 +83,33 @@ def test_abs_max_matches_float64_reference_with_nonfinite_values(values, dtype):
     if full:
         np.testing.assert_array_equal(abs_max(full).double().numpy(),
                                       torch.stack(torch._foreach_norm(full, math.inf)).double().numpy())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([(64,), (32, 3), (5, 7), (1,), (8192,), (8193,), (4, 2049), (3,)]), min_size=1,
+                max_size=7),
+       st.lists(st.sampled_from([math.nan, math.inf, -math.inf, 1e30]), max_size=3),
+       st.integers(0, 2**16), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_grad_figures_match_float64_reference_on_every_layout(shapes, specials, seed, dtype):
+    # Tensors small and large, sizes multiple of 32 or not, in two groups (one may be empty), with NaN / +-inf /
+    # huge values planted: norms, max |g| and the count of non-finite tensors as float64 numpy computes them.
+    rng = np.random.default_rng(seed)
+    grads = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(dtype) for s in shapes]
+    for value in specials:
+        t = grads[int(rng.integers(len(grads)))].view(-1)
+        t[int(rng.integers(t.numel()))] = value
+    params = _params(*grads)
+    cut = int(rng.integers(len(params) + 1))
+    p = probe_grads([params[:cut], params[cut:]])
+    x = [g.double().numpy().ravel() for g in grads]
+
+    def same(got, want):
+        return (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-12)
+
+    for i, group in enumerate((x[:cut], x[cut:])):
+        assert same(float(p.max[keys.grad_group(i)]), sum(float((v**2).sum()) for v in group))
+    assert same(float(p.max[keys.GRAD.sq]), sum(float((v**2).sum()) for v in x))
+    want_max = max((math.nan if np.isnan(v).any() else float(np.abs(v).max())) for v in x)
+    want_max = math.nan if any(np.isnan(v).any() for v in x) else want_max
+    assert same(float(p.max[keys.GRAD.max_abs]), want_max)
+    assert float(p.max[keys.GRAD.nonfinite]) == sum(not np.isfinite(v).all() for v in x)
