@@ -16,9 +16,10 @@ A call counted at the Python level hides the kernels it runs (``.item()`` is one
 
 What a CPU run cannot tell: whether ``.to(some_device)`` or ``copy_`` moves data to the host, since every
 device is the CPU. ``mark_device(t)`` declares tensors device-side (the mark follows every op's outputs, and
-tensors created with a ``device=`` given as a device object, i.e. on the data's device, get it too), so a
-``copy_`` from them into an unmarked CPU tensor is a transfer; with no marks only explicit host reads count. The
-CUDA test under ``torch.cuda.set_sync_debug_mode("error")`` covers real transfers.
+tensors created with a ``device=`` given as a device object, i.e. on the data's device, get it too; ones made with
+``device="cpu"``, the string, are host memory), so a ``copy_`` from them into an unmarked CPU tensor is a
+transfer; with no marks only explicit host reads count. The CUDA test under
+``torch.cuda.set_sync_debug_mode("error")`` covers real transfers.
 
 Documented sites: syncs the package makes on purpose are recognised by the function they happen in (its code
 object anywhere on the stack), e.g. ``rl_guard.stats.accumulate.to_host``, the step's one device->host transfer.
@@ -159,6 +160,9 @@ class _Functions(TorchFunctionMode):
             device = kwargs.get("device")
             if d._marked and device is not None and not isinstance(device, str) and next(_tensors(args), None) is None:
                 d.mark_device(*_tensors(out))  # a buffer made on "the data's device" (a device object) is on the device
+            elif d._marked and device == "cpu":  # named host memory (e.g. empty_like(t, device="cpu")) is the host's
+                for t in _tensors(out):
+                    d._marked.pop(t, None)
             return out
         d._record(*found)
         d._inside += 1  # the kernels this read runs are the same event

@@ -40,9 +40,9 @@ def _refcounts(tensors: list[torch.Tensor]) -> list[int]:
 
 class _Slot:
     def __init__(self, like: list[torch.Tensor]):
-        # Named host memory (not ``empty_like``, which follows the data's device), pinned for a GPU's async copy.
+        # Host memory, pinned for a GPU's async copy (empty_like, the cheaper call, cannot pin).
         self.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) if t.is_cuda
-                        else torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in like]
+                        else torch.empty_like(t, device="cpu", requires_grad=False) for t in like]
         # The storages are held here (one use each, counted in the baseline) so that counting their other users
         # (views) needs no new storage object per check.
         self._held = [t.untyped_storage() for t in self.tensors]
@@ -119,11 +119,11 @@ def _entries(model) -> list:
     """[(name, owner dict, key)] for every state-dict entry when each is a plain tensor held in its module's own
     parameter or buffer dict (no state-dict hook replaced it); [] otherwise."""
     entries = []
+    modules = dict(model.named_modules(remove_duplicate=False))  # as state_dict, a shared module under each name
     for name, t in model.state_dict(keep_vars=True).items():
         prefix, _, key = name.rpartition(".")
-        try:
-            module = model.get_submodule(prefix)
-        except AttributeError:
+        module = modules.get(prefix)
+        if module is None:
             return []
         owner = next((d for d in (module._parameters, module._buffers) if d.get(key) is t), None)
         if owner is None or not plain(t):

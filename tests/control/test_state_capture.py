@@ -150,3 +150,20 @@ def test_a_state_dict_hook_falls_back_to_the_generic_copy():
         assert "extra" in snap["model"] and _same(snap["model"], _reference(model.state_dict()))
         assert _same(snap["optimizer"], _reference(opt.state_dict()))
         _train(model, opt, sched)
+
+
+def test_a_module_shared_under_two_names_is_captured_under_both():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, torch.nn.Tanh(), shared)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainState(model, opt)
+    for step in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        snap = state.capture(step)
+        assert list(snap["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert _same(snap["model"], _reference(model.state_dict()))
+        assert _same(snap["optimizer"], _reference(opt.state_dict()))
+    assert state._copies._model_entries  # the plain path, not the generic one
