@@ -45,7 +45,7 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
                 and b.prox_logprobs is None)
     token_clip = b.clipped_loss and not seq_clip
     plan = row_plan(b.entropy is not None, b.advantages is not None, b.prox_logprobs is not None,
-                    b.old_logprobs is not None, b.ref_logprobs is not None, hist_ratio=b.versions is None)
+                    b.old_logprobs is not None, b.ref_logprobs is not None, b.versions is not None)
     for ch in chunks(b, chunk_tokens):
         ws.start(ch.n)
         acc.next_chunk()
@@ -96,7 +96,7 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, plan, e
         else:  # the slot and region as an offset into the per-slot cells of the log-ratio sketch
             j = plan.at("ratio")
             offset = lag_into(acc, ws, versions, b.current_version, gate, edges, v[j], clipped)
-            lag_cells_into(acc, ws, offset, edges, z[j], rows["k3"][0])
+            lag_cells_into(acc, offset, edges, *rows["ratio_cells"], ws("f64", torch.float64).copy_(rows["k3"][0]))
 
 
 def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut) -> None:

@@ -23,7 +23,6 @@ import threading
 
 import torch
 
-from .sketch import SketchSpec, cell_index
 
 F32, I32 = torch.float32, torch.int32
 
@@ -99,9 +98,3 @@ def finite_max(ws: Scratch, y: torch.Tensor) -> torch.Tensor:
     if y.numel() == 0:
         return y.new_full((), -math.inf)
     return torch.nan_to_num(y, -math.inf, -math.inf, -math.inf, out=ws("extreme")).amax()
-
-
-def cell_index_into(ws: Scratch, x: torch.Tensor, spec: SketchSpec, extra: int = 0) -> torch.Tensor:
-    """``sketch.cell_index`` of a finite fp32 ``x`` plus a constant ``extra``, computed in ``ws`` (int32
-    ``ws("cell", I32)``)."""
-    return cell_index(x, spec, extra, out=(ws("cell.a"), ws("cell", I32), ws("cell.sign", I32)))

@@ -11,7 +11,7 @@ import torch
 
 from . import keys
 from .chunks import ChunkStats
-from .scratch import Scratch, cell_index_into, finite_max, valid_of, zero_filled
+from .scratch import Scratch, finite_max, valid_of, zero_filled
 from .sketch import LOG_RATIO, count_cells
 
 F64 = torch.float64
@@ -75,20 +75,19 @@ def lag_counts_into(acc: ChunkStats, offset, edges) -> None:
     acc.sum(keys.LAG.slots, count_cells(offset, lag_slots(edges)))
 
 
-def lag_cells_into(acc: ChunkStats, ws: Scratch, offset, edges, z, k3) -> None:
+def lag_cells_into(acc: ChunkStats, offset, edges, cells: torch.Tensor, start: int, k3) -> None:
     """One count for every per-bucket figure: token ``t`` lands in cell ``cell(log r) + bins * (slot + slots *
     region)`` (``lag_into``), where region is 0 for a valid ratio, 1 for a valid and clipped one, 2 for an invalid
-    one. ``lag_finish`` maps slots to buckets and splits the counts into the per-bucket ratio histograms, token
-    counts and clip counts, and the k3 sums (per region and slot, weighted by k3)."""
+    one. ``cells`` are the log-ratio's sketch cells plus ``start`` (``token_rows``: the histogram's own cell
+    index, reused in place). ``lag_finish`` maps slots to buckets and splits the counts into the per-bucket ratio
+    histograms, token counts and clip counts, and the k3 sums (per region and slot, weighted by float64 ``k3``)."""
     bins, slots = LOG_RATIO.bins, lag_slots(edges)
     base = lag_slot_offset(edges, regions=True)
-    idx = cell_index_into(ws, z, LOG_RATIO, extra=bins * base)
-    idx.add_(offset, alpha=bins)
+    idx = cells.add_(bins * base - start).add_(offset, alpha=bins)
     acc.sum(keys.LAG.cells, count_cells(idx, 3 * slots * bins))
     # k3 is only wanted per bucket: summed per (region, slot), not per cell, into a vector small enough to stay in
-    # the L1 cache (float64 sums)
-    region_slot = offset.add_(base)
-    acc.sum(keys.LAG.cells_k3, count_cells(region_slot, 3 * slots, weights=ws("f64", F64).copy_(k3)))
+    # the L1 cache
+    acc.sum(keys.LAG.cells_k3, count_cells(offset.add_(base), 3 * slots, weights=k3))
 
 
 def _by_bucket(counts: torch.Tensor, lut: torch.Tensor, nb: int, dim: int) -> torch.Tensor:

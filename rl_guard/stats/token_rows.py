@@ -41,7 +41,7 @@ class RowPlan:
     """Which rows a batch has and where each group of them sits; one per combination of fields (cached)."""
 
     rows: tuple[str, ...]
-    hist_ratio: bool  # the ratio row gets its own histogram (without versions; with them it comes from the lag cells)
+    lag_cells: bool  # with versions the ratio row's histogram comes from the lag cells (its cell index is shared)
 
     def at(self, name: str) -> int:
         return self.rows.index(name)
@@ -67,12 +67,20 @@ class RowPlan:
         return tuple(r for r in self.rows[self.log_ratios:] if r != "kl_ref")
 
     @functools.cached_property
-    def hist_rows(self) -> tuple[str, ...]:  # entropy and the log-ratios with a histogram
-        return tuple(r for r in self.rows if r == "entropy" or r in self.ratio_families and (r != "ratio" or self.hist_ratio))
+    def cell_rows(self) -> tuple[str, ...]:  # entropy and the log-ratios: rows given a sketch cell index
+        return tuple(r for r in self.rows if r == "entropy" or r in self.ratio_families)
+
+    @functools.cached_property
+    def hist_rows(self) -> tuple[str, ...]:  # the rows counted here (a prefix of cell_rows: the ratio row is last)
+        return tuple(r for r in self.cell_rows if r != "ratio" or not self.lag_cells)
 
     @functools.cached_property
     def hist_specs(self) -> tuple:
-        return tuple(ENTROPY if r == "entropy" else LOG_RATIO for r in self.hist_rows)
+        return tuple(ENTROPY if r == "entropy" else LOG_RATIO for r in self.cell_rows)
+
+    @functools.cached_property
+    def hist_starts(self) -> tuple[int, ...]:  # where each histogram row's cells start in the joint count
+        return tuple(int(x) for x in np.cumsum([0] + [spec.bins for spec in self.hist_specs])[:-1])
 
     @functools.cached_property
     def kl_first(self) -> int:
@@ -96,7 +104,7 @@ class RowPlan:
             "ratio_sum": row_layout(fam[r].sum for r in self.ratio_families),
             "max": row_layout((fam[r].logmax if r in log else fam[r].max) for r in ext),
             "min": row_layout((fam[r].logmin if r in log else fam[r].min) for r in ext),
-            "hist": tuple((fam[r].hist, spec.bins) for r, spec in zip(self.hist_rows, self.hist_specs)),
+            "hist": tuple((fam[r].hist, spec.bins) for r, spec in zip(self.hist_rows, self.hist_specs)),  # prefix
             "nonfinite": row_layout(keys.input_nonfinite(f) for f, _, after in NONFINITE if self.has(after)),
             "seqs": row_layout(keys.of(f).seqs for f in self.kl_families),
             "kl_sum": row_layout(fam.estimator(k, "sum") for k, fam in kl),
@@ -116,10 +124,10 @@ class RowPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, hist_ratio: bool) -> RowPlan:
+def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, versions: bool) -> RowPlan:
     present = {"logp": True, "entropy": entropy, "adv": adv, "importance_weight": prox,
                "behave_imp_weight": prox and old, "ratio": old, "kl_ref": ref}
-    return RowPlan(tuple(r for r in ROW_ORDER if present[r]), hist_ratio)
+    return RowPlan(tuple(r for r in ROW_ORDER if present[r]), lag_cells=versions and old)
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,13 +138,11 @@ def _device_constant(kind: str, plan: RowPlan | None, device: torch.device):
         return torch.from_numpy(plan.nonfinite_matrix()).to(device)
     if kind == "estimators":
         return torch.tensor([-1.0, 0.5, 1.0], dtype=F64).view(3, 1, 1).to(device)
-    specs = plan.hist_specs
-    starts = np.cumsum([0] + [spec.bins for spec in specs])
+    specs, middles = plan.hist_specs, [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
     col = lambda values, dtype: torch.tensor(values, dtype=dtype).view(-1, 1).to(device)  # noqa: E731
     return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
             col([spec.shift for spec in specs], I32), col([spec.base for spec in specs], I32),
-            col([spec.bins // 2 + int(start) for spec, start in zip(specs, starts)], I32),
-            torch.tensor([spec.bins // 2 + int(start) for spec, start in zip(specs, starts)], device=device))
+            col(middles, I32), torch.tensor(middles, device=device))
 
 
 def gate_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +205,10 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
         zd = ws("f64", F64).copy_(z[plan.at("adv")])
         acc.sum(keys.ADV.sum, zd.sum())
         acc.sum(keys.ADV.sumsq, torch.dot(zd, zd))
-    _hists(acc, ws, plan, z, counts, n)
+    cells = _hists(acc, ws, plan, z, counts, n)
+    if plan.has("ratio"):  # the ratio row's cells, offset by where they start: the lag probe reuses them
+        j = plan.cell_rows.index("ratio")
+        out["ratio_cells"] = (cells[j], plan.hist_starts[j])
     r0 = plan.log_ratios
     if r0 < nrows:
         # expm1 keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32
@@ -226,12 +235,14 @@ def _extremes(acc: ChunkStats, ws: Scratch, y: torch.Tensor, names: dict) -> Non
     acc.min_rows(names["min"], torch.nan_to_num(y, math.inf, math.inf, math.inf, out=ext).amin(1))
 
 
-def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> None:
+def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> torch.Tensor | None:
     """Histograms of the entropy and log-ratio rows (``sketch.cell_index`` with each row's own constants): one
-    cell index over the block and one count, each row's cells after the previous row's."""
-    rows = plan.hist_rows
+    cell index over the block and one count, each row's cells after the previous row's (the ratio row is not
+    counted here when the lag cells count it). Returns the cell indices (``[rows, n]`` int32, each row offset by
+    its start)."""
+    rows = plan.cell_rows
     if not rows:
-        return
+        return None
     h0, h = plan.at(rows[0]), len(rows)
     scale, top, shift, base, middle, zero_cells = _device_constant("hists", plan, z.device)
     x = z[h0 : h0 + h]
@@ -240,8 +251,11 @@ def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> No
     # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
     sign = torch.bitwise_right_shift(x.view(I32), 31, out=ws.rows("cell.sign", h, I32))
     idx = k.sub_(base).bitwise_xor_(sign).add_(middle)
-    cells = count_cells(idx.view(-1), sum(spec.bins for spec in plan.hist_specs))
-    acc.hist(plan.names["hist"], cells, zero_cells, torch.rsub(counts[h0 : h0 + h], n))
+    k = len(plan.hist_rows)
+    if k:
+        cells = count_cells(idx[:k].view(-1), sum(spec.bins for spec in plan.hist_specs[:k]))
+        acc.hist(plan.names["hist"], cells, zero_cells[:k], torch.rsub(counts[h0 : h0 + k], n))
+    return idx
 
 
 def _kl_rows(acc: ChunkStats, ws: Scratch, ch: Chunk, plan: RowPlan, vz, e, counts) -> torch.Tensor:
