@@ -5,10 +5,10 @@ Non-finite floats are written as the JSON strings "nan", "inf" and "-inf" (plain
 no NaN/Infinity); `read_jsonl` turns exactly those strings back into floats.
 Metrics lines are buffered in the process and written every `flush_every` steps (default 10), at once
 on a step that fired a rule (`rl_guard/guard/fired` > 0) or recorded an incident (the lines before it
-and the line after it), on `finish()` and at
-interpreter exit, so the step itself pays for encoding one line, not for a system call. A crash of the process
-(even SIGKILL) loses at most the last `flush_every - 1` steps' lines; the files are readable at any time, a
-partial last line from a crash mid-write included. Incidents are written and flushed at once.
+and the line after it), on `finish()`, when the sink is dropped and at interpreter exit, so the step
+itself pays for encoding one line, not for a system call. A crash of the process (even SIGKILL) loses at
+most the last `flush_every - 1` steps' lines; the files are readable at any time, a partial last line
+from a crash mid-write included. Incidents are written and flushed at once.
 `flush_every=1` writes every line as it comes; `fsync=True` additionally forces every write to disk (a disk
 round trip per write).
 """
@@ -234,3 +234,10 @@ class JsonlSink(Sink):
         if getattr(self, "_atexit", None) is not None:
             atexit.unregister(self._atexit)
             self._atexit = None
+
+    def __del__(self) -> None:
+        # A sink dropped without finish() (a guard that is never closed) writes what it buffered and closes its files.
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - a finalizer has no one to report to
+            pass

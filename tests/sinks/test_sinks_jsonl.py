@@ -198,3 +198,18 @@ def test_metrics_line_is_the_converted_record(values):
     line = metrics_line(values, 7)
     assert line == json.dumps(want, allow_nan=False, ensure_ascii=False) + "\n"
     assert list(json.loads(line)) == ["step", *[k for k in values if k != "step"]]
+
+
+def test_a_dropped_sink_writes_its_buffer_and_closes_its_files(tmp_path):
+    import gc
+
+    sink = JsonlSink(flush_every=10)
+    sink.start(tmp_path)
+    for s in range(3):
+        sink.log({"rl_guard/x": 1.0}, s)
+    assert _steps_on_disk(tmp_path) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unclosed file would be a ResourceWarning
+        del sink
+        gc.collect()
+    assert _steps_on_disk(tmp_path) == [0, 1, 2]
