@@ -1,6 +1,6 @@
 """Detection benchmark: real tiny TRL GRPO runs guarded by the unmodified shipped ``grpo.yaml``.
 
-    python benchmarks/detection.py [--quick] [--json FILE]
+    python benchmarks/detection.py [--quick] [--json [FILE]]
 
 Configurations: TRL's defaults (beta=0, num_iterations=1, steps_per_generation=1, max_grad_norm=1.0, loss dapo);
 beta=0.04; num_iterations=2 + steps_per_generation=2; GSPO (importance_sampling_level="sequence");
@@ -33,6 +33,10 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from json_output import add_json_argument, emit_json  # noqa: E402
 
 PRESET = Path(__file__).resolve().parents[1] / "rl_guard" / "presets" / "grpo.yaml"
 CONFIGS = {
@@ -175,7 +179,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="TRL defaults x LR/NaN faults, one seed (the CI subset)")
-    ap.add_argument("--json", help="write the figures and every run's row here")
+    add_json_argument(ap)
     ap.add_argument("--seeds", type=int, default=None, help="fault-run seeds (default 3; quick 1)")
     ap.add_argument("--healthy-seeds", type=int, default=None, help="healthy-run seeds (default 5; quick 1)")
     ap.add_argument("--healthy-steps", type=int, default=None, help="healthy-run length (default 80; quick 30)")
@@ -214,8 +218,7 @@ def main(argv=None) -> dict:
     summary = {k: result[k] for k in ("recall", "max_action_delay_abrupt", "min_lead_gradual",
                                       "false_actions_healthy", "healthy_warnings")}
     print(json.dumps(summary))
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    emit_json(a.json, result, indent=1)
     return result
 
 

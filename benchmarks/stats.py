@@ -21,14 +21,13 @@ tensor (4 bytes/token). Host transfers: ``.cpu()`` calls during a 4-micro-batch 
 reported separately). ``--device cuda`` runs the GPU path instead (``stats_cuda.py``: CUDA-event timing and the
 synchronisations of a whole guard step).
 
-Usage: ``python benchmarks/stats.py [--quick] [--sizes 1M,4M,16M] [--repeats N] [--threads 1,2] [--json FILE]
+Usage: ``python benchmarks/stats.py [--quick] [--sizes 1M,4M,16M] [--repeats N] [--threads 1,2] [--json [FILE]]
 [--device cuda]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -44,6 +43,7 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from json_output import add_json_argument, emit_json  # noqa: E402
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
 from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
@@ -321,7 +321,7 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1M and 4M tokens only, fewer repeats (about a minute)")
     ap.add_argument("--sizes", help=f"comma-separated sizes out of {', '.join(SIZES)} (default 1M,4M,16M)")
-    ap.add_argument("--json", help="write the results to this file")
+    add_json_argument(ap)
     ap.add_argument("--threads", default="1", help="torch intra-op threads; a list (1,2) runs each in turn and "
                     "reports the first at the top level (default 1)")
     ap.add_argument("--repeats", type=int, help="timed runs of each path (default 5, quick 3)")
@@ -348,8 +348,7 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     result = dict(results[thread_counts[0]])
     if len(thread_counts) > 1:
         result["by_threads"] = {str(n): r for n, r in results.items()}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    emit_json(args.json, result)
     return result
 
 

@@ -28,14 +28,13 @@ multi-threaded wall time measure the neighbours.
 ``--hidden`` / ``--layers`` / ``--completion`` make the model and the rollouts larger, to see the fixed cost
 spread over a step that does more work.
 
-Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json FILE] [--threads N]
+Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json [FILE]] [--threads N]
 [--hidden N] [--layers N] [--completion N]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,9 +43,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from json_output import add_json_argument, emit_json  # noqa: E402
 
 TARGET = 1.05
 
@@ -165,7 +167,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--completion", type=int, default=8, help="max completion tokens (default 8, at most 48)")
     ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; lower it for larger models "
                     "so that the guard does not act: a run it acts on does different work)")
-    ap.add_argument("--json", help="write the results to this file")
+    add_json_argument(ap)
     args = ap.parse_args(argv)
     runs = args.runs or (3 if args.quick else 5)
     steps = args.steps or (8 if args.quick else 24)
@@ -216,8 +218,7 @@ def main(argv=None) -> dict:
           "(guarded - unguarded step, beyond the guard's calls)")
     if out["guard_acted"]:
         print(f"note: the guard acted {out['guard_acted']} time(s); those runs did different work")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    emit_json(args.json, out)
     return out
 
 
