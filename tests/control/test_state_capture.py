@@ -167,3 +167,18 @@ def test_a_module_shared_under_two_names_is_captured_under_both():
         assert _same(snap["model"], _reference(model.state_dict()))
         assert _same(snap["optimizer"], _reference(opt.state_dict()))
     assert state._copies._model_entries  # the plain path, not the generic one
+
+
+def test_mixed_dtypes_bfloat16_weights_with_float32_moments():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model, opt)
+    for step in range(3):
+        model(torch.randn(4, 6, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        snap = state.capture(step)
+        assert {t.dtype for t in snap["model"].values()} == {torch.bfloat16}
+        assert _same(snap["model"], _reference(model.state_dict()))
+        assert _same(snap["optimizer"], _reference(opt.state_dict()))
