@@ -39,18 +39,26 @@ def _checksum(layouts: tuple) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(layouts: tuple) -> tuple[tuple[tuple[str, int, int, bool], ...], tuple[str, ...]]:
-    """Where each name's values sit in the transferred vector: ``(name, start, stop, is_max)`` in segment order,
-    and the names stored negated (minima). A step's layouts rarely change, so this is computed once per layout."""
+def _plan(layouts: tuple):
+    """How the transferred vector splits into named arrays, computed once per layout (a step's layouts rarely
+    change): ``(n_sums, negated, single, merged)`` where ``negated`` indexes the minima (stored negated),
+    ``single`` lists ``(name, start, stop)`` of names that appear once and ``merged`` ``(name, [(start, stop)],
+    is_max)`` of names that several segments carry."""
     n_sum = sum(size for lay in layouts for _, size in lay[0])
-    offsets, spans = [0, n_sum], []
+    offsets, spans = [0, n_sum], {}
+    negated = []
     for lay in layouts:
         for part in (0, 1):
             for name, size in lay[part]:
-                spans.append((name, offsets[part], offsets[part] + size, part == 1))
+                start = offsets[part]
                 offsets[part] += size
-    negated = tuple(dict.fromkeys(name for name, *_ in spans if name.startswith("-")))
-    return tuple(spans), negated
+                if name.startswith("-"):
+                    negated.extend(range(start, start + size))
+                    name = name[1:]
+                spans.setdefault((name, part == 1), []).append((start, start + size))
+    single = tuple((name, *where[0]) for (name, _), where in spans.items() if len(where) == 1)
+    merged = tuple((name, tuple(where), is_max) for (name, is_max), where in spans.items() if len(where) > 1)
+    return n_sum, np.asarray(negated, dtype=np.int64), single, merged
 
 
 class StepAccumulator:
@@ -85,29 +93,38 @@ class StepAccumulator:
 
     def pack(self) -> tuple[list[Layout], torch.Tensor, torch.Tensor]:
         """Segments in a canonical order plus the concatenated sum and max vectors (still on the device)."""
+        layouts, buf = self._packed()
+        n_sum = _plan(tuple(layouts))[0]
+        return layouts, buf[:n_sum], buf[n_sum:-2]
+
+    def _packed(self) -> tuple[list[Layout], torch.Tensor]:
+        """The canonical layout order and one vector: the sums, the maxima, then the layout checksum as (+n, -n)
+        (after a MAX across ranks the two disagree iff the ranks' layouts differ; it costs nothing extra: it
+        travels in the same transfer)."""
         layouts = sorted(self._segments)
         device = self.device if self.device is not None else torch.device("cpu")
-        sums = _cat([self._segments[k][0] for k in layouts], device)
-        maxes = _cat([self._segments[k][1] for k in layouts], device)
-        return layouts, sums, maxes
+        parts = [self._segments[k][0] for k in layouts] + [self._segments[k][1] for k in layouts]
+        parts.append(_check_pair(_checksum(tuple(layouts)), device))
+        return layouts, _cat(parts, device)
 
     def finish(self, reduce: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, np.ndarray]:
         """Reduce (optional), transfer once, reset; returns name -> float64 array with minima un-negated."""
-        layouts, sums, maxes = self.pack()
-        # A checksum of the layout (names and sizes) rides in the max vector as (+n, -n): after a MAX across ranks
-        # they disagree iff the ranks' layouts differ. It costs nothing extra: it travels in the same transfer.
-        n = _checksum(tuple(layouts))
-        check = torch.full((2,), n, dtype=torch.float64, device=maxes.device)  # filled on the device: no copy
-        check[1] = -n
-        maxes = torch.cat([maxes, check])
+        layouts, buf = self._packed()
         if reduce is not None:
-            reduce(sums, maxes)
-        host = to_host(torch.cat([sums, maxes]))
+            n_sum = _plan(tuple(layouts))[0]
+            reduce(buf[:n_sum], buf[n_sum:])  # in place, the checksum pair with the maxima
+        host = to_host(buf)
         self._segments.clear()
         if host[-2] != -host[-1]:
             raise RankMismatch("ranks fed different statistics layouts this step (some rank saw fields the others "
                                "did not); feed the same TokenBatch fields on every rank")
         return unpack(layouts, host[:-2])
+
+
+@functools.lru_cache(maxsize=16)
+def _check_pair(n: float, device: torch.device) -> torch.Tensor:
+    """The layout checksum pair (+n, -n), built on the device once per layout (the concatenation copies it)."""
+    return torch.tensor([n, -n], dtype=torch.float64).to(device)
 
 
 def to_host(packed: torch.Tensor) -> np.ndarray:
@@ -118,17 +135,13 @@ def to_host(packed: torch.Tensor) -> np.ndarray:
 
 def unpack(layouts: list[Layout], host: np.ndarray) -> dict[str, np.ndarray]:
     """Split the transferred vector back into named arrays, merging names that appear in several segments. The
-    arrays are read-only views of ``host`` (float64) where a name appears once."""
+    arrays are read-only views of ``host`` (float64; the minima are un-negated in place) where a name appears
+    once."""
+    _, negated, single, merged = _plan(tuple(layouts))
     host = np.asarray(host, dtype=np.float64)
+    host[negated] *= -1.0  # minima travel negated
     host.flags.writeable = False
-    spans, negated = _plan(tuple(layouts))
-    out: dict[str, np.ndarray] = {}
-    for name, start, stop, is_max in spans:
-        chunk = host[start:stop]
-        if name in out:
-            out[name] = (np.maximum if is_max else np.add)(out[name], chunk)
-        else:
-            out[name] = chunk
-    for name in negated:
-        out[name[1:]] = -out.pop(name)
+    out = {name: host[start:stop] for name, start, stop in single}
+    for name, where, is_max in merged:
+        out[name] = functools.reduce(np.maximum if is_max else np.add, (host[a:b] for a, b in where))
     return out
