@@ -104,7 +104,7 @@ class Controller:
             if not self._armed(rule, v):
                 continue
             self.last_fired[rule.name] = self.step
-            window = {m: history.last(m, 32).tolist() for m in rule.metrics}
+            window = {m: history.recent(m, 32) for m in rule.metrics}
             decision.firings.append(Firing(rule, v, rule.action, "", window))
         decision.action = max((f.action for f in decision.firings), key=PRECEDENCE.index, default=None)
         if decision.action == "rollback" and (not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):

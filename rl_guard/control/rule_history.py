@@ -13,15 +13,23 @@ class History:
     def __init__(self, maxlen: int = 1024, early: int = 1024):
         self.maxlen, self.early = maxlen, early
         self.first: dict[str, list] = {}
-        self._rings: dict[str, _Ring] = {}  # the last ``maxlen`` values, readable as an array without copying
+        self._rings: dict[str, _Ring] = {}  # the last ``maxlen`` values of each metric
 
     def values(self, metric: str) -> list[float]:
-        return self.last(metric, self.maxlen).tolist()
+        return self.recent(metric, self.maxlen)
+
+    def recent(self, metric: str, n: int) -> list[float]:
+        """The last ``n`` values (fewer if fewer are known), oldest first, as a new list of Python floats: the
+        spike statistics run on these every step, where numpy's per-call cost outweighs its speed on a window of
+        a few dozen values."""
+        ring = self._rings.get(metric)
+        return ring.last(n) if ring is not None else []
 
     def last(self, metric: str, n: int) -> np.ndarray:
-        """The last ``n`` values (fewer if fewer are known) as a read-only float64 view, oldest first."""
-        ring = self._rings.get(metric)
-        return ring.last(n) if ring is not None else _EMPTY
+        """``recent`` as a read-only float64 array."""
+        out = np.array(self.recent(metric, n), dtype=np.float64)
+        out.flags.writeable = False
+        return out
 
     def push(self, metrics: dict[str, float]) -> None:
         rings, firsts, early = self._rings, self.first, self.early
@@ -50,31 +58,25 @@ class History:
         for k, values in state["recent"].items():
             ring = self._rings[k] = _Ring(self.maxlen)
             for v in values[-self.maxlen:]:
-                ring.append(v)
-
-
-_EMPTY = np.zeros(0)
-_EMPTY.flags.writeable = False
+                ring.append(float(v))
 
 
 class _Ring:
-    """Fixed-size history of one metric in a doubled buffer: every value is written at ``i`` and ``i + size``, so
-    the last ``n`` values are always one contiguous slice (rules read windows without building lists)."""
+    """The last ``size`` values of one metric: a list trimmed by ``size`` values once it holds ``2 size``, so an
+    append is amortised O(1) and the last ``n`` values are one slice."""
 
-    __slots__ = ("buf", "size", "i", "n")
+    __slots__ = ("values", "size")
 
     def __init__(self, size: int):
-        self.buf, self.size, self.i, self.n = np.empty(2 * size), size, 0, 0
+        self.values: list[float] = []
+        self.size = size
 
     def append(self, v: float) -> None:
-        i, size = self.i, self.size
-        self.buf[i] = self.buf[i + size] = v
-        self.i = i + 1 if i + 1 < size else 0
-        if self.n < size:
-            self.n += 1
+        values = self.values
+        values.append(v)
+        if len(values) >= 2 * self.size:
+            del values[: len(values) - self.size]
 
-    def last(self, n: int) -> np.ndarray:
-        n = min(n, self.n)
-        view = self.buf[self.i + self.size - n : self.i + self.size]
-        view.flags.writeable = False
-        return view
+    def last(self, n: int) -> list[float]:
+        n = min(n, self.size, len(self.values))
+        return self.values[len(self.values) - n :] if n > 0 else []

@@ -148,7 +148,7 @@ class Condition:
     def _window_stats(self, history: History) -> tuple[float, float, str, int] | None:
         """(center, scale, label, values) of the spike window; None while it holds fewer than ``min_history``."""
         s = self.spike
-        past = history.last(self.metric, s["window"])
+        past = history.recent(self.metric, s["window"])
         if len(past) < s["min_history"]:
             return None
         center, scale, label = _center_scale(s["method"], past, s["window"])
@@ -205,23 +205,27 @@ def _never(x: float, history: History) -> bool:
     return False
 
 
-def _median(a: np.ndarray) -> float:
-    """``np.median`` of a finite 1-D array (the same value: the middle element, or the mean of the two middle
-    ones), from one sort instead of numpy's general machinery, which costs several times more on a short window."""
-    s = np.sort(a)
-    m = s.size // 2
-    return float(s[m]) if s.size % 2 else float((s[m - 1] + s[m]) / 2.0)
+def _median(values: list[float]) -> float:
+    """``np.median`` of finite values (the same value: the middle one, or the mean of the two middle ones)."""
+    s = sorted(values)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2.0
 
 
-def _center_scale(method: str, arr: np.ndarray, window: int) -> tuple[float, float, str]:
+def _center_scale(method: str, values, window: int) -> tuple[float, float, str]:
+    """``values``: the window, oldest first (a list of floats, or an array). Python floats throughout: on a window of
+    a few dozen values numpy's per-call cost outweighs its speed; each operation is the one numpy did, in the same
+    IEEE double arithmetic, so the results are the same."""
+    values = values.tolist() if isinstance(values, np.ndarray) else values
     if method == "mad":
-        center = _median(arr)
-        dev = np.abs(arr - center)
+        center = _median(values)
+        dev = [abs(v - center) for v in values]
         mad = _median(dev)
+        # np.mean for the fallback: its pairwise summation rounds differently from a Python sum
         return center, (1.4826 * mad if mad > 0 else 1.2533 * float(np.mean(dev))), "robust z"
     alpha = 2.0 / (window + 1.0)
-    center, var = float(arr[0]), 0.0
-    for v in arr[1:].tolist():  # Python floats: several times faster to loop over than numpy scalars
+    center, var = float(values[0]), 0.0
+    for v in values[1:]:
         d = v - center
         center += alpha * d
         var = (1 - alpha) * (var + alpha * d * d)
