@@ -177,9 +177,7 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
         if device.type == "cpu" and seg.unit:
             per_group, total, linf = _cpu_figures(tensors, spans)
         else:
-            per_group, total = seg.sums(squares(tensors))
-            per_group = per_group.split(1) if seg.groups > 1 else (per_group,)
-            linf = abs_max(tensors)
+            per_group, total, linf = _multi_tensor_figures(tensors, seg)
         # linf: per tensor (in any order when the weights are all 1), NaN / inf where the tensor holds one
         bad = (linf * 0).isnan()
         bad = bad.sum(0, keepdim=True, dtype=torch.float64) if seg.unit else (bad.double() @ seg.weights).reshape(1)
@@ -200,6 +198,13 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
         norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=on)
         p.add_max(keys.GRAD.preclip_sq, norm * norm)
     return p
+
+
+def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
+    """``(per-group sums of squares, their total, per-tensor largest |value|)`` from multi-tensor kernels (fused
+    on CUDA), merge weights applied to the squares; the per-tensor figures keep the tensors' order."""
+    per_group, total = seg.sums(squares(tensors))
+    return (per_group.split(1) if seg.groups > 1 else (per_group,)), total, abs_max(tensors)
 
 
 def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ learning rate per group, and ``update/external_rel``: how far the weights moved 
 No full copy of the weights is kept. Tensors of up to ``WHOLE x sample`` elements are taken whole (exact); a
 larger tensor of ``n`` elements contributes a systematic sample: every ``s``-th element from a random offset
 ``r`` in ``[0, s)`` (drawn once per tensor from a fixed seed), where ``s`` is the largest prime <= ``n / sample``
-that does not divide ``n``, so ``m`` >= ``sample`` elements (up to ~1.5 x near the whole limit, ~1 x for large
+that does not divide ``n``, so ``m`` >= ``sample`` elements (up to ~1.7 x near the whole limit, ~1 x for large
 tensors; a tensor below ~13 x sample elements whose every such prime divides ``n`` is taken whole). Each element
 is in the sample with probability exactly ``1 / s``, so ``s x sum over the sample of dtheta^2`` is an unbiased
 estimate of ``||dtheta_p||^2``. Because ``s`` is a prime that does not divide ``n``, it shares no factor with any row length or other period of the tensor's
@@ -45,7 +45,7 @@ from .grads import device_vector, local_shards, squares
 from .partial import Partial
 
 DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note above
-WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole (a stride below 5 samples too coarsely)
+WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole: exact, for a copy of a few sample sizes
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 F64 = torch.float64
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_guard.stats import keys
-from rl_guard.stats.grads import GradientSource, abs_max, drop_grads, param_groups_of, probe_grads
+from rl_guard.stats.grads import (GradientSource, _cpu_figures, _multi_tensor_figures, abs_max, drop_grads,
+                                  param_groups_of, probe_grads, segments_for)
 
 
 def _params(*grads):
@@ -113,3 +114,20 @@ def test_grad_figures_match_float64_reference_on_every_layout(shapes, specials, 
     want_max = math.nan if any(np.isnan(v).any() for v in x) else want_max
     assert same(float(p.max[keys.GRAD.max_abs]), want_max)
     assert float(p.max[keys.GRAD.nonfinite]) == sum(not np.isfinite(v).all() for v in x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from([(64,), (5, 7), (8192,), (8193,), (2, 48)]), min_size=1, max_size=6),
+       st.integers(0, 2**16))
+def test_packed_cpu_figures_equal_the_multi_tensor_ones(shapes, seed):
+    # The CUDA (and merge-weighted) path and the packed CPU path give the same figures, NaN and inf included.
+    rng = np.random.default_rng(seed)
+    tensors = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    tensors[int(rng.integers(len(tensors)))].view(-1)[0] = [math.nan, math.inf, -math.inf, 2.0][seed % 4]
+    cut = int(rng.integers(len(tensors) + 1))
+    spans = [(0, cut), (cut, len(tensors))]
+    packed = _cpu_figures(tensors, spans)
+    multi = _multi_tensor_figures(tensors, segments_for([1.0] * len(tensors), [cut, len(tensors) - cut], None))
+    for a, b in zip([*packed[0], packed[1]], [*multi[0], multi[1]]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12)
+    np.testing.assert_array_equal(np.sort(packed[2].numpy()), np.sort(multi[2].numpy()))  # NaN sorts last
