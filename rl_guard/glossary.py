@@ -56,8 +56,9 @@ GLOSSARY: dict[str, str] = {
     "grad/nonfinite": "Number of parameter tensors whose gradient holds a NaN or inf.",
     "grad/group<i>/norm": "L2 norm of parameter group i (only when the optimizer has several groups).",
     "update/rel": "||dtheta|| / ||theta|| of the last optimizer step (theta before it), measured after "
-    "optimizer.step() and reported with the next step's statistics; ||dtheta|| estimated from a fixed sample of "
-    "<= 1024 elements per tensor (stats/update.py gives the error). 0 after a skipped step. Up is trouble.",
+    "optimizer.step() and reported with the next step's statistics; ||dtheta|| exact for tensors of up to 4096 "
+    "elements, estimated from a fixed strided sample of >= 1024 elements of each larger one (stats/update.py gives "
+    "the error). 0 after a skipped step. Up is trouble.",
     "update/group<i>/rel": "update/rel of optimizer parameter group i (only with several groups).",
     "update/norm": "Estimated ||dtheta|| of the last optimizer step.",
     "update/rel_per_lr": "update/rel divided by the learning rate the step used: for Adam-style optimizers roughly "
