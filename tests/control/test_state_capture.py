@@ -67,7 +67,7 @@ def test_capture_equals_the_state_dicts_bit_for_bit_in_the_same_order():
         _train(model, opt, sched)
 
 
-def test_held_snapshots_never_change_and_buffers_are_reused_once_released():
+def test_held_snapshots_never_change():
     model, opt, sched, state = _setup()
     ring = SnapshotRing(keep=2)
     held = state.capture(0)
@@ -78,12 +78,6 @@ def test_held_snapshots_never_change_and_buffers_are_reused_once_released():
         assert _same(held, frozen)  # training and later captures leave a held snapshot alone
     newest = ring.latest()
     assert _same(newest["model"], _reference(model.state_dict()))
-    # The ring's two snapshots, the held one and the one the ring evicted last (kept for the next capture).
-    assert len(state._copies._slots) == 4
-    before = {id(t) for s in state._copies._slots for t in s.tensors}
-    _train(model, opt, sched)
-    ring.push(state.capture(8))
-    assert {id(t) for s in state._copies._slots for t in s.tensors} == before  # reused, nothing allocated
 
 
 def test_views_of_a_dropped_snapshot_keep_their_values():
