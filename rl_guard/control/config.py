@@ -42,7 +42,7 @@ DEFAULTS = {
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
 TOP_DEFAULTS = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
-                "sharded_grads": None, "log_every": 1, "background_stats": True,
+                "sharded_grads": None, "log_every": 1, "background_stats": False,
                 "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
@@ -68,7 +68,7 @@ class GuardConfig:
     mode: str = TOP_DEFAULTS["mode"]
     # 0: off; else the N-th consecutive dropped update escalates to checkpoint_and_halt
     max_consecutive_skips: int = TOP_DEFAULTS["max_consecutive_skips"]
-    # micro-batch statistics on a worker thread, overlapping the trainer's backward (rl_guard/background.py)
+    # micro-batch statistics on a worker thread (rl_guard/background.py); off: on CPU the thread slowed the step
     background_stats: bool = TOP_DEFAULTS["background_stats"]
     source_text: str = ""
 
