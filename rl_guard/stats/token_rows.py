@@ -5,10 +5,15 @@ Rows, in this order (absent fields drop out): ``adv``, ``logp`` (the sampled tok
 ``importance_weight`` (log pi/pi_prox), ``behave_imp_weight`` (log pi_prox/pi_behave), ``ratio`` (log pi/pi_old)
 and ``kl_ref`` (log pi_ref/pi). The order makes every group a contiguous block: value sums (logp, entropy),
 extremes (all but kl_ref), histograms (entropy .. ratio, one cell index with per-row constants), log-ratios
-(importance_weight .. kl_ref), KL estimators (ratio, kl_ref). Each row is non-finite exactly where its token is invalid (masked out, or an
-input it is made of is NaN/inf): the mask's gate (0 or -inf) is added to the log-probs, and every log-ratio is a
-difference with them. A small micro-batch then costs ~70 operations whatever the number of fields, instead of a
-dozen per field; a large one makes the same passes over memory as field-by-field probes.
+(importance_weight .. kl_ref), KL estimators (ratio, kl_ref). Each row is non-finite exactly where its token is
+invalid (masked out, or an input it is made of is NaN/inf): the mask's gate (0 or -inf) is added to the
+log-probs, and every log-ratio is a difference with them.
+
+Why: on a small micro-batch the cost is the number of operations (each one a dispatch and, on a GPU, a launch),
+not the arithmetic; stacking makes it independent of how many fields the batch carries (~200 operations for a
+whole TRL micro-batch against ~320 field by field). A large chunk makes the same passes over memory as field-by-field
+probes, but each operation touches several rows at once; on CPU that larger working set costs cache misses
+(``benchmarks/stats.py``: ~15 % slower at 4M tokens than field-by-field probes).
 """
 
 from __future__ import annotations
@@ -131,7 +136,7 @@ def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, version
 
 
 @functools.lru_cache(maxsize=64)
-def _device_constant(kind: str, plan: RowPlan | None, device: torch.device):
+def _device_constant(kind: str, plan: RowPlan | int | None, device: torch.device):
     """Small constants built once per device: the nonfinite matrix, the KL estimator scales (k1 = -sum log r,
     k2 = sum (log r)^2 / 2, k3 = sum k3), the histogram rows' sketch constants."""
     if kind == "nonfinite":
@@ -289,7 +294,7 @@ def kl_finish(acc: ChunkStats, plan: RowPlan) -> None:
     valid = seq[0] > 0
     names = plan.names
     acc.sum_rows(names["seqs"], valid.sum(1))
-    est = seq[1:] * _device_constant("estimators", 0, seq.device)  # [3, families, S]
+    est = seq[1:] * _device_constant("estimators", None, seq.device)  # [3, families, S]
     total = est.sum(2).reshape(-1)
     acc.sum_rows(names["kl_sum"], total)
     acc.sum_rows(names["kl_seqsum"], total.clone())

@@ -5,23 +5,23 @@ step it reports ``update/rel`` = ||dtheta|| / ||theta|| (global and per paramete
 learning rate per group, and ``update/external_rel``: how far the weights moved *between* two optimizer steps
 (nothing but the optimizer, or a rollback, should move them; a changed weight there is a bug or a fault).
 
-No full copy of the weights is kept. Tensors of up to ``WHOLE x sample`` elements are taken whole (exact); a
-larger tensor of ``n`` elements contributes a systematic sample: every ``s``-th element from a random offset
-``r`` in ``[0, s)`` (drawn once per tensor from a fixed seed), where ``s`` is the largest prime <= ``n / sample``
-that does not divide ``n``, so ``m`` >= ``sample`` elements (up to ~1.7 x near the whole limit, ~1 x for large
-tensors; a tensor below ~13 x sample elements whose every such prime divides ``n`` is taken whole). Each element
-is in the sample with probability exactly ``1 / s``, so ``s x sum over the sample of dtheta^2`` is an unbiased
-estimate of ``||dtheta_p||^2``. Because ``s`` is a prime that does not divide ``n``, it shares no factor with any row length or other period of the tensor's
-shape (those divide ``n``): the sample visits every column (and every row band) evenly rather than a few
-columns, so structure along rows or columns does not inflate the error, and a ZeRO flat partition's rows are
-spread over the same way unless a row length is a multiple of ``s``. For values whose order is unrelated to their
-position the error is that of simple random sampling: the relative standard error of one tensor's squared-norm
-estimate is ``sqrt((kurt - 1) / m x (1 - m / n))`` with ``m`` >= ``sample`` the sample size and ``kurt = E[d^4] /
-E[d^2]^2`` of the update entries. Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``sample = 1024``
-one tensor's *norm* is within ~2-3 % (one standard error), and the global norm, a sum over many tensors, closer
-still. A fault that changes only a handful of elements of a large tensor can fall outside the sample: the probe
-is for update *size*, not for locating single corrupted entries. ``||theta||`` is exact: the whole tensors from
-their copy, the larger ones from one fused multi-tensor norm.
+No full copy of the weights is kept. Tensors of up to ``WHOLE x sample`` elements are taken whole (exact); a larger
+tensor of ``n`` elements contributes a systematic sample: every ``s``-th element from a random offset ``r`` in ``[0,
+s)`` (drawn once per tensor from a fixed seed), where ``s`` is the largest prime <= ``n / sample`` that does not
+divide ``n``, so ``m`` >= ``sample`` elements (up to ~1.7 x near the whole limit, ~1 x for large tensors; a tensor
+below ~13 x sample elements whose every such prime divides ``n`` is taken whole). Each element is in the sample with
+probability exactly ``1 / s``, so ``s x sum over the sample of dtheta^2`` is an unbiased estimate of
+``||dtheta_p||^2``. Because ``s`` is a prime that does not divide ``n``, it shares no factor with any row length or
+other period of the tensor's shape (those divide ``n``): the sample visits every column (and every row band) evenly
+rather than a few columns, so structure along rows or columns does not inflate the error, and a ZeRO flat
+partition's rows are spread over the same way unless a row length is a multiple of ``s``. For values whose order is
+unrelated to their position the error is that of simple random sampling: the relative standard error of one tensor's
+squared-norm estimate is ``sqrt((kurt - 1) / m x (1 - m / n))`` with ``m`` >= ``sample`` the sample size and ``kurt
+= E[d^4] / E[d^2]^2`` of the update entries. Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``sample
+= 1024`` one tensor's *norm* is within ~2-3 % (one standard error), and the global norm, a sum over many tensors,
+closer still. A fault that changes only a handful of elements of a large tensor can fall outside the sample: the
+probe is for update *size*, not for locating single corrupted entries. ``||theta||`` is exact: the whole tensors
+from their copy, the larger ones from one fused multi-tensor norm.
 
 The samples are strided views of the live weights, built once per parameter layout (made again when a tensor
 gets new storage, e.g. ``p.data = ...``, or the parameter set changes), so taking them is one ``torch.cat`` (and
