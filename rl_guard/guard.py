@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from .background import Background
 from .control.actions import Actions
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
@@ -66,8 +65,6 @@ class Guard:
         self.run_dir = Path(run_dir or config.run_dir or "runs/rl_guard")
         self.controller = Controller(config, rank=self.rank)
         self._acc = StepAccumulator()
-        # micro-batch statistics run on a worker thread during the trainer's backward (background.py)
-        self._background = Background(config.background_stats)
         self.state: TrainState | None = None
         self.actions = Actions(self)
         self.last_metrics: dict[str, float] = {}
@@ -145,24 +142,20 @@ class Guard:
 
     # -- per micro-batch ---------------------------------------------------------------------------------------------
     def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
-        """Accumulate one micro-batch's statistics on the device (no host sync; on the worker thread unless
-        ``background_stats: false``)."""
+        """Accumulate one micro-batch's statistics on the device (no host sync)."""
         with self.protect("observe"):
-            acc, edges = self._acc, self.config.lag_buckets
             if batch is not None:
-                self._background.submit(lambda: acc.add(probe_batch(batch, edges)), batch.device)
+                self._acc.add(probe_batch(batch, self.config.lag_buckets))
             if loss is not None:
                 self._saw_loss = True
-                loss = loss.detach()
-                self._background.submit(lambda: acc.add(loss_stats(Partial(), loss)), loss.device)
+                self._acc.add(loss_stats(Partial(), loss))
 
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
         with self.protect("observe_sequences"):
             p = Partial()
             sequence_stats(p, lengths=lengths, truncated=truncated, rewards=rewards)
-            acc = self._acc
-            self._background.submit(lambda: acc.add(p))
+            self._acc.add(p)
 
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
@@ -173,8 +166,7 @@ class Guard:
         """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``
         (``rl_guard/stats/update.py``) and host floats such as learning rates; no host sync."""
         if partial is not None:
-            acc = self._acc
-            self._background.submit(lambda: acc.add(partial))
+            self._acc.add(partial)
         if host_metrics:
             self._host_metrics.update(host_metrics)
 
@@ -186,7 +178,6 @@ class Guard:
         self._host_metrics.update(self.diagnostics.no_signal_steps())
         reduce = ranks.reducer()
         try:
-            self._drain()  # the micro-batch statistics from the worker, then the update probe's partial
             if self._incomplete_step:
                 raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
             if params is not None:
@@ -264,16 +255,7 @@ class Guard:
             if decision.apply_step:
                 self.update_probe.accept(lrs)
 
-    def _drain(self) -> None:
-        """Wait for the worker's statistics; its failures go through the failure policy as observe failures."""
-        for exc in self._background.drain():
-            if isinstance(exc, (InputError, ranks.RankMismatch)):
-                raise exc
-            self._internal_failure("observe", exc)
-
     def close(self) -> None:
-        self._drain()
-        self._background.close()
         if self._sinks is not None:
             with self.protect("close"):
                 self._sinks.finish()

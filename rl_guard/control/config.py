@@ -26,7 +26,7 @@ MODES = ("enforce", "shadow")
 BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
 TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
             "rules", "fail_mode", "max_internal_failures", "sharded_grads", "log_every", "mode",
-            "max_consecutive_skips", "background_stats")
+            "max_consecutive_skips")
 RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
@@ -42,7 +42,7 @@ DEFAULTS = {
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
 TOP_DEFAULTS = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
-                "sharded_grads": None, "log_every": 1, "background_stats": False,
+                "sharded_grads": None, "log_every": 1,
                 "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
@@ -68,8 +68,6 @@ class GuardConfig:
     mode: str = TOP_DEFAULTS["mode"]
     # 0: off; else the N-th consecutive dropped update escalates to checkpoint_and_halt
     max_consecutive_skips: int = TOP_DEFAULTS["max_consecutive_skips"]
-    # micro-batch statistics on a worker thread (rl_guard/background.py); off: on CPU the thread slowed the step
-    background_stats: bool = TOP_DEFAULTS["background_stats"]
     source_text: str = ""
 
 
@@ -206,7 +204,6 @@ def load_config(source) -> GuardConfig:
     c.typed(data, "run_dir", str, ())
     c.typed(data, "fail_mode", FAIL_MODES, ())
     c.typed(data, "sharded_grads", bool, ())
-    c.typed(data, "background_stats", bool, ())
     c.typed(data, "log_every", int, (), minimum=1)
     c.typed(data, "mode", MODES, ())
     c.typed(data, "max_internal_failures", int, (), minimum=1)
@@ -241,7 +238,7 @@ def load_config(source) -> GuardConfig:
                        max_internal_failures=top["max_internal_failures"], sharded_grads=top["sharded_grads"],
                        log_every=top["log_every"], mode=top["mode"],
                        max_consecutive_skips=top["max_consecutive_skips"],
-                       background_stats=top["background_stats"], source_text=text, **sections)
+                       source_text=text, **sections)
 
 
 def _check_sinks(sinks: Any, c: _Checker) -> None:

@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync
 import dist_scenarios as sc  # noqa: E402
 from rank_launch import finish  # noqa: E402
 from rl_guard import Guard  # noqa: E402
-from rl_guard.control.config import load_config  # noqa: E402
 from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector  # noqa: E402
 
 
@@ -30,9 +29,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = load_config(sc.MERGE_CFG)
-    config.background_stats = False  # the detector's modes are per thread: it sees the probes where they run inline
-    guard = Guard(config, run_dir=out / f"run{rank}").attach(model, opt)
+    guard = Guard.from_yaml(sc.MERGE_CFG, run_dir=out / f"run{rank}").attach(model, opt)
     det = SyncDetector(documented={**DEFAULT_SITES, **RANK_HEADER})
     record = []
     for step in range(steps):

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from rl_guard import Guard
-from rl_guard.control.config import load_config
 from rl_guard.control.state import TrainState
 from rl_guard.stats import accumulate, kernels, sketch
 from rl_guard.stats.batch import TokenBatch
@@ -50,17 +49,12 @@ def micro_batch(seed: int, packed: bool = False, device="cpu") -> TokenBatch:
 class Loop:
     """A tiny model trained with a real guard (async preset: versions, lag buckets, rules with every action)."""
 
-    def __init__(self, tmp_path, device="cpu", background: bool = False):
+    def __init__(self, tmp_path, device="cpu"):
         torch.manual_seed(0)
         self.device = device
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
         self.opt = torch.optim.AdamW([{"params": self.model[0].parameters()}, {"params": self.model[2].parameters()}])
-        # The detector's modes are per thread: the probes are checked inline here, where it sees them run (the
-        # worker thread of background_stats runs the same probes; test_background_statistics_equal_inline).
-        config = load_config(ASYNC)
-        config.background_stats = background
-        self.guard = Guard(config, run_dir=tmp_path / "run").attach(self.model, self.opt)
-        self.metrics: list[dict] = []
+        self.guard = Guard.from_yaml(ASYNC, run_dir=tmp_path / "run").attach(self.model, self.opt)
 
     def step_inputs(self, step: int) -> list:
         # Built outside the detector: the caller's data, not the guard's work.
@@ -85,7 +79,6 @@ class Loop:
             with det:
                 decision = self.guard.check()
             seen["check"] += det.take()
-            self.metrics.append(dict(self.guard.last_metrics))
             if decision.apply_step:
                 self.opt.step()
             self.opt.zero_grad()
@@ -115,55 +108,6 @@ def test_whole_guard_steps_sync_only_in_the_one_transfer(tmp_path):
         assert [e.op for e in copies] == (["aten._foreach_copy_.default"] if step == SNAPSHOT_STEP else []), (
             step, [str(e) for e in copies])
         assert len(copies) == len(seen["step_done"])
-
-
-class _NoDetector(SyncDetector):
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
-def test_background_statistics_equal_inline(tmp_path, monkeypatch):
-    """The worker thread computes exactly what the inline path computes, step by step, and the run is the same."""
-    import threading
-
-    from rl_guard import guard as guard_module
-
-    threads = []
-
-    def recording(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return probe_batch(*args, **kwargs)
-
-    monkeypatch.setattr(guard_module, "probe_batch", recording)
-    inline = Loop(tmp_path / "inline")  # each Loop seeds torch's generator: build and run one after the other
-    inline.run(_NoDetector())
-    assert set(threads) == {threading.main_thread().name}
-    threads.clear()
-    background = Loop(tmp_path / "background", background=True)
-    background.run(_NoDetector())
-    assert len(threads) == STEPS * MICRO and all(t.startswith("rl_guard-stats") for t in threads)
-    assert len(inline.metrics) == len(background.metrics) == STEPS
-    for a, b in zip(inline.metrics, background.metrics):
-        assert a.keys() == b.keys()
-        assert [k for k in a if a[k] != b[k] and not (a[k] != a[k] and b[k] != b[k])] == []  # NaN == NaN here
-    assert all(torch.equal(p, q) for p, q in zip(inline.model.parameters(), background.model.parameters()))
-
-
-def test_a_failure_on_the_worker_goes_through_the_failure_policy(tmp_path, monkeypatch):
-    from rl_guard.stats import token_rows
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("probe broke")
-
-    monkeypatch.setattr(token_rows, "rows_into", broken)
-    monkeypatch.setattr(sys.modules["rl_guard.stats.probe_batch"], "rows_into", broken)
-    loop = Loop(tmp_path, background=True)
-    with pytest.warns(RuntimeWarning, match="internal failure in observe.*probe broke"):
-        loop.run(_NoDetector(), steps=1)
-    assert loop.guard.internal_failures >= 1 and loop.guard.step == 1  # warned, the step went on (fail_mode open)
 
 
 # -- the detector is not blind: each kind the earlier Tensor-method counter missed, inside a guard call ----------
