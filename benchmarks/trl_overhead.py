@@ -35,6 +35,7 @@ Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--j
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -141,6 +142,9 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
                           args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.pop_callback(PrinterCallback)
     try:
+        # Both arms start from the same collector state: on the larger model one full (generation-2) collection,
+        # ~0.4 s, lands in some runs and not in others and would swing a pair by ~25 ms per step.
+        gc.collect()
         wall, cpu = time.perf_counter(), time.process_time()
         trainer.train()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
