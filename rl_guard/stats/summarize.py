@@ -10,7 +10,6 @@ and each sketch's quantiles take one numpy call.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 
@@ -18,7 +17,7 @@ import numpy as np
 
 from . import keys
 from .constants import DEFAULT_LAG_EDGES, EXP_ARG_MAX
-from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, QUANTILES, SketchSpec
+from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, quantiles_from_counts
 from .update import summarize_update
 
 PREFIX = "rl_guard/"
@@ -90,36 +89,6 @@ def _layout(raw) -> _Layout:
     return layout
 
 
-# -- quantiles --------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _edges_u(spec: SketchSpec) -> list[float]:
-    return spec.edges_u.tolist()
-
-
-def quantiles(counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES) -> list[float]:
-    """``sketch.quantiles_from_counts`` (the same values) with one numpy call: right after a training step numpy's
-    code is out of the CPU caches and each distinct call costs tens of microseconds, so the running count is
-    searched through a memoryview. The counts are whole numbers: the running count's last entry is their exact
-    total, and ``bisect_left`` is ``searchsorted``'s default side."""
-    cum = memoryview(counts.cumsum())
-    n = float(cum[-1])
-    if n <= 0:
-        return [_NAN] * len(qs)
-    edges_u, out = _edges_u(spec), []
-    scale, max_abs, last = spec.scale, spec.max_abs, spec.bins - 1
-    for q in qs:
-        # relative slack: q * n carries float noise (0.01 * 700 = 7.000000000000001) that must not bump the rank
-        cell = bisect.bisect_left(cum, max(1.0, math.ceil(q * n * (1.0 - 1e-12))) - 0.5)
-        u = 0.5 * (edges_u[cell] + edges_u[cell + 1])
-        value = math.copysign(math.expm1(abs(u)) * scale, u)
-        if cell == 0:
-            value = min(value, vmin) if vmin < -max_abs else value
-        if cell == last:
-            value = max(value, vmax) if vmax > max_abs else value
-        out.append(float(min(max(value, vmin), vmax)))
-    return out
-
-
 # -- the step's metrics -----------------------------------------------------------------------------------------------
 def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[dict[str, float], dict]:
     """Metrics ``{rl_guard/<family>/<stat>: float}`` and histograms ``{name: (edges, counts)}`` of one step."""
@@ -144,7 +113,7 @@ def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[
         _kl(out, raw, f, name)
     if _values(out, f, "entropy"):
         ent = _VALUES["entropy"][0]
-        for name, v in zip(_ENTROPY_Q, quantiles(raw[ent.hist], ENTROPY, f(ent.min), f(ent.max))):
+        for name, v in zip(_ENTROPY_Q, quantiles_from_counts(raw[ent.hist], ENTROPY, f(ent.min), f(ent.max))):
             out[name] = v
     n_clip = f(keys.CLIP.count, 0.0)
     if n_clip > 0:
@@ -184,7 +153,7 @@ def _ratio(out: dict, raw, f, name: str) -> None:
     out[vmax] = _exp(hi)
     hist = raw.get(key.hist)
     if hist is not None:
-        for q, v in zip(qnames, quantiles(hist, LOG_RATIO, lo, hi)):
+        for q, v in zip(qnames, quantiles_from_counts(hist, LOG_RATIO, lo, hi)):
             out[q] = _exp(v)
 
 
@@ -237,7 +206,7 @@ def _lag(out: dict, raw, f, edges: tuple) -> None:
         count = float(cells.sum())  # tokens of the bucket with a finite ratio
         if count <= 0:
             continue
-        p50, p99 = quantiles(cells, LOG_RATIO, lo, hi, qs=(0.5, 0.99))
+        p50, p99 = quantiles_from_counts(cells, LOG_RATIO, lo, hi, qs=(0.5, 0.99))
         out[p50_name] = _exp(p50)
         out[p99_name] = _exp(p99)
         if clip is not None:
