@@ -102,13 +102,18 @@ def cell_index(x: torch.Tensor, spec: SketchSpec, extra: int = 0, out=None) -> t
     """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor, plus a constant ``extra`` (several
     sketches counted in one vector). Values beyond ``max_abs`` (and +-inf) land in the edge cells. ``out``: three
     buffers shaped like ``x`` (float32, int32, int32) to compute in without allocating."""
-    xf = x.float()
+    return cell_index_with(x.float(), spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + extra, out)
+
+
+def cell_index_with(xf: torch.Tensor, scale, top, shift, base, middle, out=None) -> torch.Tensor:
+    """``cell_index`` of a float32 ``xf`` from a spec's constants: Python numbers, or ``[rows, 1]`` tensors giving
+    each row of ``xf`` its own sketch (``middle`` = ``bins // 2`` plus where that row's cells start)."""
     a_out, k_out, sign_out = out or (None, None, None)
-    a = torch.abs(xf, out=a_out).add_(spec.scale).clamp_(max=spec.top)
-    k = torch.bitwise_right_shift(a.view(torch.int32), spec.shift, out=k_out)
+    a = torch.abs(xf, out=a_out).add_(scale).clamp_(max=top)
+    k = torch.bitwise_right_shift(a.view(torch.int32), shift, out=k_out)
     # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
     sign = torch.bitwise_right_shift(xf.view(torch.int32), 31, out=sign_out)
-    return k.sub_(spec.base).bitwise_xor_(sign).add_(spec.bins // 2 + extra)
+    return k.sub_(base).bitwise_xor_(sign).add_(middle)
 
 
 def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:

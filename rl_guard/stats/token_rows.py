@@ -29,7 +29,7 @@ from . import keys
 from .chunks import Chunk, ChunkStats, row_layout
 from .constants import EXP_CLAMP
 from .scratch import Scratch
-from .sketch import ENTROPY, LOG_RATIO, count_cells
+from .sketch import ENTROPY, LOG_RATIO, cell_index_with, count_cells
 
 F32, F64, I32 = torch.float32, torch.float64, torch.int32
 NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))  # 0xFF800000 as a signed int32
@@ -250,12 +250,8 @@ def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> to
         return None
     h0, h = plan.at(rows[0]), len(rows)
     scale, top, shift, base, middle, zero_cells = _device_constant("hists", plan, z.device)
-    x = z[h0 : h0 + h]
-    a = torch.abs(x, out=ws.rows("cell.a", h)).add_(scale).clamp_(max=top)
-    k = torch.bitwise_right_shift(a.view(I32), shift, out=ws.rows("cell", h, I32))
-    # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
-    sign = torch.bitwise_right_shift(x.view(I32), 31, out=ws.rows("cell.sign", h, I32))
-    idx = k.sub_(base).bitwise_xor_(sign).add_(middle)
+    idx = cell_index_with(z[h0 : h0 + h], scale, top, shift, base, middle,
+                          out=(ws.rows("cell.a", h), ws.rows("cell", h, I32), ws.rows("cell.sign", h, I32)))
     k = len(plan.hist_rows)
     if k:
         cells = count_cells(idx[:k].view(-1), sum(spec.bins for spec in plan.hist_specs[:k]))
