@@ -12,9 +12,9 @@ are several times cheaper per element than boolean masks and ``torch.where`` on 
 sum, extreme or histogram: sums use the zero-filled copy, extremes fill NaN with -inf/+inf, and histograms count
 the zero-filled copy and take the invalid tokens back out of the zero cell (``ChunkStats.hist``).
 
-The common per-chunk families (log-probs, ratio, KL, entropy, advantages, clipping, lag) run in ``token_probes.py``
-on reused chunk buffers; the allocating probes here serve the rarer paths (decoupled PPO's proximal policy, GSPO's
-second pass, per-sequence fields) and the KL per-sequence bookkeeping both share.
+The common per-chunk families run on reused chunk buffers: the per-field rows (log-probs, ratios, KL, entropy,
+advantages) in ``token_rows.py``, clipping and lag in ``token_probes.py``. The allocating probes here serve the
+rarer paths: GSPO's second pass and the per-sequence fields (lengths, rewards, the sequence ratio).
 """
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ F64 = torch.float64
 def count(mask: torch.Tensor) -> torch.Tensor:
     """Number of true entries (``count_nonzero`` is ~2x faster than ``sum`` on bool tensors)."""
     return mask.count_nonzero()
-
-
-def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:  # for [S] vectors (cheap there)
-    return torch.where(valid, x, -math.inf).amax() if x.numel() else x.new_full((), -math.inf)
 
 
 def validate_(y: torch.Tensor) -> torch.Tensor:

@@ -53,9 +53,6 @@ class Partial:
     def add_max(self, name: str, t: torch.Tensor) -> None:
         self.max[name] = t.reshape(-1).to(F64)
 
-    def add_min(self, name: str, t: torch.Tensor) -> None:
-        self.max["-" + name] = -t.reshape(-1).to(F64)
-
 
 def _joined(parts: list, device) -> tuple[tuple, torch.Tensor]:
     """``(layout, float64 vector)`` of ``[(layout, tensor)]`` pieces, concatenated one dtype at a time (a
