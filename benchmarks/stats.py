@@ -28,6 +28,7 @@ Usage: ``python benchmarks/stats.py [--quick] [--sizes 1M,4M,16M] [--repeats N] 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -46,7 +47,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 from json_output import add_json_argument, emit_json  # noqa: E402
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
-from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
+from rl_guard.stats.probe_batch import ENGINES, probe_batch  # noqa: E402
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES  # noqa: E402
 from rl_guard.stats.sketch import QUANTILE_NAMES, QUANTILES  # noqa: E402
 from rl_guard.stats.summarize import summarize  # noqa: E402
@@ -77,10 +78,10 @@ def make_inputs(tokens: int, rows: int = ROWS, seed: int = 0, device: str = "cpu
     )
 
 
-def full_step(d: dict) -> dict:
-    """The measured path: the probes, the one transfer, the host formulas."""
+def full_step(d: dict, engine: str = "eager") -> dict:
+    """The measured path: the probes (``stats_engine``), the one transfer, the host formulas."""
     acc = StepAccumulator()
-    acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION)))
+    acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION), engine=engine))
     return summarize(acc.finish())[0]
 
 
@@ -261,33 +262,39 @@ def _stat(values: list, how) -> float | None:
     return how(values) if values else None
 
 
-def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True) -> dict:
+def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True, engines=ENGINES) -> dict:
     """``clock``: the time the ratios are taken from (``cpu``: process CPU time, right for one thread on a shared
-    machine; ``wall``: the only meaningful one with several threads, whose CPU times add up)."""
-    rows, result = [], {}
+    machine; ``wall``: the only meaningful one with several threads, whose CPU times add up). One row per size
+    and engine; the top-level ``<figure>_<size>`` keys are the first engine's, ``<figure>_<size>_<engine>``
+    every engine's."""
+    rows, result = [], {"engine": engines[0]}
     for label, tokens in sizes.items():
         d = make_inputs(tokens)
-        timed = time_interleaved({"full": lambda: full_step(d), "floor": lambda: floor_pass(d),
-                                  "naive": lambda: naive_step(d)}, repeats)
+        fns = {engine: functools.partial(full_step, d, engine) for engine in engines}
+        timed = time_interleaved({**fns, "floor": lambda: floor_pass(d), "naive": lambda: naive_step(d)}, repeats)
         t = timed["times"]
         best = {name: _stat(t[name][clock], min) for name in t}
         median = {name: _stat(t[name][clock], statistics.median) for name in t}
         if "naive" in timed["errors"]:
             result[f"naive_error_{label}"] = timed["errors"]["naive"]
-        row = dict(size=label, tokens=tokens, clock=clock, full_s=best["full"], floor_s=best["floor"],
-                   naive_s=best["naive"], full_median_s=median["full"], naive_median_s=median["naive"],
-                   speedup_vs_naive=best["naive"] / best["full"] if best["naive"] else None,
-                   speedup_vs_naive_median=median["naive"] / median["full"] if median["naive"] else None,
-                   floor_ratio=best["full"] / best["floor"], floor_median_s=median["floor"],
-                   floor_ratio_median=median["full"] / median["floor"], full_ns_per_token=best["full"] / tokens * 1e9,
-                   full_wall_s=_stat(t["full"]["wall"], min), naive_wall_s=_stat(t["naive"]["wall"], min))
-        if memory:
-            row["peak_extra_mem_ratio"] = peak_live_bytes(lambda: full_step(d)) / (4 * tokens)
-        rows.append(row)
-        for key in ("speedup_vs_naive", "speedup_vs_naive_median", "floor_ratio", "floor_ratio_median",
-                    "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
-            if key in row:
-                result[f"{key}_{label}"] = row[key]
+        for engine in engines:
+            full, full_median = best[engine], median[engine]
+            row = dict(size=label, engine=engine, tokens=tokens, clock=clock, full_s=full, floor_s=best["floor"],
+                       naive_s=best["naive"], full_median_s=full_median, naive_median_s=median["naive"],
+                       speedup_vs_naive=best["naive"] / full if best["naive"] else None,
+                       speedup_vs_naive_median=median["naive"] / full_median if median["naive"] else None,
+                       floor_ratio=full / best["floor"], floor_median_s=median["floor"],
+                       floor_ratio_median=full_median / median["floor"], full_ns_per_token=full / tokens * 1e9,
+                       full_wall_s=_stat(t[engine]["wall"], min), naive_wall_s=_stat(t["naive"]["wall"], min))
+            if memory:
+                row["peak_extra_mem_ratio"] = peak_live_bytes(fns[engine]) / (4 * tokens)
+            rows.append(row)
+            for key in ("speedup_vs_naive", "speedup_vs_naive_median", "floor_ratio", "floor_ratio_median",
+                        "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
+                if key in row:
+                    result[f"{key}_{label}_{engine}"] = row[key]
+                    if engine == engines[0]:
+                        result[f"{key}_{label}"] = row[key]
         result["max_tokens_ok"] = tokens
         del d
     result["rows"] = rows
@@ -306,11 +313,11 @@ def print_table(result: dict) -> None:
     load = result.get("load_average")
     print(f"{result['torch_threads']} intra-op thread(s), {result['clock']} time, best of {result['repeats']} "
           f"interleaved runs after one warm-up each" + (f"; load average {load[0]:.1f}" if load else ""))
-    print(f"{'tokens':>7} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} "
+    print(f"{'tokens':>7} {'engine':>9} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} "
           f"{'(median)':>9} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
     for r in result["rows"]:
         naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
-        print(f"{r['size']:>7} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
+        print(f"{r['size']:>7} {r['engine']:>9} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
               f"{naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} {f(r['speedup_vs_naive_median'], '.1f'):>9} "
               f"{r['floor_ratio']:>12.2f} {format(r['peak_extra_mem_ratio'], '.2f') if 'peak_extra_mem_ratio' in r else '-':>16}")
     print(f"host transfers per step: {result['transfers_per_step']} (other host reads: "
@@ -326,7 +333,13 @@ def main(argv=None, sizes: dict | None = None) -> dict:
                     "reports the first at the top level (default 1)")
     ap.add_argument("--repeats", type=int, help="timed runs of each path (default 5, quick 3)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (benchmarks/stats_cuda.py)")
+    ap.add_argument("--engine", default=",".join(ENGINES), help="stats engines to time, the first one reported at the "
+                    f"top level (default {','.join(ENGINES)}; compiled needs a C++ compiler on CPU)")
     args = ap.parse_args(argv)
+    engines = tuple(args.engine.split(","))
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        ap.error(f"unknown engine {unknown[0]!r}; allowed: {', '.join(ENGINES)}")
     if args.device != "cpu":
         from stats_cuda import main as cuda_main  # benchmarks/ is on sys.path (top of this file)
 
@@ -341,7 +354,8 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     try:
         for n in thread_counts:
             torch.set_num_threads(n)
-            results[n] = run(sizes, repeats, clock="cpu" if n == 1 else "wall", memory=n == thread_counts[0])
+            results[n] = run(sizes, repeats, clock="cpu" if n == 1 else "wall", memory=n == thread_counts[0],
+                             engines=engines)
             print_table(results[n])
     finally:
         torch.set_num_threads(threads)

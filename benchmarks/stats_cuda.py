@@ -1,6 +1,6 @@
 """The statistics benchmark on a GPU: ``python benchmarks/stats.py --device cuda [--json FILE]``.
 
-* Time per step of the same three paths as on CPU (``full``, ``floor``, ``naive``) on 8M tokens by default
+* Time per step of the same paths as on CPU (``full`` with the eager engine, ``compiled``, ``floor``, ``naive``) on 8M tokens by default
   (``--sizes``), measured with CUDA events around each call, after one warm-up, over interleaved repeats (best and
   median reported). ``full`` ends with the step's one device->host transfer, so its events cover all its work.
 * Synchronisations of a whole guard cycle: a real ``Guard`` with the async preset (every statistic family, lag
@@ -37,14 +37,16 @@ def _event_ms(fn) -> float:
 
 
 def time_paths(d: dict, repeats: int) -> dict:
-    fns = {"full": lambda: full_step(d), "floor": lambda: floor_pass(d), "naive": lambda: naive_step(d)}
+    fns = {"full": lambda: full_step(d), "compiled": lambda: full_step(d, "compiled"), "floor": lambda: floor_pass(d),
+           "naive": lambda: naive_step(d)}
     timed = time_interleaved(fns, repeats, measure=lambda fn: (_event_ms(fn),), clocks=("ms",))
     times, errors = {name: t["ms"] for name, t in timed["times"].items()}, timed["errors"]
     out = {f"{name}_ms": min(v) if v else None for name, v in times.items()}
     out.update({f"{name}_ms_median": statistics.median(v) if v else None for name, v in times.items()})
-    if out["naive_ms"]:
-        out["speedup_vs_naive"] = out["naive_ms"] / out["full_ms"]
-    out["floor_ratio"] = out["full_ms"] / out["floor_ms"]
+    for name, suffix in (("full", ""), ("compiled", "_compiled")):  # the eager engine, and stats_engine: compiled
+        if out["naive_ms"]:
+            out[f"speedup_vs_naive{suffix}"] = out["naive_ms"] / out[f"{name}_ms"]
+        out[f"floor_ratio{suffix}"] = out[f"{name}_ms"] / out["floor_ms"]
     out["errors"] = errors
     return out
 

@@ -145,7 +145,7 @@ class Guard:
         """Accumulate one micro-batch's statistics on the device (no host sync)."""
         with self.protect("observe"):
             if batch is not None:
-                self._acc.add(probe_batch(batch, self.config.lag_buckets))
+                self._acc.add(probe_batch(batch, self.config.lag_buckets, engine=self.config.stats_engine))
             if loss is not None:
                 self._saw_loss = True
                 self._acc.add(loss_stats(Partial(), loss))

@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import glossary
 from ..errors import ConfigError
-from ..stats.constants import DEFAULT_LAG_EDGES
+from ..stats.constants import DEFAULT_LAG_EDGES, STATS_ENGINES
 from .yaml_nodes import load_with_lines, read_source
 
 ACTIONS = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")  # in precedence order
@@ -26,7 +26,7 @@ MODES = ("enforce", "shadow")
 BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
 TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
             "rules", "fail_mode", "max_internal_failures", "sharded_grads", "log_every", "mode",
-            "max_consecutive_skips")
+            "max_consecutive_skips", "stats_engine")
 RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
@@ -42,7 +42,7 @@ DEFAULTS = {
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
 TOP_DEFAULTS = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
-                "sharded_grads": None, "log_every": 1,
+                "sharded_grads": None, "log_every": 1, "stats_engine": "eager",
                 "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
@@ -68,6 +68,8 @@ class GuardConfig:
     mode: str = TOP_DEFAULTS["mode"]
     # 0: off; else the N-th consecutive dropped update escalates to checkpoint_and_halt
     max_consecutive_skips: int = TOP_DEFAULTS["max_consecutive_skips"]
+    # eager: no compiler needed; compiled: torch.compile fuses the token probes (stats/fused.py)
+    stats_engine: str = TOP_DEFAULTS["stats_engine"]
     source_text: str = ""
 
 
@@ -208,6 +210,7 @@ def load_config(source) -> GuardConfig:
     c.typed(data, "mode", MODES, ())
     c.typed(data, "max_internal_failures", int, (), minimum=1)
     c.typed(data, "max_consecutive_skips", int, (), minimum=0)
+    c.typed(data, "stats_engine", STATS_ENGINES, ())
     sections = {}
     for sec, spec in SECTION_KEYS.items():
         given = data.get(sec) or {}
@@ -237,7 +240,7 @@ def load_config(source) -> GuardConfig:
                        run_dir=data.get("run_dir"), fail_mode=top["fail_mode"],
                        max_internal_failures=top["max_internal_failures"], sharded_grads=top["sharded_grads"],
                        log_every=top["log_every"], mode=top["mode"],
-                       max_consecutive_skips=top["max_consecutive_skips"],
+                       max_consecutive_skips=top["max_consecutive_skips"], stats_engine=top["stats_engine"],
                        source_text=text, **sections)
 
 

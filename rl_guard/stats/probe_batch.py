@@ -14,10 +14,10 @@ import functools
 
 import torch
 
-from . import keys
+from . import fused, keys
 from .batch import BatchError, TokenBatch
 from .chunks import Chunk, ChunkStats, chunks
-from .constants import DEFAULT_LAG_EDGES
+from .constants import DEFAULT_LAG_EDGES, STATS_ENGINES as ENGINES
 from .kernels import (
     clip_by_lag,
     clip_stats,
@@ -36,19 +36,35 @@ from .token_rows import gate_into, kl_finish, row_plan, rows_into, seq_log_ratio
 
 
 @torch.no_grad()
-def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None) -> Partial:
-    """All token-level sufficient statistics of one micro-batch (device tensors, no host sync)."""
+def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None,
+                engine: str = "eager") -> Partial:
+    """All token-level sufficient statistics of one micro-batch (device tensors, no host sync). ``engine``:
+    ``eager`` (operations on reused chunk buffers) or ``compiled`` (``fused.py``; falls back to eager, with one
+    warning, if it cannot compile or run here)."""
+    if engine == "compiled" and b.logprobs.numel() and fused.usable():
+        try:
+            return _probe(b, lag_edges, chunk_tokens, compiled=True)
+        except Exception as e:  # noqa: BLE001 - a compiler problem must cost speed, never the statistics
+            fused.disable(e)
+    return _probe(b, lag_edges, chunk_tokens, compiled=False)
+
+
+def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool) -> Partial:
     acc = ChunkStats(b.num_seqs, b.device)
-    ws = Scratch.for_batch(b.device, b.logprobs.numel())
+    ws = None if compiled else Scratch.for_batch(b.device, b.logprobs.numel())
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
     seq_clip = (b.clipped_loss and b.importance_sampling_level == "sequence" and b.old_logprobs is not None
                 and b.prox_logprobs is None)
     token_clip = b.clipped_loss and not seq_clip
     plan = row_plan(b.entropy is not None, b.advantages is not None, b.prox_logprobs is not None,
                     b.old_logprobs is not None, b.ref_logprobs is not None, b.versions is not None)
+    static = fused.static_of(plan, b, token_clip, lag_edges) if compiled else None
     for ch in chunks(b, chunk_tokens):
-        ws.start(ch.n)
         acc.next_chunk()
+        if compiled:
+            fused.probe_chunk(acc, b, ch, plan, static, lag_edges)
+            continue
+        ws.start(ch.n)
         _probe_chunk(acc, ws, b, ch, plan, lag_edges, token_clip=token_clip)
     acc.chunks_done()
     if b.versions is not None:

@@ -136,7 +136,7 @@ def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, version
 
 
 @functools.lru_cache(maxsize=64)
-def _device_constant(kind: str, plan: RowPlan | int | None, device: torch.device):
+def device_constant(kind: str, plan: RowPlan | int | None, device: torch.device):
     """Small constants built once per device: the nonfinite matrix, the KL estimator scales (k1 = -sum log r,
     k2 = sum (log r)^2 / 2, k3 = sum k3), the histogram rows' sketch constants."""
     if kind == "nonfinite":
@@ -225,7 +225,7 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
             out["k3"] = _kl_rows(acc, ws, ch, plan, vz, e[plan.kl_first - r0 :], counts)
     c = torch.cat([n_mask.reshape(1), counts])
     # a product and a sum, not a matrix-vector product: autocast would run that in half precision
-    acc.sum_rows(names["nonfinite"], (_device_constant("nonfinite", plan, counts.device) * c).sum(1))
+    acc.sum_rows(names["nonfinite"], (device_constant("nonfinite", plan, counts.device) * c).sum(1))
     return out
 
 
@@ -249,7 +249,7 @@ def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> to
     if not rows:
         return None
     h0, h = plan.at(rows[0]), len(rows)
-    scale, top, shift, base, middle, zero_cells = _device_constant("hists", plan, z.device)
+    scale, top, shift, base, middle, zero_cells = device_constant("hists", plan, z.device)
     idx = cell_index_with(z[h0 : h0 + h], scale, top, shift, base, middle,
                           out=(ws.rows("cell.a", h), ws.rows("cell", h, I32), ws.rows("cell.sign", h, I32)))
     k = len(plan.hist_rows)
@@ -290,7 +290,7 @@ def kl_finish(acc: ChunkStats, plan: RowPlan) -> None:
     valid = seq[0] > 0
     names = plan.names
     acc.sum_rows(names["seqs"], valid.sum(1))
-    est = seq[1:] * _device_constant("estimators", None, seq.device)  # [3, families, S]
+    est = seq[1:] * device_constant("estimators", None, seq.device)  # [3, families, S]
     total = est.sum(2).reshape(-1)
     acc.sum_rows(names["kl_sum"], total)
     acc.sum_rows(names["kl_seqsum"], total.clone())

@@ -1,0 +1,305 @@
+"""The compiled engine (``stats_engine: compiled``): one chunk's token probes as one pure function that
+``torch.compile`` fuses into a few loops over the chunk (C++ on CPU, Triton on CUDA).
+
+It computes what ``token_rows.rows_into`` and the clip and lag probes of ``probe_batch`` compute, and hands the
+results to the same ``ChunkStats`` calls in the same order, so a compiled micro-batch has the same statistics
+layout as an eager one (ranks and micro-batches of either engine merge). The eager engine makes ~100 passes over
+a chunk's memory (one per operation and row); the fused one reads each input once and writes only the integer
+cell indices that the exact counting (``count_cells``, kept eager) needs. Sums of floats may differ from the eager
+engine's in the last bits (another summation order); counts, cells, extremes and quantiles are identical.
+
+Costs: a first call compiles for ~10-60 s (once per process and combination of fields; shapes are dynamic), CPU
+needs a C++ compiler and CUDA needs Triton. Any failure to compile or run falls back to the eager engine for the
+rest of the process, with one warning: the statistics are the same, only slower (``probe_batch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from . import keys
+from .constants import EXP_CLAMP
+from .sketch import LOG_RATIO, cell_index_with, count_cells
+from .token_probes import lag_slot_offset, lag_slots
+from .token_rows import RowPlan, device_constant
+
+INF = math.inf
+_failure: list[str] = []  # why the compiled engine is off in this process (empty: it is usable)
+
+
+def usable() -> bool:
+    return not _failure
+
+
+def disable(error: BaseException) -> None:
+    """Turns the compiled engine off for the rest of the process after ``error`` (compiler missing, compile or
+    run failure), with one warning; ``probe_batch`` redoes the micro-batch eagerly."""
+    _failure.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    warnings.warn(f"rl_guard: stats_engine 'compiled' is unavailable here ({_failure[0]}); using the eager "
+                  "engine (same statistics, slower)", RuntimeWarning, stacklevel=3)
+
+
+class Static(NamedTuple):
+    """Everything the fused function branches on (compile-time constants): the row plan's groups as indices."""
+
+    rows: tuple[str, ...]
+    values: tuple[int, int]
+    n_ext: int
+    log_ratios: int
+    n_ratio: int
+    kl_first: int
+    cells: tuple[int, int]  # first cell row and number of cell rows
+    cell_consts: tuple[tuple, ...]  # per cell row: the sketch constants of ``cell_index_with``
+    n_hist: int
+    ratio_cell: int  # the ratio row's index among the cell rows (-1: no lag cells)
+    ratio_start: int  # where the ratio row's cells start in the joint count
+    clip_row: int  # -1: no clipping
+    clip_a: float
+    clip_b: float
+    lag: str  # "", "counts" or "cells"
+    lag_lo: int
+    lag_hi: int
+    lengths: bool  # per-sequence mask counts wanted (the batch gives no lengths)
+
+
+def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
+    rows = plan.rows
+    clip_row = -1
+    if plan.has("adv") and token_clip:
+        name = "importance_weight" if plan.has("importance_weight") else "ratio"
+        clip_row = plan.at(name) if plan.has(name) else -1
+    lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
+    lag = "" if b.versions is None else ("cells" if plan.has("ratio") else "counts")
+    cell_rows = plan.cell_rows
+    return Static(rows, plan.values, plan.n_extremes, plan.log_ratios, len(plan.ratio_families), plan.kl_first,
+                  (plan.at(cell_rows[0]) if cell_rows else 0, len(cell_rows)),
+                  tuple((spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
+                        for spec, start in zip(plan.hist_specs, plan.hist_starts)), len(plan.hist_rows),
+                  cell_rows.index("ratio") if plan.lag_cells else -1,
+                  plan.hist_starts[cell_rows.index("ratio")] if plan.lag_cells else 0, clip_row, (hi - lo) / 2, (hi + lo) / 2,
+                  lag, edges[0], edges[-1], b.lengths is None)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """Where ``t`` is finite: ``t - t`` is 0 there and NaN at NaN and +-inf (one vector comparison, where the
+    compiler turns ``isnan`` / ``nan_to_num`` into a scalar loop per vector)."""
+    return (t - t) == 0
+
+
+K3_SERIES = 0.5  # below this |log r| k3 comes from its Taylor series, above from exp
+
+
+def _k3(x: torch.Tensor) -> torch.Tensor:
+    """k3 = (r - 1) - log r = exp(x) - 1 - x, accurate in float32 for every x: the compiler computes ``expm1`` as
+    ``exp(x) - 1``, which cancels for small x, so small |x| use the series x^2/2! + ... + x^10/10! (truncation
+    < 1e-9 relative at |x| = 0.5) and larger ones exp(x) - 1 - x (rounding < 1e-6 relative there)."""
+    poly = torch.full_like(x, 1.0 / math.factorial(10))
+    for k in range(9, 1, -1):
+        poly = poly * x + 1.0 / math.factorial(k)
+    big = torch.exp(torch.clamp(x, max=EXP_CLAMP)) - 1.0 - x
+    return torch.where(x.abs() < K3_SERIES, poly * x * x, big)
+
+
+def _seq_sums(x: torch.Tensor, ids, num_seqs, row_sums=None) -> torch.Tensor:
+    """Per-sequence sums of a ``[r, T]`` token tensor: its row sums (whole padded rows; ``row_sums`` if already
+    taken) or, for packed tokens, float64 sums by sequence ``ids``."""
+    if ids is None:
+        return x.sum(-1) if row_sums is None else row_sums
+    return torch.zeros(num_seqs, dtype=torch.float64, device=x.device).index_add_(0, ids, x.reshape(-1).double())
+
+
+def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a,
+                *, s: Static):
+    """The statistics of one chunk (inputs ``[r, T]``: whole padded rows; packed chunks ``[1, n]`` with sequence
+    ``ids``), as a tuple whose order ``probe_chunk`` follows. See ``token_rows`` and ``token_probes`` for the
+    formulas.
+
+    Written field by field on ``[r, T]`` tensors, every reduction first along each row (``_rows``): the compiler
+    then fuses all of them into one loop nest that reads each input once, and the per-sequence sums come out of the
+    same loop. A stacked ``[fields, ...]`` tensor would instead be rebuilt, one branch per field, inside every loop
+    that reads it."""
+    shape = lp.shape
+    n = lp.numel()
+    m = mask if mask.dtype == torch.bool else mask != 0
+    gate = torch.where(m, 0.0, -INF)
+    full = lambda t: t if t.shape == shape else t.expand(shape)  # noqa: E731 - per-sequence fields broadcast
+    lpg = full(lp).float() + gate
+    y = {"logp": lpg}
+    if ent is not None:
+        y["entropy"] = full(ent).float() + gate
+    if adv is not None:
+        y["adv"] = full(adv).float() + gate
+    if prox is not None:
+        y["importance_weight"] = lpg - full(prox)
+    if old is not None:
+        y["ratio"] = lpg - full(old)
+    if prox is not None and old is not None:
+        y["behave_imp_weight"] = (torch.sub(full(prox), full(old)).float() + y["importance_weight"] * 0.0
+                                  + y["ratio"] * 0.0)
+    if ref is not None:
+        y["kl_ref"] = full(ref) - lpg
+    ys = [y[r] for r in s.rows]
+    fin = [_finite(t) for t in ys]
+    z = [torch.where(f, t, 0.0) for f, t in zip(fin, ys)]
+    v = [f.float() for f in fin]
+    v_rows = [t.sum(-1) for t in v]
+    counts = torch.stack([t.sum() for t in v_rows])
+    n_mask = m.sum(-1).sum()
+    ext = ys[: s.n_ext]
+    out = [n_mask, _seq_sums(m.int(), ids, num_seqs) if s.lengths else None, counts,
+           torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
+           torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)]),
+           torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)])]
+    i_adv = s.rows.index("adv") if "adv" in s.rows else -1
+    if i_adv >= 0:
+        zd = z[i_adv].double()
+        out += [zd.sum(-1).sum(), (zd * zd).sum(-1).sum()]
+    cells = []
+    if s.cells[1]:
+        h0 = s.cells[0]
+        cells = [cell_index_with(z[h0 + i], *consts) for i, consts in enumerate(s.cell_consts)]
+        out += [tuple(cells[: s.n_hist]), torch.rsub(counts[h0 : h0 + s.n_hist], n)]
+    r0, k0 = s.log_ratios, s.kl_first
+    k3 = [_k3(t) for t in z[r0:]]  # r - 1 = log r + k3
+    if s.n_ratio:
+        out.append(torch.stack([(t + k).sum(-1).sum() for t, k in zip(z[r0 : r0 + s.n_ratio], k3)])
+                   + counts[r0 : r0 + s.n_ratio])
+    k3 = k3[k0 - r0 :]
+    if k3:
+        if "ratio" in s.rows:
+            i = s.rows.index("ratio")
+            out.append(counts[i : i + 1])
+        per_seq = [_seq_sums(t, ids, num_seqs, rows) for t, rows in zip(v[k0:], v_rows[k0:])]
+        per_seq += [_seq_sums(t, ids, num_seqs) for t in (*z[k0:], *(t * t for t in z[k0:]), *k3)]
+        out.append(torch.stack(per_seq).view(4, len(k3), -1))
+    out.append((nonfinite_a * torch.cat([n_mask.reshape(1).float(), counts])).sum(1))
+    clipped = None
+    if i_adv >= 0:
+        sign = torch.sign(z[i_adv])
+        out.append(counts[i_adv] - (sign * sign).sum(-1).sum())
+        if s.clip_row >= 0:
+            j = s.clip_row
+            clipped = ((z[j] - s.clip_b) * sign > s.clip_a).float()
+            n_clipped = clipped.sum(-1).sum()
+            n_low = (n_clipped - (clipped * sign).sum(-1).sum()) * 0.5
+            out += [(v[j] * v[i_adv]).sum(-1).sum(), n_low, n_clipped - n_low]
+    if s.lag:
+        lag = (gate - torch.round(full(versions).float())) + current_version
+        fl = _finite(lag)
+        zl = torch.where(fl, lag, 0.0)
+        out += [zl.sum(-1).sum(), torch.where(fl, lag, -INF).amax(-1).amax()]
+        slots = s.lag_hi - s.lag_lo + 2
+        slot = (torch.clamp(zl, s.lag_lo, s.lag_hi) - (s.lag_lo + slots - 1)) * fl.float()
+        if s.lag == "counts":
+            out.append(slot.int() + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False))
+        else:
+            slot = slot + v[s.rows.index("ratio")] * (-2.0 * slots)
+            if clipped is not None:
+                slot = slot + clipped * float(slots)
+            offset = slot.int()
+            base = lag_slot_offset((s.lag_lo, s.lag_hi), regions=True)
+            cell = cells[s.ratio_cell] + (LOG_RATIO.bins * base - s.ratio_start) + offset * LOG_RATIO.bins
+            out += [cell, offset + base, k3[0].double()]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(s: Static):
+    """The compiled function for one ``Static``. Each gets its own copy of ``_chunk_math``'s code object: the
+    compiler keeps a bounded number of versions per code object (8 by default) and beyond that silently runs the
+    Python eagerly, so combinations of fields must not share one."""
+    code = _chunk_math.__code__.replace(co_name=f"_chunk_math_{_kernel.cache_info().currsize}")
+    fn = types.FunctionType(code, _chunk_math.__globals__, code.co_name)
+    fn.__kwdefaults__ = {"s": s}  # a constant to the compiler (a partial would share one wrapper's code object)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges) -> None:
+    """The compiled counterpart of ``probe_batch._probe_chunk``: same statistics, same ``ChunkStats`` calls."""
+    view, ids = _chunk_views(b, ch)
+    device = b.device
+    out = iter(_kernel(s)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages),
+                          view(b.prox_logprobs), view(b.old_logprobs), view(b.ref_logprobs), view(b.versions), ids,
+                          b.num_seqs, int(b.current_version or 0),
+                          device_constant("nonfinite", plan, device)))
+    names = plan.names
+    acc.sum(keys.TOKENS.count, next(out))
+    lengths = next(out)
+    if s.lengths:
+        _seq_add(acc.seq("length"), ch, lengths)
+    acc.sum_rows(names["count"], next(out))
+    acc.sum_rows(names["sum"], next(out))
+    acc.max_rows(names["max"], next(out))
+    acc.min_rows(names["min"], next(out))
+    if plan.has("adv"):
+        acc.sum(keys.ADV.sum, next(out))
+        acc.sum(keys.ADV.sumsq, next(out))
+    if s.cells[1]:
+        idx, n_invalid = next(out), next(out)
+        if s.n_hist:  # whole [r, T] outputs keep the compiled loops fused; flattened here (views, or one copy)
+            idx = idx[0].reshape(-1) if len(idx) == 1 else torch.cat([t.reshape(-1) for t in idx])
+            cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[: s.n_hist]))
+            acc.hist(names["hist"], cells, device_constant("hists", plan, device)[5][: s.n_hist], n_invalid)
+    if s.log_ratios < len(s.rows):
+        if s.n_ratio:
+            acc.sum_rows(names["ratio_sum"], next(out))
+        if s.kl_first < len(s.rows):
+            if plan.has("ratio"):
+                acc.sum_rows(names["kl_count"], next(out))
+            nk = len(s.rows) - s.kl_first
+            _seq_add(acc.seq("kl", 4 * nk).view(4, nk, -1), ch, next(out))
+    acc.sum_rows(names["nonfinite"], next(out))
+    if plan.has("adv"):
+        acc.sum(keys.ADV.zero, next(out))
+        if s.clip_row >= 0:
+            acc.sum(keys.CLIP.count, next(out))
+            acc.sum(keys.CLIP.low, next(out))
+            acc.sum(keys.CLIP.high, next(out))
+    if s.lag:
+        acc.sum(keys.LAG.sum, next(out))
+        acc.max(keys.LAG.max, next(out))
+        slots = lag_slots(edges)
+        if s.lag == "counts":
+            acc.sum(keys.LAG.slots, count_cells(next(out).reshape(-1), slots))
+        else:
+            acc.sum(keys.LAG.cells, count_cells(next(out).reshape(-1), 3 * slots * LOG_RATIO.bins))
+            acc.sum(keys.LAG.cells_k3, count_cells(next(out).reshape(-1), 3 * slots, weights=next(out).reshape(-1)))
+
+
+def _chunk_views(b, ch):
+    """``view(t)``: the chunk of a per-token (or per-sequence) field as ``[r, T]`` (whole padded rows) or
+    ``[1, n]``; and the tokens' sequence ids for a packed batch."""
+    if b.packed:
+        def view(t):
+            if t is None:
+                return None
+            return (ch.seq_gather(t) if t.shape != b.logprobs.shape and t.dim() == 1 else ch.raw(t)).reshape(1, -1)
+        return view, ch.seq_ids()
+    T = b.logprobs.shape[1]
+
+    def view(t):
+        if t is None:
+            return None
+        per_seq = t.dim() == 1 and tuple(t.shape) != tuple(b.logprobs.shape)
+        if ch.rows is not None:
+            r0, r1 = ch.rows
+            return t[r0:r1, None] if per_seq else t[r0:r1]
+        row, c0 = ch.start // T, ch.start % T  # [1, n] with the strides of a whole row: one compiled version
+        return t[row : row + 1, None] if per_seq else t[row, c0 : c0 + ch.n].view(1, -1)
+    return view, None
+
+
+def _seq_add(acc: torch.Tensor, ch, sums: torch.Tensor) -> None:
+    """Adds per-sequence sums (``[..., r]`` for padded rows, ``[..., S]`` for packed tokens) into ``acc``."""
+    if ch.b.packed:
+        acc.add_(sums)
+        return
+    T = ch.b.logprobs.shape[1]
+    r0, r1 = ch.rows if ch.rows is not None else (ch.start // T, ch.start // T + 1)
+    (acc if (r0, r1) == (0, acc.shape[-1]) else acc[..., r0:r1]).add_(sums)

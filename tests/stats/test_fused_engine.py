@@ -1,0 +1,181 @@
+"""The compiled statistics engine (``stats_engine: compiled``, rl_guard/stats/fused.py), really compiled here.
+
+Against the eager engine: the same statistics layout (so micro-batches and ranks of either engine merge), the same
+counts, histogram cells, extremes and non-finite counts bit for bit, the float sums to float32 accuracy; and
+against the float64 numpy reference (reference_stats.py) on its own. Also: a compiler that cannot run turns the
+engine off with one warning and the statistics come from the eager engine; a bad ``stats_engine`` is a located
+config error. Each combination of fields compiles once (~10-20 s), hence ``slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from reference_stats import check, make_padded, np_dict, packed_from, reference
+
+from rl_guard import Guard
+from rl_guard.control.config import load_config
+from rl_guard.errors import ConfigError
+from rl_guard.stats import fused
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.summarize import summarize
+
+pytestmark = pytest.mark.slow
+CV = 12
+# float sums, and the sequence ratio made of them: another summation order (and k3 from its series) than the eager
+# engine's
+FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "cells_k3", "seq_ratio.")
+
+
+def _run(d: dict, engine: str, chunk=None, **kw):
+    b = TokenBatch(**d, current_version=CV if "versions" in d else None, **kw)
+    p = probe_batch(b, chunk_tokens=chunk, engine=engine)
+    layout = p.packed[0]
+    acc = StepAccumulator()
+    acc.add(p)
+    return layout, acc.finish()
+
+
+def _compare(d: dict, chunk=None, **kw) -> dict:
+    """Compiled vs eager on one micro-batch; returns the compiled engine's metrics."""
+    assert fused.usable(), fused._failure
+    lay_c, c = _run(d, "compiled", chunk, **kw)
+    assert fused.usable(), fused._failure  # it compiled and ran: no fallback hides behind the comparison
+    lay_e, e = _run(d, "eager", chunk, **kw)
+    assert lay_c == lay_e
+    assert c.keys() == e.keys()
+    for key in e:
+        if any(part in key for part in FLOAT_SUMS):
+            np.testing.assert_allclose(c[key], e[key], rtol=2e-5, atol=1e-6, err_msg=key)
+        else:
+            np.testing.assert_array_equal(c[key], e[key], err_msg=key)
+    return summarize(c)[0]
+
+
+@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "prox", "adv", "entropy"),
+                                    ("ref", "entropy")])
+def test_compiled_equals_eager_and_the_float64_reference(fields):
+    for seed in range(2):
+        d = make_padded(seed, fields=fields)
+        check(_compare(d), reference(np_dict(d), cv=CV))
+
+
+def test_every_chunk_shape_padded_rows_column_blocks_and_packed():
+    d = make_padded(3, B=6, T=40, fields=("old", "ref", "entropy", "adv", "versions"))
+    want = reference(np_dict(d), cv=CV)
+    check(_compare(d, chunk=80), want)  # two whole rows per chunk
+    check(_compare(d, chunk=17), want)  # column blocks of one row
+    p = packed_from(d)
+    check(_compare(p, chunk=50), want)
+
+
+def test_per_sequence_advantages_versions_and_given_lengths():
+    d = make_padded(4, fields=("old", "ref"))
+    g = torch.Generator().manual_seed(0)
+    d["advantages"] = torch.randn(6, generator=g)
+    d["versions"] = torch.randint(0, 13, (6,), generator=g).float()
+    d["lengths"] = torch.randint(1, 40, (6,), generator=g)
+    check(_compare(d), reference(np_dict(d), cv=CV))
+
+
+def test_nonfinite_bf16_inputs_and_gspo():
+    d = make_padded(5, fields=("old", "ref", "entropy", "adv", "versions"))
+    d["logprobs"][0, 1] = float("nan")
+    d["old_logprobs"][1, 2] = float("inf")
+    d["entropy"][2, 3] = float("-inf")
+    d["advantages"][3, 0] = float("nan")
+    got = _compare(d)
+    assert got["rl_guard/input/logprobs/nonfinite"] + got["rl_guard/input/old_logprobs/nonfinite"] >= 1
+    check(got, reference(np_dict(d), cv=CV))
+    half = {k: v.to(torch.bfloat16) if k in ("logprobs", "old_logprobs", "ref_logprobs") else v for k, v in
+            make_padded(6, fields=("old", "ref", "entropy", "adv", "versions")).items()}
+    _compare(half)
+    g = make_padded(7, B=8, T=30, spread=0.6, fields=("old", "ref", "entropy", "adv", "versions"))
+    check(_compare(g, importance_sampling_level="sequence"), reference(np_dict(g), cv=CV, level="sequence"))
+
+
+def test_k3_is_accurate_where_exp_minus_one_cancels():
+    """log-ratios ~1e-4: k3 ~ 5e-9 per token, below float32's resolution of exp(x) - 1."""
+    d = make_padded(8, fields=("old", "ref"))
+    d["old_logprobs"] = d["logprobs"] - 1e-4 * torch.randn(d["logprobs"].shape).sign()
+    got = _compare(d)
+    assert got["rl_guard/kl_old/k3_mean"] == pytest.approx(0.5e-8, rel=2e-3)
+
+
+def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_path):
+    def run(engine):
+        yaml = tmp_path / f"{engine}.yaml"
+        yaml.write_text(f"version: 1\nstats_engine: {engine}\nsinks: []\n")
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = Guard.from_yaml(yaml, run_dir=tmp_path / engine).attach(model, opt)
+        out = []
+        for step in range(3):
+            d = make_padded(10 + step, fields=("old", "ref", "entropy", "adv", "versions"))
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            guard.observe(TokenBatch(**d, current_version=CV), loss=loss.detach())
+            loss.backward()
+            assert guard.check().apply_step
+            opt.step()
+            opt.zero_grad()
+            guard.step_done()
+            out.append(dict(guard.last_metrics))
+        assert guard.internal_failures == 0
+        guard.close()
+        return out
+
+    calls = fused._kernel.cache_info()
+    compiled = run("compiled")
+    assert fused.usable() and fused._kernel.cache_info().hits > calls.hits  # the compiled engine really ran
+    for c, e in zip(compiled, run("eager")):
+        assert c.keys() == e.keys()
+        for key in e:
+            assert c[key] == pytest.approx(e[key], rel=2e-5, abs=1e-6, nan_ok=True), key
+
+
+def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
+    """A real failure: the C++ compiler the compiler is told to use does not exist (fresh compile cache)."""
+    script = textwrap.dedent(f"""
+        import sys, warnings
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import numpy as np
+        from reference_stats import make_padded
+        from rl_guard.stats import fused
+        from rl_guard.stats.batch import TokenBatch
+        from rl_guard.stats.probe_batch import probe_batch
+        d = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [probe_batch(TokenBatch(**d, current_version=12), engine="compiled") for _ in range(2)]
+        want = probe_batch(TokenBatch(**d, current_version=12), engine="eager")
+        messages = [str(w.message) for w in caught if "stats_engine 'compiled' is unavailable" in str(w.message)]
+        assert len(messages) == 1, messages
+        assert not fused.usable()
+        for p in got:
+            assert p.packed[0] == want.packed[0]
+            assert np.array_equal(p.packed[1].numpy(), want.packed[1].numpy())
+        print("FELL BACK:", messages[0])
+    """)
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FELL BACK" in out.stdout
+
+
+def test_a_bad_stats_engine_names_the_key_line_and_allowed_values(tmp_path):
+    yaml = tmp_path / "g.yaml"
+    yaml.write_text("version: 1\nsinks: []\nstats_engine: fused\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(yaml)
+    text = str(err.value)
+    assert "stats_engine" in text and "line 3" in text and "eager, compiled" in text
