@@ -50,6 +50,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from json_output import add_json_argument, emit_json  # noqa: E402
+from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
 
 TARGET = 1.05
 
@@ -117,7 +118,7 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
 
 
 def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0,
-             completion: int = 8, lr: float = 3e-3) -> dict:
+             completion: int = 8, lr: float = 3e-3, stats_engine: str = "eager") -> dict:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -136,7 +137,7 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
             original = getattr(owner, name)
             patched.append((owner, name, original))
             setattr(owner, name, bd.wrap(original, part))
-        callbacks.append(adapter.RLGuardCallback(demo_config("rollback", console_every=None),
+        callbacks.append(adapter.RLGuardCallback(demo_config("rollback", console_every=None, stats_engine=stats_engine),
                                                  run_dir=str(work / "guard")))
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
                           args=args, train_dataset=dataset, callbacks=callbacks)
@@ -171,6 +172,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--completion", type=int, default=8, help="max completion tokens (default 8, at most 48)")
     ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; lower it for larger models "
                     "so that the guard does not act: a run it acts on does different work)")
+    ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
+                    help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)
     args = ap.parse_args(argv)
     runs = args.runs or (3 if args.quick else 5)
@@ -185,11 +188,13 @@ def main(argv=None) -> dict:
     model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
     dataset = prompt_dataset(256, seed=0)
     for guarded in (False, True):  # warm-up: first-call costs (kernels, lazy imports) land in neither figure
-        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", completion=args.completion, lr=args.lr)
+        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", completion=args.completion, lr=args.lr,
+                 stats_engine=args.stats_engine)
     pairs = []
     for i in range(runs):
         order = (False, True) if i % 2 == 0 else (True, False)
-        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}", completion=args.completion, lr=args.lr)
+        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}", completion=args.completion, lr=args.lr,
+                 stats_engine=args.stats_engine)
                   for g in order}
         pairs.append((result[False], result[True]))
         print(f"pair {i}: unguarded {result[False]['wall']:.2f}s, guarded {result[True]['wall']:.2f}s "
@@ -199,7 +204,7 @@ def main(argv=None) -> dict:
         "overhead_ratio_cpu": statistics.median(g["cpu"] / p["cpu"] for p, g in pairs),
         "overhead_ratio_best": min(g["wall"] for _, g in pairs) / min(p["wall"] for p, _ in pairs),
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
-        "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads,
+        "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
         "model": {"hidden": args.hidden, "layers": args.layers, "completion": args.completion, "lr": args.lr},
         "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
                               for part in PARTS},

@@ -4,13 +4,19 @@
 It computes what ``token_rows.rows_into`` and the clip and lag probes of ``probe_batch`` compute, and hands the
 results to the same ``ChunkStats`` calls in the same order, so a compiled micro-batch has the same statistics
 layout as an eager one (ranks and micro-batches of either engine merge). The eager engine makes ~100 passes over
-a chunk's memory (one per operation and row); the fused one reads each input once and writes only the integer
-cell indices that the exact counting (``count_cells``, kept eager) needs. Sums of floats may differ from the eager
-engine's in the last bits (another summation order); counts, cells, extremes and quantiles are identical.
+a chunk's memory (one per operation and row); the fused loops read each input once or twice and write only the
+integer cell indices that the exact counting (``count_cells``, kept eager) needs. Counts, histogram cells, extremes
+and non-finite counts are identical to the eager engine's; float sums agree to float32 accuracy (another summation
+order, and k3 from its series, ``_k3``).
 
-Costs: a first call compiles for ~10-60 s (once per process and combination of fields; shapes are dynamic), CPU
-needs a C++ compiler and CUDA needs Triton. Any failure to compile or run falls back to the eager engine for the
-rest of the process, with one warning: the statistics are the same, only slower (``probe_batch``).
+Written for the compiler: per field on ``[r, T]`` tensors, finiteness as ``t - t == 0`` and k3 without ``expm1``
+(the compiler turns ``isnan`` into a scalar loop and ``expm1`` into ``exp(x) - 1``, which cancels in float32).
+
+Costs: a first call compiles for ~10-30 s (once per process and combination of fields and dtypes; shapes are
+dynamic), CPU needs a C++ compiler and CUDA needs Triton. On CPU, micro-batches under ``CPU_MIN_TOKENS`` stay
+eager, where a compiled call's fixed cost exceeds its gain. Any failure to compile or run turns the engine off for
+the rest of the process, with one warning, and ``probe_batch`` redoes the micro-batch eagerly: the statistics are
+the same, only slower.
 """
 
 from __future__ import annotations
@@ -33,8 +39,15 @@ INF = math.inf
 _failure: list[str] = []  # why the compiled engine is off in this process (empty: it is usable)
 
 
-def usable() -> bool:
-    return not _failure
+CPU_MIN_TOKENS = 1 << 13  # below this a CPU micro-batch is cheaper eager (measured crossover ~8K tokens)
+
+
+def usable(b) -> bool:
+    """Whether the compiled engine takes micro-batch ``b``: it has not failed in this process, and on CPU the batch
+    is large enough for one fused call to beat ~200 small operations (the compiled call has a fixed cost of its
+    own). On a GPU every batch goes to it: there each eager operation is a kernel launch."""
+    n = b.logprobs.numel()
+    return not _failure and n > 0 and (b.device.type != "cpu" or n >= CPU_MIN_TOKENS)
 
 
 def disable(error: BaseException) -> None:

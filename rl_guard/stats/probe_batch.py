@@ -39,9 +39,9 @@ from .token_rows import gate_into, kl_finish, row_plan, rows_into, seq_log_ratio
 def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None,
                 engine: str = "eager") -> Partial:
     """All token-level sufficient statistics of one micro-batch (device tensors, no host sync). ``engine``:
-    ``eager`` (operations on reused chunk buffers) or ``compiled`` (``fused.py``; falls back to eager, with one
-    warning, if it cannot compile or run here)."""
-    if engine == "compiled" and b.logprobs.numel() and fused.usable():
+    ``eager`` (operations on reused chunk buffers) or ``compiled`` (``fused.py``; small CPU micro-batches stay
+    eager, and it falls back to eager, with one warning, if it cannot compile or run here)."""
+    if engine == "compiled" and fused.usable(b):
         try:
             return _probe(b, lag_edges, chunk_tokens, compiled=True)
         except Exception as e:  # noqa: BLE001 - a compiler problem must cost speed, never the statistics

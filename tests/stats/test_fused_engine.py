@@ -30,6 +30,12 @@ from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _small_batches_compiled_too(monkeypatch):
+    """The test batches are small; on CPU those normally stay eager (``fused.CPU_MIN_TOKENS``)."""
+    monkeypatch.setattr(fused, "CPU_MIN_TOKENS", 1)
 CV = 12
 # float sums, and the sequence ratio made of them: another summation order (and k3 from its series) than the eager
 # engine's
@@ -47,9 +53,12 @@ def _run(d: dict, engine: str, chunk=None, **kw):
 
 def _compare(d: dict, chunk=None, **kw) -> dict:
     """Compiled vs eager on one micro-batch; returns the compiled engine's metrics."""
-    assert fused.usable(), fused._failure
+    assert not fused._failure
+    calls = fused._kernel.cache_info()
     lay_c, c = _run(d, "compiled", chunk, **kw)
-    assert fused.usable(), fused._failure  # it compiled and ran: no fallback hides behind the comparison
+    # it compiled and ran: no fallback hides behind the comparison
+    assert not fused._failure and fused._kernel.cache_info().hits + fused._kernel.cache_info().misses > (
+        calls.hits + calls.misses)
     lay_e, e = _run(d, "eager", chunk, **kw)
     assert lay_c == lay_e
     assert c.keys() == e.keys()
@@ -136,7 +145,7 @@ def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_pa
 
     calls = fused._kernel.cache_info()
     compiled = run("compiled")
-    assert fused.usable() and fused._kernel.cache_info().hits > calls.hits  # the compiled engine really ran
+    assert not fused._failure and fused._kernel.cache_info().hits > calls.hits  # the compiled engine really ran
     for c, e in zip(compiled, run("eager")):
         assert c.keys() == e.keys()
         for key in e:
@@ -153,6 +162,7 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         from rl_guard.stats import fused
         from rl_guard.stats.batch import TokenBatch
         from rl_guard.stats.probe_batch import probe_batch
+        fused.CPU_MIN_TOKENS = 1
         d = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -160,7 +170,7 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         want = probe_batch(TokenBatch(**d, current_version=12), engine="eager")
         messages = [str(w.message) for w in caught if "stats_engine 'compiled' is unavailable" in str(w.message)]
         assert len(messages) == 1, messages
-        assert not fused.usable()
+        assert fused._failure
         for p in got:
             assert p.packed[0] == want.packed[0]
             assert np.array_equal(p.packed[1].numpy(), want.packed[1].numpy())
@@ -170,6 +180,17 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "FELL BACK" in out.stdout
+
+
+def test_small_cpu_micro_batches_stay_eager(monkeypatch):
+    monkeypatch.setattr(fused, "CPU_MIN_TOKENS", 1 << 13)
+    small = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))  # 240 tokens
+    calls = fused._kernel.cache_info()
+    _run(small, "compiled")
+    assert fused._kernel.cache_info() == calls
+    big = {k: v.repeat(1, 40) if v.dim() == 2 else v for k, v in small.items()}  # 9,600 tokens
+    _run(big, "compiled")
+    assert fused._kernel.cache_info().hits + fused._kernel.cache_info().misses > calls.hits + calls.misses
 
 
 def test_a_bad_stats_engine_names_the_key_line_and_allowed_values(tmp_path):
