@@ -28,6 +28,9 @@ def test_main_on_a_tiny_batch_writes_the_json_keys(bench, tmp_path, capsys):
         assert key in data, key
     assert data["transfers_per_step"] == 1 and data["other_host_reads_per_step"] == 0
     assert data["max_tokens_ok"] == 1 << 12 and data["speedup_vs_naive_4M"] > 0 and data["peak_extra_mem_ratio_4M"] > 0
+    # both engines timed; the top level is the first one's
+    assert data["engine"] == "compiled" and data["speedup_vs_naive_4M"] == data["speedup_vs_naive_4M_compiled"]
+    assert data["speedup_vs_naive_4M_eager"] > 0
     assert result["rows"][0]["tokens"] == 1 << 12
     assert "speedup_vs_naive" in capsys.readouterr().out
 
