@@ -85,17 +85,44 @@ class Chunk:
         if self.b.packed:
             acc.index_add_(acc.dim() - 1, self.seq_ids(), values.to(acc.dtype))
             return
-        T = self.b.logprobs.shape[1]
         if self.rows is not None:
             r0, r1 = self.rows
-            rows = values.view(*values.shape[:-1], r1 - r0, T)
+            rows = values.view(*values.shape[:-1], r1 - r0, self.b.logprobs.shape[1])
             sums = rows.sum(-1, dtype=torch.int32) if rows.dtype == torch.bool else rows.sum(-1)
         else:
-            r0 = self.start // T
-            r1 = r0 + 1
             sums = values.count_nonzero(-1) if values.dtype == torch.bool else values.sum(-1)
             sums = sums.unsqueeze(-1)
+        self.add_seq_sums(acc, sums)
+
+    def add_seq_sums(self, acc: torch.Tensor, sums: torch.Tensor) -> None:
+        """Adds this chunk's per-sequence ``sums`` into ``acc``: ``[..., r]`` for its padded rows (one row for a
+        column block), ``[..., S]`` for a packed batch."""
+        if self.b.packed:
+            acc.add_(sums)
+            return
+        if self.rows is not None:
+            r0, r1 = self.rows
+        else:  # a column block of one row
+            r0 = self.start // self.b.logprobs.shape[1]
+            r1 = r0 + 1
         (acc if (r0, r1) == (0, acc.shape[-1]) else acc[..., r0:r1]).add_(sums)
+
+    def block(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This chunk of a per-token field as 2-D, in its own dtype: ``[r, T]`` for whole padded rows, ``[1, n]``
+        for a column block or a packed range; a per-sequence field as ``[r, 1]`` / ``[1, 1]`` (to broadcast), or
+        gathered per token ``[1, n]`` in a packed batch."""
+        if t is None:
+            return None
+        b = self.b
+        per_seq = t.dim() == 1 and tuple(t.shape) != tuple(b.logprobs.shape)
+        if b.packed:
+            return (self.seq_gather(t) if per_seq else self._slice(t)).view(1, -1)
+        if self.rows is not None:
+            r0, r1 = self.rows
+            return t[r0:r1, None] if per_seq else t[r0:r1]
+        T = b.logprobs.shape[1]
+        row = self.start // T
+        return t[row : row + 1, None] if per_seq else self._slice(t).view(1, -1)
 
 
 def chunks(b: TokenBatch, size: int | None = None):

@@ -235,17 +235,16 @@ def _kernel(s: Static):
 
 def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges) -> None:
     """The compiled counterpart of ``probe_batch._probe_chunk``: same statistics, same ``ChunkStats`` calls."""
-    view, ids = _chunk_views(b, ch)
-    device = b.device
+    view, device = ch.block, b.device
     out = iter(_kernel(s)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages),
-                          view(b.prox_logprobs), view(b.old_logprobs), view(b.ref_logprobs), view(b.versions), ids,
-                          b.num_seqs, int(b.current_version or 0),
+                          view(b.prox_logprobs), view(b.old_logprobs), view(b.ref_logprobs), view(b.versions),
+                          ch.seq_ids() if b.packed else None, b.num_seqs, int(b.current_version or 0),
                           device_constant("nonfinite", plan, device)))
     names = plan.names
     acc.sum(keys.TOKENS.count, next(out))
     lengths = next(out)
     if s.lengths:
-        _seq_add(acc.seq("length"), ch, lengths)
+        ch.add_seq_sums(acc.seq("length"), lengths)
     acc.sum_rows(names["count"], next(out))
     acc.sum_rows(names["sum"], next(out))
     acc.max_rows(names["max"], next(out))
@@ -266,7 +265,7 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges) -> None:
             if plan.has("ratio"):
                 acc.sum_rows(names["kl_count"], next(out))
             nk = len(s.rows) - s.kl_first
-            _seq_add(acc.seq("kl", 4 * nk).view(4, nk, -1), ch, next(out))
+            ch.add_seq_sums(acc.seq("kl", 4 * nk).view(4, nk, -1), next(out))
     acc.sum_rows(names["nonfinite"], next(out))
     if plan.has("adv"):
         acc.sum(keys.ADV.zero, next(out))
@@ -283,36 +282,3 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges) -> None:
         else:
             acc.sum(keys.LAG.cells, count_cells(next(out).reshape(-1), 3 * slots * LOG_RATIO.bins))
             acc.sum(keys.LAG.cells_k3, count_cells(next(out).reshape(-1), 3 * slots, weights=next(out).reshape(-1)))
-
-
-def _chunk_views(b, ch):
-    """``view(t)``: the chunk of a per-token (or per-sequence) field as ``[r, T]`` (whole padded rows) or
-    ``[1, n]``; and the tokens' sequence ids for a packed batch."""
-    if b.packed:
-        def view(t):
-            if t is None:
-                return None
-            return (ch.seq_gather(t) if t.shape != b.logprobs.shape and t.dim() == 1 else ch.raw(t)).reshape(1, -1)
-        return view, ch.seq_ids()
-    T = b.logprobs.shape[1]
-
-    def view(t):
-        if t is None:
-            return None
-        per_seq = t.dim() == 1 and tuple(t.shape) != tuple(b.logprobs.shape)
-        if ch.rows is not None:
-            r0, r1 = ch.rows
-            return t[r0:r1, None] if per_seq else t[r0:r1]
-        row, c0 = ch.start // T, ch.start % T  # [1, n] with the strides of a whole row: one compiled version
-        return t[row : row + 1, None] if per_seq else t[row, c0 : c0 + ch.n].view(1, -1)
-    return view, None
-
-
-def _seq_add(acc: torch.Tensor, ch, sums: torch.Tensor) -> None:
-    """Adds per-sequence sums (``[..., r]`` for padded rows, ``[..., S]`` for packed tokens) into ``acc``."""
-    if ch.b.packed:
-        acc.add_(sums)
-        return
-    T = ch.b.logprobs.shape[1]
-    r0, r1 = ch.rows if ch.rows is not None else (ch.start // T, ch.start // T + 1)
-    (acc if (r0, r1) == (0, acc.shape[-1]) else acc[..., r0:r1]).add_(sums)
