@@ -187,14 +187,13 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="rl_guard_overhead_"))
     model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
     dataset = prompt_dataset(256, seed=0)
+    run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine)
     for guarded in (False, True):  # warm-up: first-call costs (kernels, lazy imports) land in neither figure
-        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", completion=args.completion, lr=args.lr,
-                 stats_engine=args.stats_engine)
+        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", **run_options)
     pairs = []
     for i in range(runs):
         order = (False, True) if i % 2 == 0 else (True, False)
-        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}", completion=args.completion, lr=args.lr,
-                 stats_engine=args.stats_engine)
+        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}", **run_options)
                   for g in order}
         pairs.append((result[False], result[True]))
         print(f"pair {i}: unguarded {result[False]['wall']:.2f}s, guarded {result[True]['wall']:.2f}s "

@@ -82,7 +82,6 @@ class Static(NamedTuple):
 
 
 def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
-    rows = plan.rows
     clip_row = -1
     if plan.has("adv") and token_clip:
         name = "importance_weight" if plan.has("importance_weight") else "ratio"
@@ -90,13 +89,13 @@ def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
     lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
     lag = "" if b.versions is None else ("cells" if plan.has("ratio") else "counts")
     cell_rows = plan.cell_rows
-    return Static(rows, plan.values, plan.n_extremes, plan.log_ratios, len(plan.ratio_families), plan.kl_first,
-                  (plan.at(cell_rows[0]) if cell_rows else 0, len(cell_rows)),
-                  tuple((spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
-                        for spec, start in zip(plan.hist_specs, plan.hist_starts)), len(plan.hist_rows),
-                  cell_rows.index("ratio") if plan.lag_cells else -1,
-                  plan.hist_starts[cell_rows.index("ratio")] if plan.lag_cells else 0, clip_row, (hi - lo) / 2, (hi + lo) / 2,
-                  lag, edges[0], edges[-1], b.lengths is None)
+    ratio_cell = cell_rows.index("ratio") if plan.lag_cells else -1
+    consts = tuple((spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
+                   for spec, start in zip(plan.hist_specs, plan.hist_starts))
+    return Static(plan.rows, plan.values, plan.n_extremes, plan.log_ratios, len(plan.ratio_families), plan.kl_first,
+                  (plan.at(cell_rows[0]) if cell_rows else 0, len(cell_rows)), consts, len(plan.hist_rows),
+                  ratio_cell, plan.hist_starts[ratio_cell] if ratio_cell >= 0 else 0, clip_row, (hi - lo) / 2,
+                  (hi + lo) / 2, lag, edges[0], edges[-1], b.lengths is None)
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
@@ -111,7 +110,7 @@ K3_SERIES = 0.5  # below this |log r| k3 comes from its Taylor series, above fro
 def _k3(x: torch.Tensor) -> torch.Tensor:
     """k3 = (r - 1) - log r = exp(x) - 1 - x, accurate in float32 for every x: the compiler computes ``expm1`` as
     ``exp(x) - 1``, which cancels for small x, so small |x| use the series x^2/2! + ... + x^10/10! (truncation
-    < 1e-9 relative at |x| = 0.5) and larger ones exp(x) - 1 - x (rounding < 1e-6 relative there)."""
+    < 1e-9 relative at |x| = 0.5) and larger ones exp(x) - 1 - x (rounding ~1e-6 relative there)."""
     poly = torch.full_like(x, 1.0 / math.factorial(10))
     for k in range(9, 1, -1):
         poly = poly * x + 1.0 / math.factorial(k)
