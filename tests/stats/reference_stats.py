@@ -157,6 +157,18 @@ def make_padded(seed, B=6, T=40, fields=("old", "ref", "entropy", "adv", "versio
     return d
 
 
+def with_per_sequence_fields(seed: int) -> dict:
+    """A padded batch (old and reference log-probs) whose advantages and versions are given per sequence, with the
+    sequence lengths given too."""
+    d = make_padded(seed, fields=("old", "ref"))
+    g = torch.Generator().manual_seed(0)
+    B = d["mask"].shape[0]
+    d["advantages"] = torch.randn(B, generator=g)
+    d["versions"] = torch.randint(0, 13, (B,), generator=g).float()
+    d["lengths"] = torch.randint(1, 40, (B,), generator=g)
+    return d
+
+
 def packed_from(d: dict) -> dict:
     """Same sequences, padding dropped: [N] tensors plus cu_seqlens (each row keeps up to its last mask token)."""
     m = d["mask"]

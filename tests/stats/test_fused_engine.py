@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reference_stats import check, make_padded, np_dict, packed_from, reference
+from reference_stats import check, make_padded, np_dict, packed_from, reference, with_per_sequence_fields
 
 from rl_guard import Guard
 from rl_guard.control.config import load_config
@@ -88,11 +88,7 @@ def test_every_chunk_shape_padded_rows_column_blocks_and_packed():
 
 
 def test_per_sequence_advantages_versions_and_given_lengths():
-    d = make_padded(4, fields=("old", "ref"))
-    g = torch.Generator().manual_seed(0)
-    d["advantages"] = torch.randn(6, generator=g)
-    d["versions"] = torch.randint(0, 13, (6,), generator=g).float()
-    d["lengths"] = torch.randint(1, 40, (6,), generator=g)
+    d = with_per_sequence_fields(4)
     check(_compare(d), reference(np_dict(d), cv=CV))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_stats import check, make_padded, np_dict, packed_from, reference, step
+from reference_stats import check, make_padded, np_dict, packed_from, reference, step, with_per_sequence_fields
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
@@ -42,11 +42,7 @@ def test_gspo_sequence_level_clip_and_lag():
 
 
 def test_per_sequence_advantages_versions_and_given_lengths():
-    d = make_padded(3, fields=("old", "ref"))
-    g = torch.Generator().manual_seed(0)
-    d["advantages"] = torch.randn(6, generator=g)
-    d["versions"] = torch.randint(0, 13, (6,), generator=g).float()
-    d["lengths"] = torch.randint(1, 40, (6,), generator=g)
+    d = with_per_sequence_fields(3)
     check(step([d]), reference(np_dict(d), cv=12))
 
 
