@@ -6,7 +6,8 @@
 * Synchronisations of a whole guard cycle: a real ``Guard`` with the async preset (every statistic family, lag
   buckets, rules) observes four micro-batches of the 8M-token batch with their losses, then ``check()`` probes
   the gradients, transfers once and evaluates the rules; ``step_done()`` is counted apart (a snapshot, when one
-  is due, copies the state to host memory on purpose). Counted with ``torch.cuda.set_sync_debug_mode("warn")``:
+  is due, copies the state to host memory on purpose), once per stats engine (``syncs_observe_check`` eager,
+  ``syncs_observe_check_compiled``). Counted with ``torch.cuda.set_sync_debug_mode("warn")``:
   every synchronising CUDA call warns once per call. The expected count for ``observe -> check`` is 1.
 
 Without CUDA it prints why and exits cleanly (returns ``{"skipped": reason}``).
@@ -74,8 +75,10 @@ class _SyncCounter:
         self.syncs = [str(w.message).splitlines()[0] for w in self.records if "synchroniz" in str(w.message).lower()]
 
 
-def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, device: str = "cuda") -> dict:
-    """Synchronisations per step of ``observe`` (all micro-batches) + ``check``, and of ``step_done``."""
+def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, device: str = "cuda",
+                      stats_engine: str = "eager") -> dict:
+    """Synchronisations per step of ``observe`` (all micro-batches) + ``check``, and of ``step_done``, with the
+    guard's ``stats_engine`` set as given (a first step that compiles is counted like the others)."""
     import tempfile
 
     from rl_guard import Guard
@@ -85,6 +88,7 @@ def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, devic
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     guard = Guard.from_yaml(ASYNC_PRESET, run_dir=tempfile.mkdtemp(prefix="rl_guard_cuda_")).attach(model, opt)
+    guard.config.stats_engine = stats_engine
     d = make_inputs(tokens, device=device)
     rows = d["mask"].shape[0] // micro_batches
     batches = [TokenBatch(**{k: v[i * rows:(i + 1) * rows] for k, v in d.items()}, current_version=CURRENT_VERSION)
@@ -129,11 +133,13 @@ def main(args) -> dict:
         naive = "fails" if row["naive_ms"] is None else f"{row['naive_ms']:.2f}"
         print(f"{label}: full {row['full_ms']:.2f} ms/step, floor {row['floor_ms']:.2f}, naive {naive} "
               f"(CUDA events, best of {repeats})")
-    sync = guard_cycle_syncs(SIZES_GPU[names[0]])
-    result["syncs"] = sync
-    result["syncs_observe_check"] = max(s["observe_check"] for s in sync["per_step"])
-    print(f"synchronisations per observe -> check cycle ({names[0]} tokens, 4 micro-batches): "
-          f"{[s['observe_check'] for s in sync['per_step']]}; in step_done: {[s['step_done'] for s in sync['per_step']]}")
+    for engine, suffix in (("eager", ""), ("compiled", "_compiled")):
+        sync = guard_cycle_syncs(SIZES_GPU[names[0]], stats_engine=engine)
+        result[f"syncs{suffix}"] = sync
+        result[f"syncs_observe_check{suffix}"] = max(s["observe_check"] for s in sync["per_step"])
+        print(f"stats_engine {engine}: synchronisations per observe -> check cycle ({names[0]} tokens, 4 "
+              f"micro-batches): {[s['observe_check'] for s in sync['per_step']]}; in step_done: "
+              f"{[s['step_done'] for s in sync['per_step']]}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

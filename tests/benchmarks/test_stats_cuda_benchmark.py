@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from file_modules import load_module
 
@@ -13,15 +14,12 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _modules():
-    added = str(BENCH_DIR) not in sys.path
-    if added:
-        sys.path.insert(0, str(BENCH_DIR))  # stats_cuda imports its sibling stats.py
-    try:
-        return load_module("rl_guard_benchmark_stats", BENCH_DIR / "stats.py"), load_module(
-            "rl_guard_benchmark_stats_cuda", BENCH_DIR / "stats_cuda.py")
-    finally:
-        if added and str(BENCH_DIR) in sys.path:
-            sys.path.remove(str(BENCH_DIR))
+    # stats_cuda imports its sibling stats.py, and stats.main imports stats_cuda, both from benchmarks/ on sys.path
+    # (where stats.py itself puts it when it is run as a script): it stays there, as it would
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    return load_module("rl_guard_benchmark_stats", BENCH_DIR / "stats.py"), load_module(
+        "rl_guard_benchmark_stats_cuda", BENCH_DIR / "stats_cuda.py")
 
 
 def test_device_cuda_says_why_it_did_not_run_without_a_gpu(capsys, tmp_path):
@@ -29,6 +27,7 @@ def test_device_cuda_says_why_it_did_not_run_without_a_gpu(capsys, tmp_path):
     result = stats.main(["--device", "cuda", "--sizes", "1M", "--repeats", "1", "--json", str(tmp_path / "g.json")])
     if torch.cuda.is_available():
         assert result["rows"][0]["full_ms"] > 0 and result["syncs_observe_check"] == 1
+        assert result["syncs_observe_check_compiled"] == 1
     else:
         assert result == {"skipped": "CUDA is not available on this machine: the GPU benchmark was not run"}
         assert "CUDA is not available" in capsys.readouterr().out
@@ -38,3 +37,14 @@ def test_guard_cycle_runs_every_family_without_internal_failure():
     _, cuda = _modules()
     out = cuda.guard_cycle_syncs(1 << 14, steps=2, device="cpu")  # the same cycle; counting needs CUDA
     assert out["internal_failures"] == 0 and len(out["per_step"]) == 2
+
+
+@pytest.mark.slow
+def test_guard_cycle_with_the_compiled_engine_runs_without_internal_failure():
+    from rl_guard.stats import fused
+
+    _, cuda = _modules()
+    calls = fused._kernel.cache_info()
+    out = cuda.guard_cycle_syncs(1 << 15, steps=2, device="cpu", stats_engine="compiled")  # 8K-token micro-batches
+    assert out["internal_failures"] == 0 and len(out["per_step"]) == 2
+    assert not fused._failure and fused._kernel.cache_info().hits > calls.hits
