@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from ..errors import InputError
 from . import fused, keys
 from .batch import BatchError, TokenBatch
 from .chunks import Chunk, ChunkStats, chunks
@@ -44,6 +45,8 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     if engine == "compiled" and fused.usable(b):
         try:
             return _probe(b, lag_edges, chunk_tokens, compiled=True)
+        except InputError:  # the caller's batch is wrong, not the compiler: raised as the eager engine would
+            raise
         except Exception as e:  # noqa: BLE001 - a compiler problem must cost speed, never the statistics
             fused.disable(e)
     return _probe(b, lag_edges, chunk_tokens, compiled=False)

@@ -25,7 +25,7 @@ from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
 from rl_guard.stats import fused
 from rl_guard.stats.accumulate import StepAccumulator
-from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.batch import BatchError, TokenBatch
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
@@ -156,7 +156,7 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         import numpy as np
         from reference_stats import make_padded
         from rl_guard.stats import fused
-        from rl_guard.stats.batch import TokenBatch
+        from rl_guard.stats.batch import BatchError, TokenBatch
         from rl_guard.stats.probe_batch import probe_batch
         fused.CPU_MIN_TOKENS = 1
         d = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))
@@ -176,6 +176,18 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "FELL BACK" in out.stdout
+
+
+def test_an_input_error_is_raised_and_does_not_turn_the_engine_off(monkeypatch):
+    """Only the compiler's own failures switch to eager; a bad batch is the caller's error, raised as is."""
+    def bad_batch(*args, **kwargs):
+        raise BatchError("logprobs must be ...")
+
+    monkeypatch.setattr(fused, "probe_chunk", bad_batch)
+    d = make_padded(0, fields=("old", "adv"))
+    with pytest.raises(BatchError):
+        probe_batch(TokenBatch(**d), engine="compiled")
+    assert not fused._failure
 
 
 def test_small_cpu_micro_batches_stay_eager(monkeypatch):
