@@ -224,8 +224,9 @@ def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
 @functools.lru_cache(maxsize=32)
 def _kernel(s: Static):
     """The compiled function for one ``Static``. Each gets its own copy of ``_chunk_math``'s code object: the
-    compiler keeps a bounded number of versions per code object (8 by default) and beyond that silently runs the
-    Python eagerly, so combinations of fields must not share one."""
+    compiler keeps a bounded number of versions per code object (8 by default; each combination of fields needs
+    2-4) and, with ``fullgraph``, fails beyond it, which would turn the engine off; combinations must not share
+    one."""
     code = _chunk_math.__code__.replace(co_name=f"_chunk_math_{_kernel.cache_info().currsize}")
     fn = types.FunctionType(code, _chunk_math.__globals__, code.co_name)
     fn.__kwdefaults__ = {"s": s}  # a constant to the compiler (a partial would share one wrapper's code object)
