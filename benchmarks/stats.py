@@ -50,8 +50,8 @@ for path in (ROOT, ROOT / "benchmarks"):
 from json_output import add_json_argument, emit_json  # noqa: E402
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
-from rl_guard.stats.probe_batch import ENGINES, probe_batch  # noqa: E402
-from rl_guard.stats.constants import DEFAULT_LAG_EDGES  # noqa: E402
+from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
+from rl_guard.stats.constants import DEFAULT_LAG_EDGES, STATS_ENGINES  # noqa: E402
 from rl_guard.stats.sketch import QUANTILE_NAMES, QUANTILES  # noqa: E402
 from rl_guard.stats.summarize import summarize  # noqa: E402
 
@@ -340,9 +340,9 @@ def main(argv=None, sizes: dict | None = None) -> dict:
                     "the top level of the JSON (default compiled,eager; compiled needs a C++ compiler on CPU)")
     args = ap.parse_args(argv)
     engines = tuple(args.engine.split(","))
-    unknown = [e for e in engines if e not in ENGINES]
+    unknown = [e for e in engines if e not in STATS_ENGINES]
     if unknown:
-        ap.error(f"unknown engine {unknown[0]!r}; allowed: {', '.join(ENGINES)}")
+        ap.error(f"unknown engine {unknown[0]!r}; allowed: {', '.join(STATS_ENGINES)}")
     if args.device != "cpu":
         from stats_cuda import main as cuda_main  # benchmarks/ is on sys.path (top of this file)
 

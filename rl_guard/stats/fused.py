@@ -82,10 +82,7 @@ class Static(NamedTuple):
 
 
 def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
-    clip_row = -1
-    if plan.has("adv") and token_clip:
-        name = "importance_weight" if plan.has("importance_weight") else "ratio"
-        clip_row = plan.at(name) if plan.has(name) else -1
+    clip_row = plan.clip_row if token_clip else -1
     lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
     lag = "" if b.versions is None else ("cells" if plan.has("ratio") else "counts")
     cell_rows = plan.cell_rows

@@ -18,7 +18,7 @@ from ..errors import InputError
 from . import fused, keys
 from .batch import BatchError, TokenBatch
 from .chunks import Chunk, ChunkStats, chunks
-from .constants import DEFAULT_LAG_EDGES, STATS_ENGINES as ENGINES
+from .constants import DEFAULT_LAG_EDGES
 from .kernels import (
     clip_by_lag,
     clip_stats,
@@ -104,9 +104,8 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, plan, e
         i = plan.at("adv")
         sign = torch.sign(z[i], out=ws("adv.sign"))
         acc.sum(keys.ADV.zero, torch.sub(rows["counts"][i], torch.dot(sign, sign)))  # invalid entries are 0 in z
-        clip_row = "importance_weight" if plan.has("importance_weight") else "ratio"
-        if token_clip and plan.has(clip_row):
-            j = plan.at(clip_row)
+        if token_clip and plan.clip_row >= 0:
+            j = plan.clip_row
             clipped = clip_into(acc, ws, z[j], v[j], sign, v[i], b.eps_low, b.eps_high)
     if b.versions is not None:
         versions = ch.token(b.versions)

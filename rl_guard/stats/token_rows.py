@@ -92,6 +92,13 @@ class RowPlan:
         return next((i for i, r in enumerate(self.rows) if r in KL_ROWS), len(self.rows))
 
     @functools.cached_property
+    def clip_row(self) -> int:
+        """The row PPO clipping reads (the policy's ratio to the proximal policy when there is one, else to the old
+        one; both engines clip on it); -1 without it or without advantages."""
+        name = "importance_weight" if self.has("importance_weight") else "ratio"
+        return self.at(name) if self.has(name) and self.has("adv") else -1
+
+    @functools.cached_property
     def kl_families(self) -> tuple[str, ...]:
         return tuple(KL_ROWS[r] for r in self.rows[self.kl_first:])
 
