@@ -5,6 +5,8 @@ lowered here so that they compile)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rl_guard.demo.run import demo_config
@@ -46,3 +48,23 @@ def test_compiled_engine_acts_like_the_eager_one_on_a_ratio_drift(grpo_run, tmp_
     acted = {engine: sorted((i["step"], i["rule"], i["action"]) for i in run.incidents() if i["action"] != "warn")
              for engine, run in runs.items()}
     assert acted["compiled"] and acted["compiled"] == acted["eager"]
+
+
+def test_trl_defaults_with_the_shipped_preset_as_is(grpo_run, tmp_path):
+    """TRL's own defaults (beta=0, num_iterations=1, one step per generation, max_grad_norm=1.0) and the shipped
+    grpo.yaml unmodified but for the engine: both engines report the same metrics and take the same actions."""
+    preset = (Path(fused.__file__).parents[1] / "presets" / "grpo.yaml").read_text()
+    runs, calls = {}, fused._kernel.cache_info()
+    for engine in ("compiled", "eager"):
+        runs[engine] = grpo_run(tmp_path / engine, STEPS, guard=preset + f"\nstats_engine: {engine}\n", beta=0.0,
+                                num_iterations=1, steps_per_generation=1, max_grad_norm=1.0)
+    assert not fused._failure and fused._kernel.cache_info().hits > calls.hits
+    c, e = (runs[k] for k in ("compiled", "eager"))
+    assert c.guard.internal_failures == 0 and e.guard.internal_failures == 0
+    for cm, em in zip(c.metrics(), e.metrics()):
+        assert cm.keys() == em.keys()
+        assert cm["rl_guard/ratio/max"] == 1.0  # on-policy: the ratio is exactly 1 in both
+        for key in em:
+            assert cm[key] == pytest.approx(em[key], rel=1e-4, abs=1e-6, nan_ok=True), (cm["step"], key)
+    assert [(i["step"], i["rule"], i["action"]) for i in c.incidents()] == [
+        (i["step"], i["rule"], i["action"]) for i in e.incidents()]
