@@ -110,7 +110,9 @@ class Guard:
 
     def attach_state(self, state) -> "Guard":
         """Use a custom state object (``capture(step) -> dict`` and ``restore(snapshot, lr_scale)``), e.g. one that
-        checkpoints through a framework's own save/load path. Optional: ``state.update_groups()``, the weights the
+        checkpoints through a framework's own save/load path. Optional: ``state.discard(snapshot)``, called for every
+        snapshot the guard will no longer restore (pushed out of the ring, or abandoned by a rollback), to free
+        what ``capture`` wrote outside memory; ``state.update_groups()``, the weights the
         optimizer updates when they are not its ``param_groups`` (None: they are), and ``state.params_sharded``
         True when those are this rank's partition (DeepSpeed ZeRO), so the update probe merges ranks by sum."""
         self.state = state

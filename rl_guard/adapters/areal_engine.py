@@ -75,17 +75,13 @@ class EngineState:
         path = (self.snapshot_dir if snapshot else self.checkpoint_dir) / f"step{step}"
         self.engine.save(SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True))
         sched = getattr(self.engine, "lr_scheduler", None)
-        if snapshot:
-            self._prune(keep=self.guard.config.snapshots["keep"] + 1)
         return {"step": step, "path": str(path), "lr_scheduler": None if sched is None else sched.state_dict(),
                 "version": self.engine.get_version()}
 
-    def _prune(self, keep: int) -> None:
-        if self.guard.rank != 0:
-            return
-        old = sorted(self.snapshot_dir.glob("step*"), key=lambda p: int(p.name[4:]))[:-keep]
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
+    def discard(self, snap: dict) -> None:
+        """A snapshot the guard will no longer restore: removed (rank 0; the ranks of a node share the directory)."""
+        if self.guard.rank == 0:
+            shutil.rmtree(snap["path"], ignore_errors=True)
 
     def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
         self.engine.load(SaveLoadMeta(path=snap["path"], weight_format="dcp", with_optim=True))

@@ -33,6 +33,8 @@ deepspeed):
 from __future__ import annotations
 
 import functools
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -194,20 +196,13 @@ class EngineCheckpointState(MasterPartitions):
         tag = f"rl_guard_step{step}"
         self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state={"rl_guard": self.guard.state_dict()},
                                     save_latest=False)
-        self._prune(keep=self.guard.config.snapshots["keep"] + 1)
         return {"step": step, "tag": tag, "ckpt_dir": self.ckpt_dir}
 
-    def _prune(self, keep: int) -> None:
-        """Older tags than the snapshot ring can still name are removed (rank 0; save_checkpoint ends in a barrier)."""
-        if self.guard.rank != 0:
-            return
-        import shutil
-        from pathlib import Path
-
-        tags = sorted((p for p in Path(self.ckpt_dir).glob("rl_guard_step*") if p.is_dir()),
-                      key=lambda p: int(p.name.removeprefix("rl_guard_step")))
-        for old in tags[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def discard(self, snap: dict) -> None:
+        """A snapshot the guard will no longer restore: its tag is removed (rank 0, for every rank's files; every
+        rank finished writing it, as ``save_checkpoint`` ends in a barrier)."""
+        if self.guard.rank == 0:
+            shutil.rmtree(Path(snap["ckpt_dir"]) / snap["tag"], ignore_errors=True)
 
     def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
         path, _ = self.engine.load_checkpoint(snap["ckpt_dir"], tag=snap["tag"], load_optimizer_states=True,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import shutil
 
 from .. import TokenBatch
 from ..errors import GuardHalted
@@ -98,6 +99,12 @@ class CheckpointState(MasterPartitions):
         self.strategy.save_ckpt(_engine(self.model), where, tag, self.max_num, self.max_mem,
                                 client_state={"rl_guard": self.guard.state_dict()})
         return {"step": step, "tag": tag, "ckpt_dir": where}
+
+    def discard(self, snap: dict) -> None:
+        """A snapshot the guard will no longer restore: its tag is removed (rank 0, as ``save_ckpt`` rotates), so
+        ``save_ckpt``'s own rotation (oldest first, ``max_num``) never reaches a tag the guard still offers."""
+        if self.guard.rank == 0:
+            shutil.rmtree(os.path.join(snap["ckpt_dir"], snap["tag"]), ignore_errors=True)
 
     def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
         path, _ = self.strategy.load_ckpt(_engine(self.model), snap["ckpt_dir"], tag=snap["tag"])

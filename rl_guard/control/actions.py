@@ -26,7 +26,8 @@ class Actions:
     def __init__(self, guard):
         self.guard = guard
         cfg = guard.config
-        self.snapshots = SnapshotRing(cfg.snapshots["keep"], cfg.snapshots["where"], guard.run_dir / "snapshots" / f"rank{guard.rank}")
+        self.snapshots = SnapshotRing(cfg.snapshots["keep"], cfg.snapshots["where"],
+                                      guard.run_dir / "snapshots" / f"rank{guard.rank}", on_drop=self._discard)
         self.healthy_streak = 0
         self.pending_restore: dict | None = None
         self.last_checkpoint: str | None = None
@@ -99,6 +100,13 @@ class Actions:
         due = snapshot_due(n, cfg)
         if self.guard.state is not None and due and self._uses_snapshots():
             self.snapshots.push(self.guard.state.capture(self.guard.step + 1))
+
+    def _discard(self, snapshot: dict) -> None:
+        """A snapshot the ring forgot: a state that keeps snapshots outside memory (an engine's checkpoint tags)
+        frees it (``discard``)."""
+        discard = getattr(self.guard.state, "discard", None)
+        if discard is not None:
+            discard(snapshot)
 
     def _uses_snapshots(self) -> bool:
         return any(r.action == "rollback" for r in self.guard.controller.rules)

@@ -52,12 +52,19 @@ def load(path: str | os.PathLike):
 
 
 class SnapshotRing:
-    """The last ``keep`` healthy snapshots, in host memory or on disk (``where='disk'`` needs ``directory``)."""
+    """The last ``keep`` healthy snapshots, in host memory or on disk (``where='disk'`` needs ``directory``).
 
-    def __init__(self, keep: int = 2, where: str = "memory", directory: str | os.PathLike | None = None):
+    Every snapshot the ring forgets (pushed out, or abandoned by a rollback) is freed at once: its file is removed,
+    and a snapshot that lives elsewhere (an engine's checkpoint tag) goes to ``on_drop``. What the ring offers is
+    therefore exactly what is kept; pruning by count or age instead would, after a rollback, count the abandoned
+    newer snapshots and remove an older one that the ring still offers."""
+
+    def __init__(self, keep: int = 2, where: str = "memory", directory: str | os.PathLike | None = None,
+                 on_drop=None):
         self.keep, self.where = keep, where
         self.directory = Path(directory) if directory is not None else None
         self._items: deque = deque()
+        self._on_drop = on_drop
 
     def __len__(self) -> int:
         return len(self._items)
@@ -69,9 +76,13 @@ class SnapshotRing:
             item = snap
         self._items.append(item)
         while len(self._items) > self.keep:
-            old = self._items.popleft()
-            if isinstance(old, Path):
-                old.unlink(missing_ok=True)
+            self._drop(self._items.popleft())
+
+    def _drop(self, item) -> None:
+        if isinstance(item, Path):
+            item.unlink(missing_ok=True)
+        elif self._on_drop is not None:
+            self._on_drop(item)
 
     def latest(self, before_step: int | None = None) -> dict | None:
         """The newest snapshot, or the newest one whose step is below ``before_step``."""
@@ -84,8 +95,8 @@ class SnapshotRing:
         """Forget snapshots newer than ``step`` (after a rollback they belong to an abandoned trajectory)."""
         keep = [(i, s) for i, s in zip(self._items, self.steps()) if s <= step]
         for item in self._items:
-            if isinstance(item, Path) and all(item is not k for k, _ in keep):
-                item.unlink(missing_ok=True)
+            if all(item is not k for k, _ in keep):
+                self._drop(item)
         self._items = deque(i for i, _ in keep)
 
     def steps(self) -> list[int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rl_guard.control.checkpoint import SnapshotRing
 from rl_guard.control.state import TrainState
@@ -176,3 +178,23 @@ def test_mixed_dtypes_bfloat16_weights_with_float32_moments():
         assert {t.dtype for t in snap["model"].values()} == {torch.bfloat16}
         assert _same(snap["model"], _reference(model.state_dict()))
         assert _same(snap["optimizer"], _reference(opt.state_dict()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.lists(st.one_of(st.none(), st.integers(0, 12)), max_size=20))
+def test_the_ring_frees_exactly_the_snapshots_it_no_longer_offers(keep, ops):
+    """``on_drop`` gets every snapshot pushed out or abandoned by a rollback (``drop_after``), once, and nothing the
+    ring still offers: engine states free their checkpoint tags through it, so what is kept on disk is what can be
+    restored (``None``: a push at the next step; an integer: a rollback to the newest snapshot up to that step)."""
+    freed = []
+    ring, step, pushed = SnapshotRing(keep=keep, on_drop=lambda snap: freed.append(snap["step"])), 0, []
+    for op in ops:
+        step += 1
+        if op is None:
+            ring.push({"step": step})
+            pushed.append(step)
+        else:
+            ring.drop_after(op)
+        assert len(freed) == len(set(freed))
+        assert sorted(freed + ring.steps()) == pushed
+        assert len(ring) <= keep

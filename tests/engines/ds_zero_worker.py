@@ -3,9 +3,11 @@
 Usage (one process per rank, env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): ds_zero_worker.py OUT STAGES
 with STAGES like ``2,3,2-offload`` (``-offload``: ZeRO-Offload, the optimizer and its fp32 partition on the CPU,
 run by torch's Adam). For every stage, three runs whose ``nonfinite_grad`` action is ``skip_step``,
-``checkpoint_and_halt`` or ``rollback`` (snapshots through ``engine.save_checkpoint``). At the fault step the last
-rank alone writes an inf into its own gradient partition after the backward (after DeepSpeed's reduce-scatter),
-before ``engine.step``. Writes OUT/rank<r>.json.
+``checkpoint_and_halt`` or ``rollback`` (snapshots through ``engine.save_checkpoint``); for the first stage also
+``rollback_twice``: a snapshot every step, ``confirm_steps: 2``, and a second fault after the first rollback, whose
+restore needs the oldest snapshot again (the tags the rollback abandoned must not crowd it out). At a fault step
+the last rank alone writes an inf into its own gradient partition after the backward (after DeepSpeed's
+reduce-scatter), before ``engine.step``. Writes OUT/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ from zero_reference import digest, exact_update, masters
 # it (training collectives go through torch.distributed / gloo), so the build (minutes on a loaded CPU) is skipped.
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
-STEPS, GAS = 4, 2
-FAULT_STEP = {"skip_step": 1, "checkpoint_and_halt": 1, "rollback": 2}  # rollback: a snapshot from step 0
+GAS = 2
+# per run: its nonfinite_grad action, the steps it runs, its fault steps, its snapshot and rollback settings
+RUNS = {
+    "skip_step": ("skip_step", 4, (1,), ""),
+    "checkpoint_and_halt": ("checkpoint_and_halt", 4, (1,), ""),
+    "rollback": ("rollback", 4, (2,), "snapshots: {healthy_steps: 1, every: 100, keep: 1, where: memory}\n"),
+    # snapshots labelled 1, 2, 3; the fault at 3 restores 1 and abandons 2 and 3; 5 and 6 follow; the fault at 6
+    # (horizon 5) restores 1 again
+    "rollback_twice": ("rollback", 8, (3, 6), "snapshots: {healthy_steps: 1, every: 1, keep: 3, where: memory}\n"
+                                               "rollback: {confirm_steps: 2}\n"),
+}
 OUT, STAGES = Path(sys.argv[1]), sys.argv[2].split(",")
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
@@ -62,16 +73,17 @@ def weights(eng) -> dict:
             "finite": all(bool(torch.isfinite(t.float()).all()) for t in local + master)}
 
 
-def run(stage: str, action: str) -> dict:
+def run(stage: str, name: str) -> dict:
+    action, n_steps, faults, settings = RUNS[name]
     eng = engine(stage)
-    snapshots = "snapshots: {healthy_steps: 1, every: 100, keep: 1, where: memory}\n" if action == "rollback" else ""
-    guard = Guard.from_yaml(f"version: 1\nsinks: [jsonl]\n{snapshots}"
+    guard = Guard.from_yaml(f"version: 1\nsinks: [jsonl]\n{settings}"
                             f"builtin_rules: {{nonfinite_grad: {{action: {action}}}}}\n",
-                            run_dir=OUT / f"zero{stage}_{action}")
-    guard.attach(eng.module).attach_state(EngineCheckpointState(eng, guard))
+                            run_dir=OUT / f"zero{stage}_{name}")
+    state = EngineCheckpointState(eng, guard)
+    guard.attach(eng.module).attach_state(state)
     gate = EngineGate(eng, guard)
     steps = []
-    for step in range(STEPS):
+    for step in range(n_steps):
         before, master_before = weights(eng), masters(eng)
         for micro in range(GAS):
             g = torch.Generator().manual_seed(100 * step + 10 * micro + RANK)  # each rank its own data
@@ -79,7 +91,7 @@ def run(stage: str, action: str) -> dict:
             loss = ((eng(x.bfloat16()).float() - y) ** 2).mean()
             guard.observe(loss=loss.detach())
             eng.backward(loss)
-            if micro == GAS - 1 and step == FAULT_STEP[action] and RANK == WORLD - 1:
+            if micro == GAS - 1 and step in faults and RANK == WORLD - 1:
                 partition = next(t for group in ZeroGradients(eng).grad_groups() for t in group if t.numel())
                 partition.view(-1)[0] = math.inf
             eng.step()
@@ -95,20 +107,22 @@ def run(stage: str, action: str) -> dict:
                       # the probe reports step t's update with step t+1's statistics
                       "probe_param_norm": m.get("rl_guard/update/param_norm"),
                       "probe_update_rel": m.get("rl_guard/update/rel"),
-                      "exact_param_norm": param_norm, "exact_update_rel": update_rel})
+                      "exact_param_norm": param_norm, "exact_update_rel": update_rel,
+                      "tags": sorted(p.name for p in Path(state.ckpt_dir).glob("rl_guard_step*")),
+                      "offered": guard.actions.snapshots.steps()})
         if decision.stop:
             break
     gate.remove()
-    return {"steps": steps, "checkpoint": guard.actions.last_checkpoint, "fault_step": FAULT_STEP[action],
-            "rollbacks": guard.controller.rollbacks}
+    return {"steps": steps, "checkpoint": guard.actions.last_checkpoint, "fault_step": faults[0],
+            "rollbacks": guard.controller.rollbacks, "internal_failures": guard.internal_failures}
 
 
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     result = {"rank": RANK, "world": dist.get_world_size()}
     for stage in STAGES:
-        for action in FAULT_STEP:
-            result[f"zero{stage}_{action}"] = run(stage, action)
+        for name in RUNS if stage == STAGES[0] else list(RUNS)[:3]:
+            result[f"zero{stage}_{name}"] = run(stage, name)
     finish(OUT / f"rank{RANK}.json", result)
 
 

@@ -62,3 +62,18 @@ def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, acti
         [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in runs[0]["steps"]]] * 2
     if stage.startswith("2"):
         assert all(len(set(s["after"]["module"])) == 1 for s in runs[0]["steps"])
+
+
+def test_a_second_rollback_restores_the_snapshot_the_first_one_kept(ranks):
+    """A snapshot every step, ``keep: 3``, ``confirm_steps: 2``: the fault at step 3 restores the snapshot labelled
+    1 and abandons 2 and 3, and the fault at step 6 needs snapshot 1 again. Pruning the tags on disk by count kept
+    the 4 newest, abandoned ones included, and removed 1 before that second rollback; on disk there must be exactly
+    the tags the guard still offers."""
+    for run in (r[f"zero{STAGES[0]}_rollback_twice"] for r in ranks):
+        steps = run["steps"]
+        assert [s["action"] for s in steps] == [None, None, None, "rollback", None, None, "rollback", None]
+        assert run["rollbacks"] == 2 and run["internal_failures"] == 0
+        assert steps[3]["after"] == steps[1]["before"] and steps[6]["after"] == steps[1]["before"]
+        assert steps[6]["before"] != steps[6]["after"] and all(s["after"]["finite"] for s in steps)
+        assert [s["offered"] for s in steps] == [[1], [1, 2], [1, 2, 3], [1], [1, 5], [1, 5, 6], [1], [1, 8]]
+        assert all(s["tags"] == [f"rl_guard_step{n}" for n in s["offered"]] for s in steps)
