@@ -117,28 +117,36 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
     ]
 
 
+SETUPS = ("demo", "trl-defaults")
+
+
 def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0,
-             completion: int = 8, lr: float = 3e-3, stats_engine: str = "eager") -> dict:
+             completion: int = 8, lr: float = 3e-3, stats_engine: str = "eager", setup: str = "demo") -> dict:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rl_guard.adapters import trl as adapter
-    from rl_guard.demo.run import demo_config
+    from rl_guard.demo.run import PRESET, demo_config
     from rl_guard.demo.tiny import length_penalty_reward, repeat_last_digit_reward
 
     work.mkdir(parents=True, exist_ok=True)
+    # demo: the demo's trainer and guard (reference KL, two passes over each rollout batch, frequent snapshots);
+    # trl-defaults: TRL's own defaults (beta=0, num_iterations=1, a generation every step) and the shipped preset
+    trainer_setup = (dict(beta=0.04, num_iterations=2, steps_per_generation=2) if setup == "demo" else
+                     dict(beta=0.0, num_iterations=1))
     args = GRPOConfig(output_dir=str(work / "trainer"), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=completion, max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
-                      report_to=[], learning_rate=lr, save_strategy="no", seed=seed, beta=0.04, num_iterations=2,
-                      steps_per_generation=2, disable_tqdm=True, max_grad_norm=1.0)
+                      report_to=[], learning_rate=lr, save_strategy="no", seed=seed, disable_tqdm=True,
+                      max_grad_norm=1.0, **trainer_setup)
     callbacks, bd, patched = [], _Breakdown(), []
     if guarded:
         for owner, name, part in _guard_patches(bd):
             original = getattr(owner, name)
             patched.append((owner, name, original))
             setattr(owner, name, bd.wrap(original, part))
-        callbacks.append(adapter.RLGuardCallback(demo_config("rollback", console_every=None, stats_engine=stats_engine),
-                                                 run_dir=str(work / "guard")))
+        config = (demo_config("rollback", console_every=None, stats_engine=stats_engine) if setup == "demo" else
+                  PRESET.read_text(encoding="utf-8") + f"stats_engine: {stats_engine}\n")
+        callbacks.append(adapter.RLGuardCallback(config, run_dir=str(work / "guard")))
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
                           args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.pop_callback(PrinterCallback)
@@ -172,6 +180,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--completion", type=int, default=8, help="max completion tokens (default 8, at most 48)")
     ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; lower it for larger models "
                     "so that the guard does not act: a run it acts on does different work)")
+    ap.add_argument("--setup", default="demo", choices=SETUPS,
+                    help="demo (default): the demo's trainer and guard configuration; trl-defaults: TRL's GRPOConfig "
+                    "defaults (beta=0, num_iterations=1, a generation every step) with the shipped grpo preset")
     ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
                     help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)
@@ -187,7 +198,7 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="rl_guard_overhead_"))
     model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
     dataset = prompt_dataset(256, seed=0)
-    run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine)
+    run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup)
     for guarded in (False, True):  # warm-up: first-call costs (kernels, lazy imports) land in neither figure
         _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", **run_options)
     pairs = []
@@ -204,6 +215,7 @@ def main(argv=None) -> dict:
         "overhead_ratio_best": min(g["wall"] for _, g in pairs) / min(p["wall"] for p, _ in pairs),
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
+        "setup": args.setup,
         "model": {"hidden": args.hidden, "layers": args.layers, "completion": args.completion, "lr": args.lr},
         "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
                               for part in PARTS},

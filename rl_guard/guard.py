@@ -47,11 +47,11 @@ from .control.controller import Controller, Decision
 from .control.state import TrainState
 from .diagnostics import RunDiagnostics, SampleBatch
 from .errors import InputError
-from .stats import keys, ranks
+from .stats import host_engine, keys, ranks
 from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
-from .stats.kernels import loss_stats, rank_count
+from .stats.kernels import rank_count
 from .stats.partial import Partial
 from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.summarize import summarize
@@ -150,7 +150,7 @@ class Guard:
                 self._acc.add(probe_batch(batch, self.config.lag_buckets, engine=self.config.stats_engine))
             if loss is not None:
                 self._saw_loss = True
-                self._acc.add(loss_stats(Partial(), loss))
+                self._acc.add(host_engine.loss_partial(loss))
 
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from ..errors import InputError
-from . import fused, keys
+from . import fused, host_engine, keys
 from .batch import BatchError, TokenBatch
 from .chunks import Chunk, ChunkStats, chunks
 from .constants import DEFAULT_LAG_EDGES
@@ -40,8 +40,11 @@ from .token_rows import gate_into, kl_finish, row_plan, rows_into, seq_log_ratio
 def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None,
                 engine: str = "eager") -> Partial:
     """All token-level sufficient statistics of one micro-batch (device tensors, no host sync). ``engine``:
-    ``eager`` (operations on reused chunk buffers) or ``compiled`` (``fused.py``; small CPU micro-batches stay
-    eager, and it falls back to eager, with one warning, if it cannot compile or run here)."""
+    ``eager`` (operations on reused chunk buffers) or ``compiled`` (``fused.py``; it falls back to eager, with one
+    warning, if it cannot compile or run here). Small CPU micro-batches go to neither: numpy computes them where
+    they are (``host_engine.py``)."""
+    if chunk_tokens is None and host_engine.takes(b):
+        return _probe_on_host(b, lag_edges)
     if engine == "compiled" and fused.usable(b):
         try:
             return _probe(b, lag_edges, chunk_tokens, compiled=True)
@@ -52,15 +55,48 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     return _probe(b, lag_edges, chunk_tokens, compiled=False)
 
 
+def _probe_on_host(b: TokenBatch, lag_edges) -> Partial:
+    seq_clip, token_clip = _clip_modes(b)
+    sig = host_engine.signature(b, seq_clip, token_clip)
+    try:
+        if host_engine.layout_for(sig) is None:  # the eager layout of this combination of fields, from one token
+            host_engine.remember(sig, _probe(_one_token_like(b), lag_edges, None, compiled=False))
+        return host_engine.probe(b, _plan_of(b), sig, seq_clip, token_clip)
+    except Exception as e:  # noqa: BLE001 - a fault of the host engine must cost speed, never the statistics
+        host_engine.disable(e)
+    return _probe(b, lag_edges, None, compiled=False)
+
+
+def _one_token_like(b: TokenBatch) -> TokenBatch:
+    """A one-token batch with the fields (and dtypes) of ``b``: its statistics layout is ``b``'s."""
+    fields = {}
+    for name in ("logprobs", "mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy", "advantages",
+                 "rewards", "lengths", "truncated"):
+        t = getattr(b, name)
+        if t is not None:
+            fields[name] = torch.ones((1,) if t.dim() == 1 else (1, 1), dtype=t.dtype)
+    return TokenBatch(**fields, clipped_loss=b.clipped_loss, importance_sampling_level=b.importance_sampling_level,
+                      allow_empty_mask=b.allow_empty_mask)
+
+
+def _clip_modes(b: TokenBatch) -> tuple[bool, bool]:
+    """(GSPO's sequence-level clipping, token-level clipping)."""
+    seq_clip = (b.clipped_loss and b.importance_sampling_level == "sequence" and b.old_logprobs is not None
+                and b.prox_logprobs is None)
+    return seq_clip, b.clipped_loss and not seq_clip
+
+
+def _plan_of(b: TokenBatch):
+    return row_plan(b.entropy is not None, b.advantages is not None, b.prox_logprobs is not None,
+                    b.old_logprobs is not None, b.ref_logprobs is not None, b.versions is not None)
+
+
 def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool) -> Partial:
     acc = ChunkStats(b.num_seqs, b.device)
     ws = None if compiled else Scratch.for_batch(b.device, b.logprobs.numel())
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
-    seq_clip = (b.clipped_loss and b.importance_sampling_level == "sequence" and b.old_logprobs is not None
-                and b.prox_logprobs is None)
-    token_clip = b.clipped_loss and not seq_clip
-    plan = row_plan(b.entropy is not None, b.advantages is not None, b.prox_logprobs is not None,
-                    b.old_logprobs is not None, b.ref_logprobs is not None, b.versions is not None)
+    seq_clip, token_clip = _clip_modes(b)
+    plan = _plan_of(b)
     static = fused.static_of(plan, b, token_clip, lag_edges) if compiled else None
     for ch in chunks(b, chunk_tokens):
         acc.next_chunk()

@@ -9,6 +9,7 @@ import pytest
 
 from rl_guard import glossary
 from rl_guard.demo.run import demo_config
+from rl_guard.stats import host_engine
 from sync_detector import SyncDetector
 
 STEPS = 8
@@ -33,7 +34,10 @@ def healthy(grpo_run, tmp_path_factory):
 
     StepAccumulator.finish = finish
     try:
-        with SyncDetector() as detector:
+        # The run holds the guard to a GPU's discipline: its small CPU micro-batches would otherwise go to the host
+        # engine, which reads them where they already are (host memory: nothing to wait for) and never runs on a GPU.
+        with SyncDetector() as detector, pytest.MonkeyPatch.context() as m:
+            m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
             run = grpo_run(tmp_path_factory.mktemp("healthy"), STEPS, guard=demo_config("rollback", console_every=None))
     finally:
         StepAccumulator.finish = original_finish

@@ -18,12 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync
 import dist_scenarios as sc  # noqa: E402
 from rank_launch import finish  # noqa: E402
 from rl_guard import Guard  # noqa: E402
+from rl_guard.stats import host_engine  # noqa: E402
 from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector  # noqa: E402
 
 
 def main() -> None:
     rank, world, init_file, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
+    host_engine.CPU_MAX_TOKENS = 0  # the tensors stand for a GPU's, where the host engine never runs
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from reference_stats import check, make_padded, np_dict, packed_from, reference,
 from rl_guard import Guard
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
-from rl_guard.stats import fused
+from rl_guard.stats import fused, host_engine
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
 from rl_guard.stats.probe_batch import probe_batch
@@ -34,8 +34,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(autouse=True)
 def _small_batches_compiled_too(monkeypatch):
-    """The test batches are small; on CPU those normally stay eager (``fused.CPU_MIN_TOKENS``)."""
+    """The test batches are small; on CPU those normally go to the host engine (``host_engine.CPU_MAX_TOKENS``) or
+    stay eager (``fused.CPU_MIN_TOKENS``)."""
     monkeypatch.setattr(fused, "CPU_MIN_TOKENS", 1)
+    monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
 CV = 12
 # float sums, and the sequence ratio made of them: another summation order (and k3 from its series) than the eager
 # engine's
@@ -155,7 +157,7 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
         from reference_stats import make_padded
-        from rl_guard.stats import fused
+        from rl_guard.stats import fused, host_engine
         from rl_guard.stats.batch import BatchError, TokenBatch
         from rl_guard.stats.probe_batch import probe_batch
         fused.CPU_MIN_TOKENS = 1

@@ -18,7 +18,7 @@ import torch
 
 from rl_guard import Guard
 from rl_guard.control.state import TrainState
-from rl_guard.stats import accumulate, kernels, sketch
+from rl_guard.stats import accumulate, host_engine, kernels, sketch
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.probe_batch import probe_batch
 from sync_detector import SyncDetector
@@ -27,6 +27,13 @@ ASYNC = Path(__file__).resolve().parents[2] / "rl_guard" / "presets" / "async.ya
 TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer: .cpu() of the packed vector, .numpy() of the copy
 STEPS, MICRO = 4, 4
 SNAPSHOT_STEP = 2  # snapshots: {healthy_steps: 3, every: 10} in the async preset
+
+
+@pytest.fixture(autouse=True)
+def _as_on_a_gpu(monkeypatch):
+    """The CPU tensors here stand for a GPU's: small CPU micro-batches and losses would otherwise go to the host
+    engine, which reads them where they already are (host memory) and never runs on a GPU."""
+    monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
 
 
 def micro_batch(seed: int, packed: bool = False, device="cpu") -> TokenBatch:

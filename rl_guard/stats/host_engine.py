@@ -1,0 +1,323 @@
+"""Small CPU micro-batches on the host: the same statistics as the eager engine, computed with numpy.
+
+On a small micro-batch the eager engine's cost is its ~200 torch operations (a few microseconds each of dispatch,
+for a few hundred tokens), not the arithmetic. On CPU the tensors already are host memory, so numpy reads them in
+place (no copy, nothing to synchronise) at a fraction of the cost per operation. This engine takes padded CPU
+batches of float32 fields up to ``CPU_MAX_TOKENS`` tokens without policy versions; everything else (GPU batches,
+packed or versioned batches, other dtypes, larger batches) stays with the chosen engine.
+
+Layout: a micro-batch's ``Partial`` must be laid out exactly as the eager engine lays it out, so that micro-batches
+and ranks of either engine merge (a rank whose batches are small and one whose batches are large must agree).
+For each combination of fields the eager engine probes a one-token batch with those fields once, and its layout is
+kept; every micro-batch is computed here by name and packed into that layout (so a given batch always gets the
+same engine, whatever came before it). Counts, histogram cells, extremes and non-finite counts equal the eager
+engine's; float sums are taken in float64 here (the eager engine sums some in float32), so they agree to float32
+accuracy. Formulas: ``token_rows.py``, ``token_probes.py``, ``kernels.py``.
+
+Failure policy as for the compiled engine: anything but an input error turns it off for the rest of the process,
+with one warning, and the micro-batch is redone eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import numpy as np
+import torch
+
+from . import keys
+from .constants import EXP_CLAMP
+from .kernels import loss_stats
+from .partial import Partial
+from .sketch import LOG_RATIO
+
+CPU_MAX_TOKENS = 1 << 13  # above this numpy's per-element work catches up with torch's per-operation cost
+F32, F64 = np.float32, np.float64
+FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
+_layouts: dict = {}  # signature -> the eager engine's layout and its packing offsets
+_failure: list[str] = []
+
+
+def takes(b) -> bool:
+    """Whether this engine computes micro-batch ``b`` (see the module docstring)."""
+    lp = b.logprobs
+    return (not _failure and lp.device.type == "cpu" and b.cu_seqlens is None and b.versions is None
+            and 0 < lp.numel() <= CPU_MAX_TOKENS
+            and all(getattr(b, f) is None or getattr(b, f).dtype == torch.float32 for f in FLOAT_FIELDS))
+
+
+def signature(b, seq_clip: bool, token_clip: bool) -> tuple:
+    """What the eager layout depends on: which fields are given (and their dtypes), and which probes run."""
+    fields = tuple(None if getattr(b, f) is None else getattr(b, f).dtype
+                   for f in ("mask", *FLOAT_FIELDS, "lengths", "truncated", "rewards"))
+    return fields, seq_clip, token_clip, b.allow_empty_mask
+
+
+def layout_for(sig: tuple):
+    return _layouts.get(sig)
+
+
+def remember(sig: tuple, partial: Partial) -> None:
+    """Keep the layout of an eager micro-batch with signature ``sig`` (its ``Partial`` is still packed)."""
+    (sums, maxes), _, _ = partial.packed
+    _layouts[sig] = (sums, maxes, _offsets(sums), _offsets(maxes))
+
+
+def _offsets(layout) -> tuple:
+    out, at = [], 0
+    for name, size in layout:
+        out.append((name, at, at + size))
+        at += size
+    return tuple(out), at
+
+
+def disable(error: BaseException) -> None:
+    _failure.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    warnings.warn(f"rl_guard: the host engine for small CPU micro-batches failed ({_failure[0]}); using the eager "
+                  "engine for them (same statistics, slower)", RuntimeWarning, stacklevel=3)
+
+
+LOSS_LAYOUT = (((keys.LOSS.count, 1), (keys.LOSS.sum, 1), (keys.LOSS.nonfinite, 1)), ())  # kernels.loss_stats's
+_NO_MAXES = torch.zeros(0, dtype=torch.float64)
+
+
+def loss_partial(loss: torch.Tensor) -> Partial:
+    """``kernels.loss_stats`` of a micro-batch loss: read where it is when it is on the CPU (and this engine is on),
+    in the same layout."""
+    if not _failure and CPU_MAX_TOKENS > 0 and loss.device.type == "cpu":
+        try:
+            x = _np(loss).reshape(-1).astype(F64)
+            ok = np.isfinite(x)
+            p = Partial()
+            sums = np.array([x.size, x.sum(where=ok), x.size - ok.sum()], dtype=F64)
+            p._packed = (LOSS_LAYOUT, torch.from_numpy(sums), _NO_MAXES)  # noqa: SLF001
+            return p
+        except Exception as e:  # noqa: BLE001 - as for token statistics: cost speed, never the statistics
+            disable(e)
+    return loss_stats(Partial(), loss)
+
+
+def _np(t: torch.Tensor | None):
+    """The tensor's memory as a numpy array (no copy); bfloat16, which numpy lacks, is converted."""
+    if t is None:
+        return None
+    t = t.detach()
+    return (t.double() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def probe(b, plan, sig: tuple, seq_clip: bool, token_clip: bool) -> Partial:
+    """The micro-batch's statistics, packed in the eager layout kept for ``sig``."""
+    sum_layout, max_layout, (sum_at, n_sum), (max_at, n_max) = _layouts[sig]
+    s, mx, mn = {}, {}, {}
+    with np.errstate(all="ignore"):  # NaN and inf are data here (counted as non-finite), not faults
+        _token_stats(s, mx, mn, b, plan, seq_clip, token_clip)
+    sums, maxes = np.empty(n_sum), np.empty(n_max)
+    for name, lo, hi in sum_at:
+        sums[lo:hi] = s[name]
+    for name, lo, hi in max_at:
+        maxes[lo:hi] = -mn[name[1:]] if name[0] == "-" else mx[name]
+    p = Partial()
+    p._packed = ((sum_layout, max_layout), torch.from_numpy(sums), torch.from_numpy(maxes))  # noqa: SLF001
+    return p
+
+
+def _rows(names: tuple, s: dict, values) -> None:
+    for (name, _), value in zip(names, values):
+        s[name] = value
+
+
+def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
+    lp = _np(b.logprobs)
+    n = lp.size
+    m = _np(b.mask)
+    m = m if m.dtype == np.bool_ else m != 0
+    gate = np.where(m, F32(0.0), F32(-np.inf))
+    lpg = lp + gate
+    adv = _np(b.advantages)
+    if adv is not None and adv.ndim == 1:
+        adv = adv[:, None]
+    y = {"logp": lpg}
+    if b.entropy is not None:
+        y["entropy"] = _np(b.entropy) + gate
+    if adv is not None:
+        y["adv"] = adv + gate
+    prox, old = _np(b.prox_logprobs), _np(b.old_logprobs)
+    if prox is not None:
+        y["importance_weight"] = lpg - prox
+    if old is not None:
+        y["ratio"] = lpg - old
+    if prox is not None and old is not None:  # invalid wherever pi/pi_prox or pi/pi_old is: x * 0 is NaN there
+        y["behave_imp_weight"] = (prox - old) + y["importance_weight"] * F32(0.0) + y["ratio"] * F32(0.0)
+    if b.ref_logprobs is not None:
+        y["kl_ref"] = _np(b.ref_logprobs) - lpg
+    rows = plan.rows
+    ys = np.stack([y[r] for r in rows])  # [rows, B, T] float32
+    valid = ys - ys == 0  # finite
+    z = np.where(valid, ys, F32(0.0))
+    v = valid.astype(F32)
+    counts = valid.sum((1, 2)).astype(F64)
+    n_mask = float(m.sum())
+    names = plan.names
+    s[keys.TOKENS.count] = n_mask
+    _rows(names["count"], s, counts)
+    _rows(names["sum"], s, z[slice(*plan.values)].sum((1, 2), dtype=F64))
+    ext = plan.n_extremes
+    _rows(names["max"], mx, np.where(valid[:ext], ys[:ext], -np.inf).max((1, 2)))
+    _rows(names["min"], mn, np.where(valid[:ext], ys[:ext], np.inf).min((1, 2)))
+    i_adv = plan.at("adv") if plan.has("adv") else -1
+    if i_adv >= 0:
+        zd = z[i_adv].astype(F64)
+        s[keys.ADV.sum], s[keys.ADV.sumsq] = zd.sum(), float(np.dot(zd.ravel(), zd.ravel()))
+        sign = np.sign(z[i_adv])
+        s[keys.ADV.zero] = counts[i_adv] - float((sign * sign).sum(dtype=F64))
+    _hists(s, plan, z, counts, n)
+    r0, nrows = plan.log_ratios, len(rows)
+    e = np.expm1(np.minimum(z[r0:], F32(EXP_CLAMP))) if r0 < nrows else None
+    nr = len(plan.ratio_families)
+    if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
+        _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
+    seq = _kl(s, mx, plan, v, z, e, counts) if plan.kl_first < nrows else None
+    a = plan.nonfinite_matrix().astype(F64) @ np.concatenate([[n_mask], counts])
+    _rows(names["nonfinite"], s, a)
+    if token_clip and plan.clip_row >= 0:
+        j = plan.clip_row
+        lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
+        clipped = ((z[j] - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)).astype(F32)
+        n_clipped = float(clipped.sum(dtype=F64))
+        n_low = (n_clipped - float((clipped * sign).sum(dtype=F64))) * 0.5
+        s[keys.CLIP.count] = float((v[j] * v[i_adv]).sum(dtype=F64))
+        s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low
+    if old is not None:
+        tokens = seq[0, 0]
+        s_lr = seq[1, 0] / tokens  # 0 / 0 = NaN marks the sequences without a valid token
+        _ratio_stats(s, mx, mn, "seq_ratio", s_lr, (tokens > 0).astype(F64))
+        if seq_clip and adv is not None:
+            _seq_clip(s, b, lp, old, gate, adv, s_lr)
+    lengths = _np(b.lengths).astype(F64) if b.lengths is not None else m.sum(1, dtype=F64)
+    _value_stats(s, mx, mn, "length", lengths, np.ones_like(lengths))
+    if b.truncated is not None:
+        s[keys.LENGTH.truncated] = float(_np(b.truncated).astype(bool).sum())
+    if b.rewards is not None:
+        rewards = _np(b.rewards).reshape(-1).astype(F64)
+        rewards = rewards + rewards * 0.0  # NaN where non-finite
+        count = _value_stats(s, mx, mn, "reward", rewards, (rewards == rewards).astype(F64), squares=True)
+        s[keys.input_nonfinite("rewards")] = rewards.size - count
+    s[keys.TOKENS.empty_microbatches] = float(n_mask == 0)
+    s[keys.TOKENS.microbatches] = 1.0
+
+
+def _cells(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:
+    """``sketch.cell_index_with`` on float32 values: the same float32 arithmetic and bit shifts (the constants are
+    numbers, or ``[rows, 1, 1]`` arrays giving each row of ``x`` its own sketch)."""
+    a = np.minimum(np.abs(x) + scale, top)
+    k = (a.view(np.int32) >> shift) - base
+    return (k ^ (x.view(np.int32) >> 31)) + middle
+
+
+@functools.lru_cache(maxsize=64)
+def _hist_constants(plan) -> tuple:
+    """Per histogram row of ``plan`` (``[rows, 1, 1]``): the sketch constants of ``_cells``; and the zero cells."""
+    specs, starts = plan.hist_specs[: len(plan.hist_rows)], plan.hist_starts
+    col = lambda values, dtype: np.array(values, dtype=dtype).reshape(-1, 1, 1)  # noqa: E731
+    middles = [spec.bins // 2 + start for spec, start in zip(specs, starts)]
+    return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
+            col([spec.shift for spec in specs], np.int32), col([spec.base for spec in specs], np.int32),
+            col(middles, np.int32), np.array(middles), sum(spec.bins for spec in specs))
+
+
+def _hists(s, plan, z, counts, n: int) -> None:
+    """Entropy and log-ratio histograms: one joint count, each row's cells after the previous row's, the zero fills
+    of invalid tokens taken out of each row's zero cell."""
+    rows = plan.hist_rows
+    if not rows:
+        return
+    h0, h = plan.at(rows[0]), len(rows)
+    scale, top, shift, base, middle, zero_cells, total = _hist_constants(plan)
+    joint = np.bincount(_cells(z[h0 : h0 + h], scale, top, shift, base, middle).ravel(), minlength=total)
+    joint = joint.astype(F64)
+    joint[zero_cells] -= n - counts[h0 : h0 + h]
+    at = 0
+    for name, size in plan.names["hist"]:
+        s[name] = joint[at : at + size]
+        at += size
+
+
+def _kl(s, mx, plan, v, z, e, counts) -> np.ndarray:
+    """KL estimators k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r of the ratio and reference rows: token
+    sums, the sequence count, the max over sequences of the per-sequence sums. Returns the per-sequence sums
+    ``[4, rows, S]`` of (valid tokens, log r, (log r)^2, k3)."""
+    k0, names = plan.kl_first, plan.names
+    if plan.has("ratio"):
+        s[keys.KL_OLD.count] = counts[plan.at("ratio")]
+    zk = z[k0:]
+    k3 = e[k0 - plan.log_ratios :] - zk
+    seq = np.stack([v[k0:].sum(2, dtype=F64), zk.sum(2, dtype=F64), (zk * zk).sum(2, dtype=F64),
+                    k3.sum(2, dtype=F64)])
+    valid = seq[0] > 0
+    _rows(names["seqs"], s, valid.sum(1).astype(F64))
+    est = seq[1:] * np.array([-1.0, 0.5, 1.0])[:, None, None]
+    total = est.sum(2).reshape(-1)
+    _rows(names["kl_sum"], s, total)
+    _rows(names["kl_seqsum"], s, total)
+    _rows(names["kl_seqmax"], mx, np.where(valid, est, -np.inf).max(2).reshape(-1))
+    return seq
+
+
+# Per-sequence values here are finite or NaN (never +-inf), so NaN-ignoring reductions and a NaN -> 0 fill are what
+# the eager engine's ``nan_to_num`` calls compute (numpy's ``nan_to_num`` costs ~10x a reduction on short vectors).
+def _nan_max(y):
+    return np.fmax.reduce(y, initial=-np.inf)
+
+
+def _nan_min(y):
+    return np.fmin.reduce(y, initial=np.inf)
+
+
+def _zero_filled(y):
+    return np.where(y == y, y, 0.0)
+
+
+def _value_stats(s, mx, mn, name: str, y, v, squares: bool = False) -> float:
+    key = keys.of(name)
+    z = _zero_filled(y)
+    count = float(v.sum())
+    s[key.count] = count
+    s[key.sum] = z.sum()
+    if squares:
+        s[key.sumsq] = float(np.dot(z, z))
+    mx[key.max], mn[key.min] = _nan_max(y), _nan_min(y)
+    return count
+
+
+def _ratio_stats(s, mx, mn, name: str, lr, v) -> None:
+    key = keys.of(name)
+    z = _zero_filled(lr)
+    e = np.expm1(np.minimum(z, EXP_CLAMP))
+    count = float(v.sum())
+    s[key.count], s[key.sum] = count, e.sum() + count
+    mx[key.logmax], mn[key.logmin] = _nan_max(lr), _nan_min(lr)
+    spec = LOG_RATIO
+    cells = np.bincount(_cells(z.astype(F32), F32(spec.scale), F32(spec.top), spec.shift, spec.base, spec.bins // 2),
+                        minlength=spec.bins).astype(F64)
+    cells[LOG_RATIO.bins // 2] -= z.size - count
+    s[key.hist] = cells
+
+
+def _seq_clip(s, b, lp, old, gate, adv, s_lr) -> None:
+    """GSPO: every valid token of a sequence is clipped by the sequence ratio (token advantage sign)."""
+    lr = (lp + gate) - old
+    lr = lr + lr * F32(0.0)
+    v = (lr == lr).astype(F32)
+    a = adv + gate
+    a = a + a * F32(0.0)
+    v_adv = (a == a).astype(F32)
+    clip_lr = s_lr.astype(F32)[:, None] + lr * F32(0.0)
+    lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
+    sign = np.sign(a)
+    clipped = (clip_lr - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)
+    n_low = float((clipped & (sign < 0)).sum())
+    n_clipped = float(clipped.sum())
+    s[keys.CLIP.count] = float((v * v_adv).sum(dtype=F64))
+    s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low

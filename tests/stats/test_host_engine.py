@@ -1,0 +1,170 @@
+"""The host engine for small CPU micro-batches (rl_guard/stats/host_engine.py).
+
+Against the eager engine on the same micro-batch: the same statistics layout (micro-batches and ranks of either
+engine merge), the same counts, histogram cells, extremes and non-finite counts, the float sums to float32
+accuracy; over random batches (hypothesis: any subset of fields, per-token or per-sequence advantages, NaN and inf
+in any field, empty rows and empty masks, GSPO), and against the float64 reference. Batches it must not take go
+to the chosen engine, and a failure inside it costs speed only: one warning, and the eager statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_stats import check, make_padded, np_dict, packed_from, reference, with_per_sequence_fields
+
+from rl_guard.stats import host_engine
+from rl_guard.stats.accumulate import StepAccumulator
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.probe_batch import probe_batch
+from rl_guard.stats.summarize import summarize
+
+FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "seq_ratio.")  # summed in float64 here, float32 in eager
+
+
+@pytest.fixture
+def host_calls(monkeypatch):
+    """How many micro-batches the host engine computed (a silent fallback must not pass for a host result)."""
+    calls = []
+    real = host_engine._token_stats
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(host_engine, "_token_stats", counted)
+    monkeypatch.setattr(host_engine, "_failure", [])
+    return calls
+
+
+def _finish(p):
+    acc = StepAccumulator()
+    acc.add(p)
+    return acc.finish()
+
+
+def _compare(d: dict, host_calls, monkeypatch, **kw) -> dict:
+    """Host vs eager on one micro-batch; returns the host engine's metrics."""
+    b = TokenBatch(**d, **kw)
+    before = len(host_calls)
+    host = probe_batch(b)
+    assert len(host_calls) == before + 1 and not host_engine._failure
+    with monkeypatch.context() as m:
+        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
+        eager = probe_batch(b)
+    assert host.packed[0] == eager.packed[0]
+    h, e = _finish(host), _finish(eager)
+    assert h.keys() == e.keys()
+    for key in e:
+        if any(part in key for part in FLOAT_SUMS):
+            np.testing.assert_allclose(h[key], e[key], rtol=2e-5, atol=1e-5, err_msg=key)
+        else:
+            np.testing.assert_array_equal(h[key], e[key], err_msg=key)
+    return summarize(h)[0]
+
+
+@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv"), ("old", "prox", "adv", "entropy"),
+                                    ("ref", "entropy"), ("old",), ()])
+def test_host_equals_eager_and_the_float64_reference(fields, host_calls, monkeypatch):
+    for seed in range(2):
+        d = make_padded(seed, B=5, T=24, fields=fields)
+        check(_compare(d, host_calls, monkeypatch), reference(np_dict(d)))
+
+
+def test_per_sequence_advantages_given_lengths_and_gspo(host_calls, monkeypatch):
+    d = with_per_sequence_fields(0)
+    d.pop("versions")
+    for level in ("token", "sequence"):
+        check(_compare(d, host_calls, monkeypatch, importance_sampling_level=level, eps_high=0.28),
+              reference(np_dict(d), level=level, eps_high=0.28))
+
+
+_FIELDS = ("entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
+
+
+@st.composite
+def _batches(draw):
+    B, T = draw(st.integers(1, 5)), draw(st.integers(1, 9))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    mask = torch.rand(B, T, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))
+    lp = -torch.rand(B, T, generator=g) * 2
+    d = {"logprobs": lp, "mask": mask if draw(st.booleans()) else mask.long()}
+    for name in draw(st.sets(st.sampled_from(_FIELDS))):
+        per_seq = name == "advantages" and draw(st.booleans())
+        d[name] = torch.randn(B, generator=g) if per_seq else lp + 0.3 * torch.randn(B, T, generator=g)
+    for name in ("logprobs", *(f for f in _FIELDS if f in d)):
+        for _ in range(draw(st.integers(0, 2))):  # NaN / inf anywhere, masked or not
+            t = d[name] = d[name].clone()
+            flat = t.view(-1)
+            flat[draw(st.integers(0, flat.numel() - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    if draw(st.booleans()):
+        d["rewards"] = torch.randn(B, generator=g, dtype=draw(st.sampled_from([torch.float32, torch.float64])))
+        if draw(st.booleans()):
+            d["rewards"][0] = np.nan
+    if draw(st.booleans()):
+        d["lengths"] = torch.randint(0, T + 1, (B,), generator=g)
+    if draw(st.booleans()):
+        d["truncated"] = torch.rand(B, generator=g) < 0.5
+    kw = dict(allow_empty_mask=True, clipped_loss=draw(st.booleans()),
+              importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+              eps_low=draw(st.sampled_from([0.1, 0.2])), eps_high=draw(st.sampled_from([0.2, 0.28])))
+    return d, kw
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=_batches())
+def test_host_equals_eager_on_any_small_batch(batch):
+    d, kw = batch
+    calls = []
+    real = host_engine._token_stats
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_engine, "_token_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+        m.setattr(host_engine, "_failure", [])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # numpy's invalid-value warnings must not leak
+            _compare(d, calls, m, **kw)
+
+
+def test_batches_it_does_not_take_go_to_the_chosen_engine(host_calls):
+    d = make_padded(0, B=4, T=16, fields=("old", "adv", "versions"))
+    small = TokenBatch(**{k: v for k, v in d.items() if k != "versions"})
+    assert host_engine.takes(small)
+    versioned = TokenBatch(**d, current_version=12)
+    packed = TokenBatch(**{k: v for k, v in packed_from(d).items() if k != "versions"})
+    bf16 = TokenBatch(**{**{k: v for k, v in d.items() if k != "versions"},
+                         "logprobs": d["logprobs"].bfloat16()})
+    large = make_padded(0, B=64, T=200, fields=("old",))
+    on_device = TokenBatch(logprobs=torch.zeros(2, 3, device="meta"), mask=torch.ones(2, 3, dtype=torch.bool,
+                                                                                        device="meta"))
+    for b in (versioned, packed, bf16, TokenBatch(**large), on_device):
+        assert not host_engine.takes(b)
+    for b in (versioned, packed, bf16, TokenBatch(**large)):
+        probe_batch(b)
+        probe_batch(b)
+    assert not host_calls
+
+
+def test_a_failure_inside_turns_it_off_with_one_warning_and_the_eager_statistics(host_calls, monkeypatch):
+    d = make_padded(1, B=4, T=16, fields=("old", "ref", "entropy", "adv"))
+    b = TokenBatch(**d)
+    with monkeypatch.context() as m:
+        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
+        want = _finish(probe_batch(b))
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr(host_engine, "_token_stats", broken)
+    with pytest.warns(RuntimeWarning, match="host engine .* failed .*injected") as caught:
+        got = _finish(probe_batch(b))
+        again = _finish(probe_batch(b))
+    assert len(caught) == 1 and host_engine._failure and not host_engine.takes(b)
+    for out in (got, again):
+        assert out.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(out[key], want[key], err_msg=key)
