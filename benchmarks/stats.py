@@ -24,6 +24,10 @@ tensor (4 bytes/token). Host transfers: ``.cpu()`` calls during a 4-micro-batch 
 reported separately). ``--device cuda`` runs the GPU path instead (``stats_cuda.py``: CUDA-event timing and the
 synchronisations of a whole guard step).
 
+Small micro-batches (``small_batch_ms``: 64, 1K and 8K tokens in TRL's form, per-sequence advantages and no
+versions): the probe alone, by the host engine (numpy, the default for such CPU batches) and by the eager
+engine, 100 calls per timed run.
+
 Usage: ``python benchmarks/stats.py [--quick] [--sizes 1M,4M,16M] [--repeats N] [--threads 1,2] [--json [FILE]]
 [--device cuda]``.
 """
@@ -86,6 +90,34 @@ def full_step(d: dict, engine: str = "eager") -> dict:
     acc = StepAccumulator()
     acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION), engine=engine))
     return summarize(acc.finish())[0]
+
+
+SMALL = {"64": (8, 8), "1K": (16, 64), "8K": (64, 128)}  # (rows, columns) of a small padded micro-batch
+
+
+def small_batches(repeats: int, calls: int = 100) -> dict:
+    """ms per ``probe_batch`` of small TRL-shaped micro-batches: host engine vs eager engine, and their ratio."""
+    from rl_guard.stats import host_engine
+
+    def probe(b, host: bool):
+        saved = host_engine.CPU_MAX_TOKENS
+        host_engine.CPU_MAX_TOKENS = saved if host else 0
+        try:
+            for _ in range(calls):
+                probe_batch(b)
+        finally:
+            host_engine.CPU_MAX_TOKENS = saved
+
+    out = {}
+    for label, (rows, cols) in SMALL.items():
+        d = make_inputs(rows * cols, rows=rows)
+        d.pop("versions")
+        d["advantages"] = d["advantages"][:, 0].contiguous()
+        b = TokenBatch(**d, lengths=d["mask"].sum(1), truncated=d["mask"][:, -1])
+        t = time_interleaved({"host": lambda: probe(b, True), "eager": lambda: probe(b, False)}, repeats)["times"]
+        ms = {name: 1e3 * min(t[name]["cpu"]) / calls for name in t}
+        out[label] = {**ms, "eager_over_host": ms["eager"] / ms["host"]}
+    return out
 
 
 def floor_pass(d: dict, chunk: int = 1 << 18) -> float:
@@ -363,6 +395,10 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     result = dict(results[thread_counts[0]])
+    result["small_batch_ms"] = small_batches(repeats)
+    for label, row in result["small_batch_ms"].items():
+        print(f"{label:>4} tokens, probe only: host engine {row['host']:.3f} ms, eager {row['eager']:.3f} ms "
+              f"({row['eager_over_host']:.1f}x)")
     if len(thread_counts) > 1:
         result["by_threads"] = {str(n): r for n, r in results.items()}
     emit_json(args.json, result)

@@ -179,8 +179,7 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
     if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
         _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
     seq = _kl(s, mx, plan, v, z, e, counts) if plan.kl_first < nrows else None
-    a = plan.nonfinite_matrix().astype(F64) @ np.concatenate([[n_mask], counts])
-    _rows(names["nonfinite"], s, a)
+    _rows(names["nonfinite"], s, _nonfinite_matrix(plan) @ np.concatenate([[n_mask], counts]))
     if token_clip and plan.clip_row >= 0:
         j = plan.clip_row
         lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
@@ -214,6 +213,11 @@ def _cells(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:
     a = np.minimum(np.abs(x) + scale, top)
     k = (a.view(np.int32) >> shift) - base
     return (k ^ (x.view(np.int32) >> 31)) + middle
+
+
+@functools.lru_cache(maxsize=64)
+def _nonfinite_matrix(plan) -> np.ndarray:
+    return plan.nonfinite_matrix().astype(F64)
 
 
 @functools.lru_cache(maxsize=64)

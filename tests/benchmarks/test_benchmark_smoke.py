@@ -31,6 +31,8 @@ def test_main_on_a_tiny_batch_writes_the_json_keys(bench, tmp_path, capsys):
     # both engines timed; the top level is the first one's
     assert data["engine"] == "compiled" and data["speedup_vs_naive_4M"] == data["speedup_vs_naive_4M_compiled"]
     assert data["speedup_vs_naive_4M_eager"] > 0
+    assert set(data["small_batch_ms"]) == {"64", "1K", "8K"}  # small micro-batches: host engine vs eager
+    assert all(row["host"] > 0 and row["eager"] > 0 for row in data["small_batch_ms"].values())
     assert result["rows"][0]["tokens"] == 1 << 12
     assert "speedup_vs_naive" in capsys.readouterr().out
 

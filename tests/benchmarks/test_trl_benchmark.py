@@ -6,21 +6,26 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from file_modules import load_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_overhead.py"
 
 
-def test_overhead_benchmark_runs_and_writes_json(tmp_path):
+@pytest.mark.parametrize("setup", ["demo", "trl-defaults"])
+def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     bench = load_module("trl_overhead", BENCH)
     out_file = tmp_path / "overhead.json"
-    out = bench.main(["--runs", "1", "--steps", "2", "--json", str(out_file)])
+    out = bench.main(["--runs", "1", "--steps", "2", "--setup", setup, "--json", str(out_file)])
     written = json.loads(out_file.read_text())
     assert written == json.loads(json.dumps(out))
     assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
     assert 0 < written["guard_time_frac"] < 1  # the guard did run, and did not take the whole run
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
+    assert written["setup"] == setup
     parts = written["guard_ms_per_step"]
+    if setup == "trl-defaults":  # TRL generates every step: the sample diagnostics run every step
+        assert parts["diagnostics"] > 0
     assert set(parts) == {*bench.PARTS, "total"} and all(v >= 0 for v in parts.values())
     assert parts["statistics"] > 0 and parts["grad_probe"] > 0 and parts["rules"] > 0 and parts["sinks"] > 0
     assert parts["total"] == sum(parts[p] for p in bench.PARTS)
