@@ -33,9 +33,11 @@ from areal.api.io_struct import SaveLoadMeta
 from areal.engine.fsdp_engine import FSDPPPOActor
 
 from ..control.ram_dir import ram_dir
+from . import CONFIG_ENV as CONFIG
+from . import RUN_DIR_ENV as RUN_DIR
 from . import areal as adapter
 
-CONFIG, RUN_DIR, BOUND = "RL_GUARD_CONFIG", "RL_GUARD_RUN_DIR", "RL_GUARD_MAX_HEAD_OFFPOLICYNESS"
+BOUND = "RL_GUARD_MAX_HEAD_OFFPOLICYNESS"
 
 
 def settings(config_path: str | None, run_dir: str | None, max_head_offpolicyness: int | None) -> dict:

@@ -25,7 +25,8 @@ import os
 import runpy
 import sys
 
-CONFIG_ENV, RUN_DIR_ENV = "RL_GUARD_CONFIG", "RL_GUARD_RUN_DIR"
+from . import CONFIG_ENV, RUN_DIR_ENV
+
 OPTIONS = {"--rl_guard.config": CONFIG_ENV, "--rl_guard.run_dir": RUN_DIR_ENV}
 HOOK = f"{__name__}.setup_worker"
 # The environment OpenRLHF's own ray.init sets (openrlhf/cli/train_ppo_ray.py, 0.11.2), with the same defaults.

@@ -54,6 +54,7 @@ from .. import TokenBatch
 from ..errors import GuardHalted
 from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
+from . import CONFIG_ENV, RUN_DIR_ENV
 
 SUPPORTED = {"verl": ((0, 9), (0, 10))}
 ACTOR_LOSSES = ("ppo_loss", "distillation_ppo_loss")  # the actor's loss functions in verl.workers.utils.losses
@@ -205,7 +206,7 @@ def guard_from_env():
     """The guard the workers build: ``RL_GUARD_CONFIG`` (preset or YAML path), ``RL_GUARD_RUN_DIR``."""
     from .. import Guard
 
-    return Guard.from_yaml(os.environ.get("RL_GUARD_CONFIG", "grpo"), run_dir=os.environ.get("RL_GUARD_RUN_DIR"))
+    return Guard.from_yaml(os.environ.get(CONFIG_ENV, "grpo"), run_dir=os.environ.get(RUN_DIR_ENV))
 
 
 def register(make_guard=guard_from_env) -> None:

@@ -14,8 +14,8 @@ same engine, whatever came before it). Counts, histogram cells, extremes and non
 engine's; float sums are taken in float64 here (the eager engine sums some in float32), so they agree to float32
 accuracy. Formulas: ``token_rows.py``, ``token_probes.py``, ``kernels.py``.
 
-Failure policy as for the compiled engine: anything but an input error turns it off for the rest of the process,
-with one warning, and the micro-batch is redone eagerly.
+Failure policy as for the compiled engine: a failure turns it off for the rest of the process, with one warning,
+and the micro-batch is redone eagerly (input errors cannot reach it: a ``TokenBatch`` is validated when built).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from .kernels import loss_stats
 from .partial import Partial
 from .sketch import LOG_RATIO
 
-CPU_MAX_TOKENS = 1 << 13  # above this numpy's per-element work catches up with torch's per-operation cost
+# Measured against the eager engine (benchmarks/stats.py small_batch_ms): 3.0x faster at 64 tokens, 1.5x at 8K; above
+# this the per-element work dominates and the chosen engine takes the batch.
+CPU_MAX_TOKENS = 1 << 13
 F32, F64 = np.float32, np.float64
 FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
 _layouts: dict = {}  # signature -> the eager engine's layout and its packing offsets
@@ -90,10 +92,8 @@ def loss_partial(loss: torch.Tensor) -> Partial:
         try:
             x = _np(loss).reshape(-1).astype(F64)
             ok = np.isfinite(x)
-            p = Partial()
             sums = np.array([x.size, x.sum(where=ok), x.size - ok.sum()], dtype=F64)
-            p._packed = (LOSS_LAYOUT, torch.from_numpy(sums), _NO_MAXES)  # noqa: SLF001
-            return p
+            return Partial.of_packed(LOSS_LAYOUT, torch.from_numpy(sums), _NO_MAXES)
         except Exception as e:  # noqa: BLE001 - as for token statistics: cost speed, never the statistics
             disable(e)
     return loss_stats(Partial(), loss)
@@ -118,9 +118,7 @@ def probe(b, plan, sig: tuple, seq_clip: bool, token_clip: bool) -> Partial:
         sums[lo:hi] = s[name]
     for name, lo, hi in max_at:
         maxes[lo:hi] = -mn[name[1:]] if name[0] == "-" else mx[name]
-    p = Partial()
-    p._packed = ((sum_layout, max_layout), torch.from_numpy(sums), torch.from_numpy(maxes))  # noqa: SLF001
-    return p
+    return Partial.of_packed((sum_layout, max_layout), torch.from_numpy(sums), torch.from_numpy(maxes))
 
 
 def _rows(names: tuple, s: dict, values) -> None:
@@ -129,8 +127,46 @@ def _rows(names: tuple, s: dict, values) -> None:
 
 
 def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
+    """Every statistic of the micro-batch into ``s`` (sums), ``mx`` (maxima) and ``mn`` (minima), by name."""
+    lp, m, gate, adv, old, ys = _token_rows(b, plan)
+    valid = ys - ys == 0  # finite
+    z = np.where(valid, ys, F32(0.0))
+    v = valid.astype(F32)
+    counts = valid.sum((1, 2)).astype(F64)
+    n_mask = float(m.sum())
+    names = plan.names
+    s[keys.TOKENS.count] = n_mask
+    _rows(names["count"], s, counts)
+    _rows(names["sum"], s, z[slice(*plan.values)].sum((1, 2), dtype=F64))
+    ext = plan.n_extremes
+    _rows(names["max"], mx, np.where(valid[:ext], ys[:ext], -np.inf).max((1, 2)))
+    _rows(names["min"], mn, np.where(valid[:ext], ys[:ext], np.inf).min((1, 2)))
+    _hists(s, plan, z, counts, lp.size)
+    r0, nrows = plan.log_ratios, len(plan.rows)
+    e = np.expm1(np.minimum(z[r0:], F32(EXP_CLAMP))) if r0 < nrows else None
+    nr = len(plan.ratio_families)
+    if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
+        _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
+    seq = _kl(s, mx, plan, v, z, e, counts) if plan.kl_first < nrows else None
+    _rows(names["nonfinite"], s, _nonfinite_matrix(plan) @ np.concatenate([[n_mask], counts]))
+    if plan.has("adv"):
+        _advantages(s, b, plan, z, v, counts, token_clip)
+    if old is not None:
+        tokens = seq[0, 0]
+        s_lr = seq[1, 0] / tokens  # 0 / 0 = NaN marks the sequences without a valid token
+        _ratio_stats(s, mx, mn, "seq_ratio", s_lr, (tokens > 0).astype(F64))
+        if seq_clip and adv is not None:
+            _seq_clip(s, b, lp, old, gate, adv, s_lr)
+    _sequence_fields(s, mx, mn, b, m)
+    s[keys.TOKENS.empty_microbatches] = float(n_mask == 0)
+    s[keys.TOKENS.microbatches] = 1.0
+
+
+def _token_rows(b, plan):
+    """The fields' numpy views and the plan's rows stacked ``[rows, B, T]`` (float32; non-finite wherever the
+    token is masked out or an input it is made of is non-finite: the mask's gate, 0 or -inf, is added to the
+    log-probs and every log-ratio is a difference with them)."""
     lp = _np(b.logprobs)
-    n = lp.size
     m = _np(b.mask)
     m = m if m.dtype == np.bool_ else m != 0
     gate = np.where(m, F32(0.0), F32(-np.inf))
@@ -152,48 +188,30 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
         y["behave_imp_weight"] = (prox - old) + y["importance_weight"] * F32(0.0) + y["ratio"] * F32(0.0)
     if b.ref_logprobs is not None:
         y["kl_ref"] = _np(b.ref_logprobs) - lpg
-    rows = plan.rows
-    ys = np.stack([y[r] for r in rows])  # [rows, B, T] float32
-    valid = ys - ys == 0  # finite
-    z = np.where(valid, ys, F32(0.0))
-    v = valid.astype(F32)
-    counts = valid.sum((1, 2)).astype(F64)
-    n_mask = float(m.sum())
-    names = plan.names
-    s[keys.TOKENS.count] = n_mask
-    _rows(names["count"], s, counts)
-    _rows(names["sum"], s, z[slice(*plan.values)].sum((1, 2), dtype=F64))
-    ext = plan.n_extremes
-    _rows(names["max"], mx, np.where(valid[:ext], ys[:ext], -np.inf).max((1, 2)))
-    _rows(names["min"], mn, np.where(valid[:ext], ys[:ext], np.inf).min((1, 2)))
-    i_adv = plan.at("adv") if plan.has("adv") else -1
-    if i_adv >= 0:
-        zd = z[i_adv].astype(F64)
-        s[keys.ADV.sum], s[keys.ADV.sumsq] = zd.sum(), float(np.dot(zd.ravel(), zd.ravel()))
-        sign = np.sign(z[i_adv])
-        s[keys.ADV.zero] = counts[i_adv] - float((sign * sign).sum(dtype=F64))
-    _hists(s, plan, z, counts, n)
-    r0, nrows = plan.log_ratios, len(rows)
-    e = np.expm1(np.minimum(z[r0:], F32(EXP_CLAMP))) if r0 < nrows else None
-    nr = len(plan.ratio_families)
-    if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
-        _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
-    seq = _kl(s, mx, plan, v, z, e, counts) if plan.kl_first < nrows else None
-    _rows(names["nonfinite"], s, _nonfinite_matrix(plan) @ np.concatenate([[n_mask], counts]))
-    if token_clip and plan.clip_row >= 0:
-        j = plan.clip_row
-        lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
-        clipped = ((z[j] - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)).astype(F32)
-        n_clipped = float(clipped.sum(dtype=F64))
-        n_low = (n_clipped - float((clipped * sign).sum(dtype=F64))) * 0.5
-        s[keys.CLIP.count] = float((v[j] * v[i_adv]).sum(dtype=F64))
-        s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low
-    if old is not None:
-        tokens = seq[0, 0]
-        s_lr = seq[1, 0] / tokens  # 0 / 0 = NaN marks the sequences without a valid token
-        _ratio_stats(s, mx, mn, "seq_ratio", s_lr, (tokens > 0).astype(F64))
-        if seq_clip and adv is not None:
-            _seq_clip(s, b, lp, old, gate, adv, s_lr)
+    return lp, m, gate, adv, old, np.stack([y[r] for r in plan.rows])
+
+
+def _advantages(s, b, plan, z, v, counts, token_clip: bool) -> None:
+    """Advantage sums in float64, the zero advantages, and PPO's clip regions: with s = sign(A) both are one
+    comparison, s * (lr - b) > a, a -+ b being the two log thresholds (``token_probes.clip_into``)."""
+    i = plan.at("adv")
+    zd = z[i].astype(F64).ravel()
+    s[keys.ADV.sum], s[keys.ADV.sumsq] = zd.sum(), float(np.dot(zd, zd))
+    sign = np.sign(z[i])
+    s[keys.ADV.zero] = counts[i] - float((sign * sign).sum(dtype=F64))
+    if not token_clip or plan.clip_row < 0:
+        return
+    j = plan.clip_row
+    lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
+    clipped = ((z[j] - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)).astype(F32)
+    n_clipped = float(clipped.sum(dtype=F64))
+    n_low = (n_clipped - float((clipped * sign).sum(dtype=F64))) * 0.5
+    s[keys.CLIP.count] = float((v[j] * v[i]).sum(dtype=F64))
+    s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low
+
+
+def _sequence_fields(s, mx, mn, b, m) -> None:
+    """Lengths (given, or the mask's per-row counts), the truncated count, rewards (finite values only)."""
     lengths = _np(b.lengths).astype(F64) if b.lengths is not None else m.sum(1, dtype=F64)
     _value_stats(s, mx, mn, "length", lengths, np.ones_like(lengths))
     if b.truncated is not None:
@@ -203,8 +221,6 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
         rewards = rewards + rewards * 0.0  # NaN where non-finite
         count = _value_stats(s, mx, mn, "reward", rewards, (rewards == rewards).astype(F64), squares=True)
         s[keys.input_nonfinite("rewards")] = rewards.size - count
-    s[keys.TOKENS.empty_microbatches] = float(n_mask == 0)
-    s[keys.TOKENS.microbatches] = 1.0
 
 
 def _cells(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:

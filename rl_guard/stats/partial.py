@@ -47,6 +47,13 @@ class Partial:
             if layout:
                 out.update(zip((n for n, _ in layout), vec.split([k for _, k in layout])))
 
+    @classmethod
+    def of_packed(cls, layout: Layout, sums: torch.Tensor, maxes: torch.Tensor) -> "Partial":
+        """A packed ``Partial`` from its layout and its float64 sum and max vectors (minima negated in the latter)."""
+        p = cls()
+        p._packed = (layout, sums, maxes)
+        return p
+
     def add_sum(self, name: str, t: torch.Tensor) -> None:
         self.sum[name] = t.reshape(-1).to(F64)
 
@@ -73,12 +80,10 @@ def _joined(parts: list, device) -> tuple[tuple, torch.Tensor]:
 def pack(sums: list, maxes: list, mins: list, device) -> Partial:
     """A packed ``Partial`` from ``[(layout, tensor)]`` 1-D pieces (``layout``: ``((name, size), ...)`` covering the
     tensor's elements in order); minima are negated into the max vector under ``-name``."""
-    p = Partial()
     sum_layout, s = _joined(sums, device)
     max_layout, m = _joined(maxes, device)
     if mins:
         min_layout, m_min = _joined(mins, device)
         max_layout += tuple(("-" + n, k) for n, k in min_layout)
         m = torch.cat([m, m_min.neg_()])
-    p._packed = ((sum_layout, max_layout), s, m)
-    return p
+    return Partial.of_packed((sum_layout, max_layout), s, m)
