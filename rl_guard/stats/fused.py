@@ -13,8 +13,8 @@ Written for the compiler: per field on ``[r, T]`` tensors, finiteness as ``t - t
 (the compiler turns ``isnan`` into a scalar loop and ``expm1`` into ``exp(x) - 1``, which cancels in float32).
 
 Costs: a first call compiles for ~10-30 s (once per process and combination of fields and dtypes; shapes are
-dynamic), CPU needs a C++ compiler and CUDA needs Triton. On CPU, micro-batches under ``CPU_MIN_TOKENS`` stay
-eager, where a compiled call's fixed cost exceeds its gain. Any failure to compile or run turns the engine off for
+dynamic), CPU needs a C++ compiler and CUDA needs Triton. On CPU, micro-batches under ``CPU_MIN_TOKENS`` are not
+compiled, where a compiled call's fixed cost exceeds its gain (the host engine or the eager engine takes them). Any failure to compile or run turns the engine off for
 the rest of the process, with one warning, and ``probe_batch`` redoes the micro-batch eagerly: the statistics are
 the same, only slower.
 """

@@ -205,3 +205,14 @@ def check(got: dict, ref: tuple, rtol=2e-5, atol=1e-6):
 
 def np_dict(d):
     return {k: to_np(v) for k, v in d.items()}
+
+
+def assert_engines_agree(got: dict, want: dict, float_sums: tuple, atol: float) -> None:
+    """Two engines' finished statistics of one micro-batch: the same keys, the float sums (keys containing a part of
+    ``float_sums``) to float32 accuracy, everything else (counts, histogram cells, extremes) bit for bit."""
+    assert got.keys() == want.keys()
+    for key in want:
+        if any(part in key for part in float_sums):
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=atol, err_msg=key)
+        else:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)

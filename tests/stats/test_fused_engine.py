@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reference_stats import check, make_padded, np_dict, packed_from, reference, with_per_sequence_fields
+from reference_stats import (assert_engines_agree, check, make_padded, np_dict, packed_from, reference,
+                             with_per_sequence_fields)
 
 from rl_guard import Guard
 from rl_guard.control.config import load_config
@@ -63,12 +64,7 @@ def _compare(d: dict, chunk=None, **kw) -> dict:
         calls.hits + calls.misses)
     lay_e, e = _run(d, "eager", chunk, **kw)
     assert lay_c == lay_e
-    assert c.keys() == e.keys()
-    for key in e:
-        if any(part in key for part in FLOAT_SUMS):
-            np.testing.assert_allclose(c[key], e[key], rtol=2e-5, atol=1e-6, err_msg=key)
-        else:
-            np.testing.assert_array_equal(c[key], e[key], err_msg=key)
+    assert_engines_agree(c, e, FLOAT_SUMS, atol=1e-6)
     return summarize(c)[0]
 
 

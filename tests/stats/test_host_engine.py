@@ -16,7 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_stats import check, make_padded, np_dict, packed_from, reference, with_per_sequence_fields
+from reference_stats import (assert_engines_agree, check, make_padded, np_dict, packed_from, reference,
+                             with_per_sequence_fields)
 
 from rl_guard.stats import host_engine
 from rl_guard.stats.accumulate import StepAccumulator
@@ -58,13 +59,8 @@ def _compare(d: dict, host_calls, monkeypatch, **kw) -> dict:
         m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
         eager = probe_batch(b)
     assert host.packed[0] == eager.packed[0]
-    h, e = _finish(host), _finish(eager)
-    assert h.keys() == e.keys()
-    for key in e:
-        if any(part in key for part in FLOAT_SUMS):
-            np.testing.assert_allclose(h[key], e[key], rtol=2e-5, atol=1e-5, err_msg=key)
-        else:
-            np.testing.assert_array_equal(h[key], e[key], err_msg=key)
+    h = _finish(host)
+    assert_engines_agree(h, _finish(eager), FLOAT_SUMS, atol=1e-5)
     return summarize(h)[0]
 
 
