@@ -14,9 +14,9 @@ Written for the compiler: per field on ``[r, T]`` tensors, finiteness as ``t - t
 
 Costs: a first call compiles for ~10-30 s (once per process and combination of fields and dtypes; shapes are
 dynamic), CPU needs a C++ compiler and CUDA needs Triton. On CPU, micro-batches under ``CPU_MIN_TOKENS`` are not
-compiled, where a compiled call's fixed cost exceeds its gain (the host engine or the eager engine takes them). Any failure to compile or run turns the engine off for
-the rest of the process, with one warning, and ``probe_batch`` redoes the micro-batch eagerly: the statistics are
-the same, only slower.
+compiled, where a compiled call's fixed cost exceeds its gain (the host engine or the eager engine takes them).
+Any failure to compile or run turns the engine off for the rest of the process, with one warning, and
+``probe_batch`` redoes the micro-batch eagerly: the statistics are the same, only slower.
 """
 
 from __future__ import annotations
