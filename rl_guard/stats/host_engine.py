@@ -32,12 +32,15 @@ from .constants import EXP_CLAMP
 from .kernels import loss_stats
 from .partial import Partial
 from .sketch import LOG_RATIO
+from .token_rows import device_constant
 
 # Measured against the eager engine (benchmarks/stats.py small_batch_ms): 3.0x faster at 64 tokens, 1.5x at 8K; above
 # this the per-element work dominates and the chosen engine takes the batch.
 CPU_MAX_TOKENS = 1 << 13
 F32, F64 = np.float32, np.float64
 FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
+LAYOUT_FIELDS = ("mask", *FLOAT_FIELDS, "lengths", "truncated", "rewards")  # the fields the layout depends on
+CPU = torch.device("cpu")
 _layouts: dict = {}  # signature -> the eager engine's layout and its packing offsets
 _failure: list[str] = []
 
@@ -52,8 +55,7 @@ def takes(b) -> bool:
 
 def signature(b, seq_clip: bool, token_clip: bool) -> tuple:
     """What the eager layout depends on: which fields are given (and their dtypes), and which probes run."""
-    fields = tuple(None if getattr(b, f) is None else getattr(b, f).dtype
-                   for f in ("mask", *FLOAT_FIELDS, "lengths", "truncated", "rewards"))
+    fields = tuple(None if getattr(b, f) is None else getattr(b, f).dtype for f in LAYOUT_FIELDS)
     return fields, seq_clip, token_clip, b.allow_empty_mask
 
 
@@ -148,7 +150,8 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
     if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
         _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
     seq = _kl(s, mx, plan, v, z, e, counts) if plan.kl_first < nrows else None
-    _rows(names["nonfinite"], s, _nonfinite_matrix(plan) @ np.concatenate([[n_mask], counts]))
+    nonfinite = device_constant("nonfinite", plan, CPU).numpy()  # float32 entries of 0 and +-1: exact in float64
+    _rows(names["nonfinite"], s, nonfinite @ np.concatenate([[n_mask], counts]))
     if plan.has("adv"):
         _advantages(s, b, plan, z, v, counts, token_clip)
     if old is not None:
@@ -232,19 +235,11 @@ def _cells(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _nonfinite_matrix(plan) -> np.ndarray:
-    return plan.nonfinite_matrix().astype(F64)
-
-
-@functools.lru_cache(maxsize=64)
 def _hist_constants(plan) -> tuple:
-    """Per histogram row of ``plan`` (``[rows, 1, 1]``): the sketch constants of ``_cells``; and the zero cells."""
-    specs, starts = plan.hist_specs[: len(plan.hist_rows)], plan.hist_starts
-    col = lambda values, dtype: np.array(values, dtype=dtype).reshape(-1, 1, 1)  # noqa: E731
-    middles = [spec.bins // 2 + start for spec, start in zip(specs, starts)]
-    return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
-            col([spec.shift for spec in specs], np.int32), col([spec.base for spec in specs], np.int32),
-            col(middles, np.int32), np.array(middles), sum(spec.bins for spec in specs))
+    """``token_rows.device_constant("hists")`` on the CPU as numpy, the columns shaped ``[rows, 1, 1]`` for
+    ``[rows, B, T]`` values: the sketch constants of ``_cells``, the zero cells, and the joint count's size."""
+    *columns, zero_cells = device_constant("hists", plan, CPU)
+    return (*(c.numpy()[:, :, None] for c in columns), zero_cells.numpy(), sum(spec.bins for spec in plan.hist_specs))
 
 
 def _hists(s, plan, z, counts, n: int) -> None:

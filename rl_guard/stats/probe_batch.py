@@ -70,8 +70,7 @@ def _probe_on_host(b: TokenBatch, lag_edges) -> Partial:
 def _one_token_like(b: TokenBatch) -> TokenBatch:
     """A one-token batch with the fields (and dtypes) of ``b``: its statistics layout is ``b``'s."""
     fields = {}
-    for name in ("logprobs", "mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy", "advantages",
-                 "rewards", "lengths", "truncated"):
+    for name in host_engine.LAYOUT_FIELDS:
         t = getattr(b, name)
         if t is not None:
             fields[name] = torch.ones((1,) if t.dim() == 1 else (1, 1), dtype=t.dtype)

@@ -113,7 +113,8 @@ def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -
 
 def all_reduce(dist, t: torch.Tensor, largest: bool) -> None:
     """In place across ranks: the elementwise maximum (``largest``) or the sum."""
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
+    reduction = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
+    dist.all_reduce(t, op=reduction)
 
 
 def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
