@@ -261,6 +261,8 @@ class Guard:
         if self._sinks is not None:
             with self.protect("close"):
                 self._sinks.finish()
+        with self.protect("close"):
+            self.diagnostics.close()
 
     # -- failure policy -------------------------------------------------------------------------------------------------
     def protect(self, where: str) -> "_Protected":

@@ -31,14 +31,17 @@ class RunDiagnostics:
     """Run-level diagnostics; call ``update`` once per generation batch.
 
     ``quadrant_threshold``: reward at or above which a sample is "high reward" (None: batch median rule).
-    ``window``: updates in the trend fits. Cumulative budgets, the trend window and the audit sampler's RNG state
+    ``window``: updates in the trend fits. Audit files: ``audit_updates_per_file`` updates per file, the newest
+    ``audit_max_files`` files kept (see ``audit.py``). Cumulative budgets, the trend window and the audit sampler's RNG state
     are in ``state_dict`` so they continue across a resume.
     """
 
-    def __init__(self, run_dir=None, audit_k: int = 3, audit_max_files: int = 200, seed: int = 0, *,
-                 window: int = 20, audit_max_chars: int = 2000, quadrant_threshold: float | None = None):
+    def __init__(self, run_dir=None, audit_k: int = 3, audit_max_files: int = 10, seed: int = 0, *,
+                 window: int = 20, audit_max_chars: int = 2000, audit_updates_per_file: int = 20,
+                 quadrant_threshold: float | None = None):
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.audit = AuditWriter(self.run_dir, audit_k, audit_max_files, audit_max_chars) if self.run_dir else None
+        self.audit = (AuditWriter(self.run_dir, audit_k, audit_max_files, audit_max_chars, audit_updates_per_file)
+                      if self.run_dir else None)
         self.quadrant_threshold = quadrant_threshold
         # Private generator: audit sampling must not shift the training run's global RNG streams.
         self.rng = np.random.Generator(np.random.PCG64(seed))
@@ -66,6 +69,11 @@ class RunDiagnostics:
         if self.audit is not None and p.n:
             self.last_audit_file = self.audit.write(step, p, cells, self.rng)
         return dict(out)
+
+    def close(self) -> None:
+        """Close the open audit file (everything written is already flushed)."""
+        if self.audit is not None:
+            self.audit.close()
 
     def no_signal_steps(self) -> dict[str, float]:
         """Once per optimizer step: ``group/no_signal_steps``, consecutive steps whose latest generation batch had

@@ -12,8 +12,9 @@ R = [0.9, 0.8, 0.2, 0.1, 0.7, 0.3]
 OUTCOME = [1, 0, 1, 0, 0, 1]
 
 
-def _lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def _lines(path, step=None):
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return lines if step is None else [rec for rec in lines if rec["step"] == step]
 
 
 def test_quadrant_median_split(diag):
@@ -62,7 +63,7 @@ def test_audit_file_contents(tmp_path):
     d = RunDiagnostics(tmp_path, audit_k=2, audit_max_chars=100, seed=7)
     d.update(SampleBatch(ids=[f"s{i}" for i in range(8)], rewards=[0.5, 0.9, 0.1, 0.7, 0.3, 0.9, math.nan, 0.2],
                          texts=texts, prompts=["p"] * 8), step=12)
-    path = tmp_path / "audit" / "step_12.jsonl"
+    path = tmp_path / "audit" / "steps_12.jsonl"
     assert d.last_audit_file == path
     lines = _lines(path)
     by_kind = {}
@@ -82,8 +83,9 @@ def test_audit_file_contents(tmp_path):
 
 def test_audit_keeps_quadrant_cells(tmp_path):
     d = RunDiagnostics(tmp_path, audit_k=1)
+    d.update(SampleBatch(ids=IDS, rewards=R[::-1], texts=IDS), step=2)  # shares the file with step 3
     d.update(SampleBatch(ids=IDS, rewards=R, outcome=OUTCOME, texts=[s.upper() for s in IDS]), step=3)
-    lines = _lines(d.last_audit_file)
+    lines = _lines(d.last_audit_file, step=3)
     cells = {r["cell"]: r for r in lines if r["kind"] == "quadrant_cell"}
     assert cells["hacking"]["ids"] == ["b", "e"] and cells["hacking"]["count"] == 2
     assert cells["false_negative"]["ids"] == ["c", "f"]
@@ -93,34 +95,64 @@ def test_audit_keeps_quadrant_cells(tmp_path):
 
 
 def test_audit_file_count_and_size_are_bounded(tmp_path):
-    d = RunDiagnostics(tmp_path, audit_k=3, audit_max_files=3, audit_max_chars=50)
+    d = RunDiagnostics(tmp_path, audit_k=3, audit_max_files=3, audit_max_chars=50, audit_updates_per_file=2)
     batch = SampleBatch(ids=["i" * 400] * 40, rewards=[float(i % 5) for i in range(40)], texts=["y" * 10_000] * 40,
                         prompts=["z" * 10_000] * 40, outcome=[i % 2 for i in range(40)])
-    for step in (8, 9, 10, 11, 12):
+    for step in range(8, 15):
         d.update(batch, step)
     files = sorted(p.name for p in (tmp_path / "audit").iterdir())
-    # Oldest steps go first, by number (a string sort would wrongly keep step_8 / step_9 over step_10).
-    assert files == ["step_10.jsonl", "step_11.jsonl", "step_12.jsonl"]
-    for name in files:
+    # Two updates per file, named by the first; the oldest steps go first, by number (a string sort would wrongly
+    # keep steps_8 over steps_10).
+    assert files == ["steps_10.jsonl", "steps_12.jsonl", "steps_14.jsonl"]
+    assert d.last_audit_file == tmp_path / "audit" / "steps_14.jsonl"
+    for name, steps in zip(files, ([10, 11], [12, 13], [14])):
         lines = _lines(tmp_path / "audit" / name)
-        # 3 top + 3 bottom + 3 random + per cell (1 summary + 3 samples) x 2 cells = 17 lines.
-        assert len(lines) == 17
-        # Uncapped this file would hold ~15 x 20 kB of text; capped, a sample line is < 300 bytes and each cell
+        assert sorted({rec["step"] for rec in lines}) == steps
+        # 3 top + 3 bottom + 3 random + per cell (1 summary + 3 samples) x 2 cells = 17 lines per update.
+        assert len(lines) == 17 * len(steps)
+        # Uncapped an update would hold ~15 x 20 kB of text; capped, a sample line is < 300 bytes and each cell
         # line lists <= 12 ids of 50 chars (hacking: r >= median 2 is 24 samples, 12 failed), < 800 bytes.
-        assert (tmp_path / "audit" / name).stat().st_size < 15 * 300 + 2 * 800
+        assert (tmp_path / "audit" / name).stat().st_size < len(steps) * (15 * 300 + 2 * 800)
         assert all(len(r.get("text", "")) <= 50 and len(str(r.get("id", ""))) <= 50 for r in lines)
 
 
-def test_audit_bound_counts_files_of_an_earlier_run(tmp_path):
-    """A resumed run in the same run_dir keeps the bound over the files already there, oldest steps first."""
+def test_each_update_is_on_disk_before_the_next_and_the_file_stays_open(tmp_path, monkeypatch):
+    """A crash of the process loses no written update: each is flushed at once. And one file is opened per
+    ``updates_per_file`` updates, not one per update (that open was the audit's main cost)."""
+    import builtins
+
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    d = RunDiagnostics(tmp_path, audit_k=1, audit_updates_per_file=20)
     batch = SampleBatch(rewards=[float(i % 5) for i in range(8)], texts=["t"] * 8)
-    first = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3)
+    for step in range(1, 31):
+        d.update(batch, step)
+        # read by a second handle while the writer's stays open, as after a crash
+        assert max(rec["step"] for rec in _lines(d.last_audit_file)) == step
+    assert [p.name for p in map(type(tmp_path), opened)] == ["steps_1.jsonl", "steps_21.jsonl"]
+    d.close()
+    assert {rec["step"] for rec in _lines(tmp_path / "audit" / "steps_1.jsonl")} == set(range(1, 21))
+
+
+def test_audit_bound_counts_files_of_an_earlier_run(tmp_path):
+    """A resumed run in the same run_dir keeps the bound over the files already there, oldest steps first; going
+    back to an earlier step starts a new file, so each file's steps increase."""
+    batch = SampleBatch(rewards=[float(i % 5) for i in range(8)], texts=["t"] * 8)
+    first = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3, audit_updates_per_file=2)
     for step in (1, 2, 3):
         first.update(batch, step)
-    resumed = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3)
-    for step in (3, 4, 20):  # step 3 rewritten after the resume, then new steps
+    first.close()
+    resumed = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3, audit_updates_per_file=2)
+    for step in (3, 4, 20):  # step 3 written again after the resume, then new steps
         resumed.update(batch, step)
-    assert sorted(p.name for p in (tmp_path / "audit").iterdir()) == ["step_20.jsonl", "step_3.jsonl", "step_4.jsonl"]
+    names = sorted((p.name for p in (tmp_path / "audit").iterdir()), key=lambda n: int(n[6:-6]))
+    assert names == ["steps_1.jsonl", "steps_3.jsonl", "steps_20.jsonl"]
+    assert {rec["step"] for rec in _lines(tmp_path / "audit" / "steps_3.jsonl")} == {3, 4}  # rewritten, not appended
+    resumed.update(batch, 21)
+    resumed.update(batch, 22)  # a fourth file: the oldest (the first run's steps 1-2) goes
+    names = sorted((p.name for p in (tmp_path / "audit").iterdir()), key=lambda n: int(n[6:-6]))
+    assert names == ["steps_3.jsonl", "steps_20.jsonl", "steps_22.jsonl"]
 
 
 def test_no_run_dir_writes_nothing(tmp_path, monkeypatch):
