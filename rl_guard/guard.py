@@ -52,7 +52,6 @@ from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .stats.kernels import rank_count
-from .stats.partial import Partial
 from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.summarize import summarize
 from .stats.update import UpdateProbe, learning_rates
@@ -155,9 +154,7 @@ class Guard:
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
         with self.protect("observe_sequences"):
-            p = Partial()
-            sequence_stats(p, lengths=lengths, truncated=truncated, rewards=rewards)
-            self._acc.add(p)
+            self._acc.add(sequence_stats(lengths=lengths, truncated=truncated, rewards=rewards))
 
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""

@@ -111,10 +111,30 @@ def _np(t: torch.Tensor | None):
 
 def probe(b, plan, sig: tuple, seq_clip: bool, token_clip: bool) -> Partial:
     """The micro-batch's statistics, packed in the eager layout kept for ``sig``."""
-    sum_layout, max_layout, (sum_at, n_sum), (max_at, n_max) = _layouts[sig]
     s, mx, mn = {}, {}, {}
     with np.errstate(all="ignore"):  # NaN and inf are data here (counted as non-finite), not faults
         _token_stats(s, mx, mn, b, plan, seq_clip, token_clip)
+    return _packed(sig, s, mx, mn)
+
+
+def takes_sequences(fields: dict) -> bool:
+    """Whether this engine computes ``probe_batch.sequence_stats`` of these per-sequence tensors."""
+    return (not _failure and CPU_MAX_TOKENS > 0
+            and all(t.device.type == "cpu" and 0 < t.numel() <= CPU_MAX_TOKENS for t in fields.values()))
+
+
+def sequence_probe(fields: dict, sig: tuple) -> Partial:
+    """Per-sequence statistics (lengths, truncated, rewards), packed in the eager layout kept for ``sig``."""
+    s, mx, mn = {}, {}, {}
+    lengths = fields.get("lengths")
+    with np.errstate(all="ignore"):
+        _sequence_fields(s, mx, mn, None if lengths is None else _np(lengths).reshape(-1).astype(F64),
+                         fields.get("truncated"), fields.get("rewards"))
+    return _packed(sig, s, mx, mn)
+
+
+def _packed(sig: tuple, s: dict, mx: dict, mn: dict) -> Partial:
+    sum_layout, max_layout, (sum_at, n_sum), (max_at, n_max) = _layouts[sig]
     sums, maxes = np.empty(n_sum), np.empty(n_max)
     for name, lo, hi in sum_at:
         sums[lo:hi] = s[name]
@@ -160,7 +180,8 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
         _ratio_stats(s, mx, mn, "seq_ratio", s_lr, (tokens > 0).astype(F64))
         if seq_clip and adv is not None:
             _seq_clip(s, b, lp, old, gate, adv, s_lr)
-    _sequence_fields(s, mx, mn, b, m)
+    lengths = _np(b.lengths).astype(F64) if b.lengths is not None else m.sum(1, dtype=F64)
+    _sequence_fields(s, mx, mn, lengths, b.truncated, b.rewards)
     s[keys.TOKENS.empty_microbatches] = float(n_mask == 0)
     s[keys.TOKENS.microbatches] = 1.0
 
@@ -213,14 +234,14 @@ def _advantages(s, b, plan, z, v, counts, token_clip: bool) -> None:
     s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low
 
 
-def _sequence_fields(s, mx, mn, b, m) -> None:
-    """Lengths (given, or the mask's per-row counts), the truncated count, rewards (finite values only)."""
-    lengths = _np(b.lengths).astype(F64) if b.lengths is not None else m.sum(1, dtype=F64)
-    _value_stats(s, mx, mn, "length", lengths, np.ones_like(lengths))
-    if b.truncated is not None:
-        s[keys.LENGTH.truncated] = float(_np(b.truncated).astype(bool).sum())
-    if b.rewards is not None:
-        rewards = _np(b.rewards).reshape(-1).astype(F64)
+def _sequence_fields(s, mx, mn, lengths, truncated, rewards) -> None:
+    """Lengths (float64 numpy, or None), the truncated count, rewards (finite values only; tensors)."""
+    if lengths is not None:
+        _value_stats(s, mx, mn, "length", lengths, np.ones_like(lengths))
+    if truncated is not None:
+        s[keys.LENGTH.truncated] = float(_np(truncated).astype(bool).sum())
+    if rewards is not None:
+        rewards = _np(rewards).reshape(-1).astype(F64)
         rewards = rewards + rewards * 0.0  # NaN where non-finite
         count = _value_stats(s, mx, mn, "reward", rewards, (rewards == rewards).astype(F64), squares=True)
         s[keys.input_nonfinite("rewards")] = rewards.size - count

@@ -167,21 +167,33 @@ def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut)
         clip_by_lag(acc, bucket, clipped, len(edges))
 
 
-def sequence_stats(p: Partial, lengths=None, truncated=None, rewards=None) -> None:
-    """Per-sequence statistics into ``p``: lengths, truncated (no-EOS) share, scalar rewards (finite values only)."""
-    given = [t for t in (lengths, truncated, rewards) if t is not None]
-    if not given:
-        return
+def sequence_stats(lengths=None, truncated=None, rewards=None) -> Partial:
+    """Per-sequence statistics: lengths, truncated (no-EOS) share, scalar rewards (finite values only); no host
+    sync. Small CPU ones are computed where they are (``host_engine.py``), in the eager layout."""
     fields = {k: t for k, t in (("lengths", lengths), ("truncated", truncated), ("rewards", rewards)) if t is not None}
+    if not fields:
+        return Partial()
+    first = next(iter(fields.values()))
     for name, t in fields.items():  # shapes only: no device value is read
-        if t.dim() != 1 or t.shape != given[0].shape:
+        if t.dim() != 1 or t.shape != first.shape:
             raise BatchError(f"{name} must be one value per sequence, 1-D and as long as the other per-sequence "
-                             f"fields; got shape {tuple(t.shape)} (expected {(given[0].numel(),)})")
-    acc = ChunkStats(given[0].numel(), given[0].device)
-    _sequence_stats(acc, lengths, truncated, rewards)
-    q = acc.partial()
-    p.sum.update(q.sum)
-    p.max.update(q.max)
+                             f"fields; got shape {tuple(t.shape)} (expected {(first.numel(),)})")
+    if host_engine.takes_sequences(fields):
+        sig = ("sequences", tuple((name, t.dtype) for name, t in fields.items()))
+        try:
+            if host_engine.layout_for(sig) is None:  # the eager layout of these fields, from one sequence
+                host_engine.remember(sig, _eager_sequence_stats({k: torch.ones(1, dtype=t.dtype)
+                                                                 for k, t in fields.items()}))
+            return host_engine.sequence_probe(fields, sig)
+        except Exception as e:  # noqa: BLE001 - as for token statistics: cost speed, never the statistics
+            host_engine.disable(e)
+    return _eager_sequence_stats(fields)
+
+
+def _eager_sequence_stats(fields: dict) -> Partial:
+    acc = ChunkStats(next(iter(fields.values())).numel(), next(iter(fields.values())).device)
+    _sequence_stats(acc, fields.get("lengths"), fields.get("truncated"), fields.get("rewards"))
+    return acc.partial()
 
 
 def _sequence_stats(acc: ChunkStats, lengths, truncated, rewards) -> None:

@@ -164,3 +164,44 @@ def test_a_failure_inside_turns_it_off_with_one_warning_and_the_eager_statistics
         assert out.keys() == want.keys()
         for key in want:
             np.testing.assert_array_equal(out[key], want[key], err_msg=key)
+
+
+@st.composite
+def _sequences(draw):
+    """Per-sequence fields as the adapters pass them to ``Guard.observe_sequences``: any non-empty subset."""
+    n = draw(st.integers(1, 40))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    fields = {}
+    if draw(st.booleans()):
+        fields["lengths"] = torch.randint(0, 50, (n,), generator=g).to(draw(st.sampled_from([torch.int64,
+                                                                                            torch.float32])))
+    if draw(st.booleans()):
+        fields["truncated"] = torch.rand(n, generator=g) < 0.5
+    if draw(st.booleans()) or not fields:
+        rewards = torch.randn(n, generator=g, dtype=draw(st.sampled_from([torch.float32, torch.float64]))) * 3
+        for _ in range(draw(st.integers(0, 3))):
+            rewards[draw(st.integers(0, n - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+        fields["rewards"] = rewards
+    return fields
+
+
+@settings(max_examples=100, deadline=None)
+@given(fields=_sequences())
+def test_sequence_statistics_on_the_host_equal_eager(fields):
+    """``Guard.observe_sequences`` (rewards at generation time) takes the host path for small CPU tensors: the same
+    layout and statistics as the eager one, whatever the fields, dtypes and non-finite rewards."""
+    from rl_guard.stats.probe_batch import sequence_stats
+
+    calls = []
+    real = host_engine.sequence_probe
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_engine, "sequence_probe", lambda *a, **k: calls.append(1) or real(*a, **k))
+        m.setattr(host_engine, "_failure", [])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            host = sequence_stats(**fields)
+        assert calls == [1] and not host_engine._failure
+        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
+        eager = sequence_stats(**fields)
+    assert calls == [1] and host.packed[0] == eager.packed[0]
+    assert_engines_agree(_finish(host), _finish(eager), (".sum", ".sumsq"), atol=1e-9)
