@@ -16,7 +16,8 @@ from launch import run_torchrun
 
 pytestmark = [pytest.mark.slow,  # a torchrun launch of TRL + DeepSpeed: about 40 s
               pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl")]
-FAULT_STEP = 1  # the script's constant (importing it here would import trl)
+FAULT_STEP = 1  # the script's constants (importing it here would import trl)
+ROLLBACK_FAULTS = (3, 6)  # global_step at the start of the fault steps
 
 
 @pytest.mark.parametrize("stage, world, action", [(2, 1, "checkpoint_and_halt"), (2, 2, "skip_step"),
@@ -46,3 +47,30 @@ def test_inf_gradient_dropped_before_deepspeed_applies_it(tmp_path, stage, world
     # one decision on every rank, and under ZeRO-2 one set of weights (ZeRO-3 ranks hold different partitions)
     shown = (lambda s: (s["decision"], s["after"]["module"])) if stage == 2 else (lambda s: s["decision"])
     assert len({str([shown(s) for s in res["steps"]]) for res in ranks}) == 1
+
+
+def test_two_rollbacks_restore_the_same_deepspeed_snapshot_bit_for_bit(tmp_path):
+    """ZeRO-2 on 2 ranks under a real GRPOTrainer: a snapshot (an engine checkpoint tag) after every healthy step,
+    ``confirm_steps: 2``. The fault at guard step 4 rolls back to the snapshot from before step 2 (the newest one
+    older than the two confirming updates) and abandons the newer ones; the fault at step 7 must find that same
+    snapshot (the abandoned tags are gone from disk, so they cannot crowd it out) and restore it again. Each rollback leaves the module weights and the fp32 master partition
+    exactly as they were at the start of step 2, and the trainer keeps counting to the end."""
+    ranks = run_torchrun("trl_deepspeed_run.py", 2, tmp_path, "rollback_twice", "2")
+    for r, res in enumerate(ranks):
+        by_step = {s["decision"][0]: s for s in res["steps"]}
+        faults = [g + 1 for g in ROLLBACK_FAULTS]
+        assert [(s["decision"][0], s["restores"]) for s in res["steps"] if s["decision"][1] == "rollback"] == \
+            [(faults[0], 2), (faults[1], 2)]
+        for step in faults:
+            assert by_step[step]["after"] == by_step[2]["before"] and by_step[step]["after"]["finite"]
+            assert by_step[step]["grad_nonfinite"] >= 1
+        # the steps between train on from the restored state; the last one is applied
+        assert by_step[faults[0] + 1]["after"]["module"] != by_step[faults[0] + 1]["before"]["module"]
+        # (DeepSpeed's skipped_steps is not checked: load_checkpoint restores the engine's counters too)
+        assert res["global_step"] == 9
+        offered = [s["offered"] for s in res["steps"]]
+        assert offered[faults[0] - 1] == [2] and offered[faults[1] - 1] == [2]
+        if r == 0:  # rank 0 removes what the ring forgets: on disk are exactly the tags the ring offers
+            for s in res["steps"]:
+                assert s["tags"] == sorted(f"rl_guard_step{n}" for n in s["offered"]), s["decision"]
+    assert len({str([(s["decision"], s["after"]["module"]) for s in res["steps"]]) for res in ranks}) == 1
