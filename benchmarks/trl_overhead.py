@@ -8,6 +8,10 @@ alike. Only ``trainer.train()`` is timed (model loading and trainer construction
 * ``overhead_ratio_cpu``: the same with process CPU time (less sensitive to neighbours on a shared machine);
 * ``overhead_ratio_best``: the fastest guarded run over the fastest unguarded one (the least disturbed runs of each
   arm; on a loaded machine the per-pair median carries the neighbours' noise);
+* ``overhead_ratio_steady``: median over pairs of the steady-state step time, guarded / unguarded: from the end of
+  the first optimizer step to the end of the last. ``train()`` starts with fixed work (accelerate's
+  ``clear_device_cache`` runs a full ``gc.collect()``, ~0.2 s here), which a 24-step run spreads as ~10 ms over
+  every step of both arms: the whole-run ratio understates the per-step cost of a long run, this one does not;
 * ``guard_time_frac``: time spent inside the guard's own calls (statistics, gradient probe, transfer, rules,
   logging, snapshots) over the guarded run's wall time, measured directly with ``perf_counter``;
 * ``guard_ms_per_step``: that time per optimizer step, split by part: ``statistics`` (observe calls and the
@@ -19,7 +23,8 @@ alike. Only ``trainer.train()`` is timed (model loading and trainer construction
 * ``unaccounted_ms_per_step``: median over pairs of (guarded - unguarded wall time) / steps minus the time inside
   the guard's calls: what the guarded run costs beyond the guard's own work (the trainer's code running slower
   beside it, and the machine's noise: it can be negative);
-* ``step_ms``: median wall time per optimizer step, unguarded and guarded.
+* ``step_ms``: median wall time per optimizer step, unguarded and guarded (the whole ``train()`` call over its
+  steps); ``steady_step_ms``: the same in the steady state.
 
 A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs
 ~0.1 s. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
@@ -120,6 +125,21 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
 SETUPS = ("demo", "trl-defaults")
 
 
+def _step_clock():
+    """A callback that records when each optimizer step ends (both arms): the steady-state step time leaves out
+    ``train()``'s own start (accelerate's ``clear_device_cache`` runs a full ``gc.collect()`` there, ~0.2 s here)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.perf_counter())
+
+    return StepClock()
+
+
 def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0,
              completion: int = 8, lr: float = 3e-3, stats_engine: str = "eager", setup: str = "demo") -> dict:
     from transformers.trainer_callback import PrinterCallback
@@ -138,7 +158,8 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
                       max_completion_length=completion, max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
                       report_to=[], learning_rate=lr, save_strategy="no", seed=seed, disable_tqdm=True,
                       max_grad_norm=1.0, **trainer_setup)
-    callbacks, bd, patched = [], _Breakdown(), []
+    clock = _step_clock()
+    callbacks, bd, patched = [clock], _Breakdown(), []
     if guarded:
         for owner, name, part in _guard_patches(bd):
             original = getattr(owner, name)
@@ -165,8 +186,11 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
         incidents = work / "guard" / "incidents.jsonl"
         lines = incidents.read_text().splitlines() if incidents.exists() else []
         acted = sum('"action": "warn"' not in line for line in lines)
+    # steady state: from the end of the first step to the end of the last (the guard's work of the first step, and
+    # the trainer's start, are left out)
+    steady = (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1) if len(clock.ends) > 1 else float("nan")
     return {"wall": wall, "cpu": cpu, "guard": bd.total, "parts": dict(bd.parts), "steps": trainer.state.global_step,
-            "acted": acted}
+            "acted": acted, "steady": steady}
 
 
 def main(argv=None) -> dict:
@@ -213,6 +237,7 @@ def main(argv=None) -> dict:
         "overhead_ratio": statistics.median(g["wall"] / p["wall"] for p, g in pairs),
         "overhead_ratio_cpu": statistics.median(g["cpu"] / p["cpu"] for p, g in pairs),
         "overhead_ratio_best": min(g["wall"] for _, g in pairs) / min(p["wall"] for p, _ in pairs),
+        "overhead_ratio_steady": statistics.median(g["steady"] / p["steady"] for p, g in pairs),
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
         "setup": args.setup,
@@ -223,11 +248,14 @@ def main(argv=None) -> dict:
                                                      for p, g in pairs),
         "step_ms": {"unguarded": statistics.median(1e3 * p["wall"] / p["steps"] for p, _ in pairs),
                     "guarded": statistics.median(1e3 * g["wall"] / g["steps"] for _, g in pairs)},
+        "steady_step_ms": {"unguarded": statistics.median(1e3 * p["steady"] for p, _ in pairs),
+                           "guarded": statistics.median(1e3 * g["steady"] for _, g in pairs)},
         "guard_acted": sum(g["acted"] for _, g in pairs),
         "wall_s": {"unguarded": [p["wall"] for p, _ in pairs], "guarded": [g["wall"] for _, g in pairs]},
     }
     print(f"median wall-time ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
           f"CPU-time ratio {out['overhead_ratio_cpu']:.3f}; fastest runs {out['overhead_ratio_best']:.3f}; "
+          f"steady-state step {out['overhead_ratio_steady']:.3f}; "
           f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded run "
           f"({runs} pairs x {steps} steps)")
     out["guard_ms_per_step"]["total"] = sum(out["guard_ms_per_step"][part] for part in PARTS)

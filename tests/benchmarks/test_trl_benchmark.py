@@ -20,6 +20,10 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     written = json.loads(out_file.read_text())
     assert written == json.loads(json.dumps(out))
     assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
+    # two steps: one interval between step ends per arm, shorter than the whole train() call
+    assert math.isfinite(written["overhead_ratio_steady"]) and written["overhead_ratio_steady"] > 0
+    for arm in ("guarded", "unguarded"):
+        assert 0 < written["steady_step_ms"][arm] < 1e3 * written["wall_s"][arm][0]
     assert 0 < written["guard_time_frac"] < 1  # the guard did run, and did not take the whole run
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
     assert written["setup"] == setup
