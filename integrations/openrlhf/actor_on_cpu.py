@@ -3,7 +3,10 @@
 Usage (environment: .venv-openrlhf from the README's test command; a model from rl_guard.demo.tiny):
     torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> train
     torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> resume
-Prints one JSON line per rank (tests/adapters/openrlhf/ runs it with one and two processes).
+    torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> rollback_twice
+Prints one JSON line per rank (tests/adapters/openrlhf/ runs it with one and two processes). ``rollback_twice``: a
+snapshot after every healthy step, ``confirm_steps: 2``, two broken rollout batches: both rollbacks restore the same
+snapshot through ``strategy.load_ckpt`` while OpenRLHF's own ``save_ckpt`` rotation runs on the snapshot tags.
 
 What is real: the arguments come from ``openrlhf.cli.train_ppo_ray``'s own parser (run as ``__main__`` up to
 ``get_strategy``); ``DeepspeedStrategy`` (ZeRO-2, bf16, deepspeed 0.19.6 on its CPU accelerator);
@@ -51,7 +54,9 @@ rules:
   - {name: rollout_far, metric: rl_guard/behave_imp_weight/min, op: '<', threshold: 0.2, action: skip_step}
   - {name: rollout_broken, metric: rl_guard/behave_imp_weight/min, op: '<', threshold: 0.01, action: rollback}
 """
-if RANK == 0 and PHASE == "train":
+if PHASE == "rollback_twice":
+    GUARD = GUARD.replace("every: 2, keep: 2", "every: 1, keep: 3") + "rollback: {confirm_steps: 2}\n"
+if RANK == 0 and PHASE in ("train", "rollback_twice"):
     os.makedirs(OUT, exist_ok=True)
     with open(os.environ["RL_GUARD_CONFIG"], "w") as f:
         f.write(GUARD)
@@ -209,6 +214,21 @@ def fit(policy, step: int, shift: float = 0.0) -> dict:
             "status": status}
 
 
+def rollback_twice(policy, guard) -> dict:
+    """Steps 0-2 healthy (snapshots labelled 1, 2, 3); a broken batch at step 3 restores 1 (the newest older than two
+    confirming updates) and abandons 2 and 3; 4 and 5 healthy (snapshots 5, 6); a broken batch at step 6 must find 1
+    again. After every step: the labels the ring offers and the tags in the snapshot directory."""
+    first, offered, tags, restored = None, [], [], []
+    for step in range(7):
+        res = fit(policy, step, shift=6.0 if step in (3, 6) else 0.0)
+        first = first or res
+        offered.append(guard.actions.snapshots.steps())
+        tags.append(sorted(n for n in os.listdir(guard.state.snapshot_dir) if n.startswith("rl_guard_step")))
+        restored.append(same(res["after"], first["after"]))
+    return {"offered": offered, "tags": tags, "restored": restored, "steps": guard.step,
+            "rollbacks": guard.controller.rollbacks}
+
+
 def main() -> None:
     patch_cuda_calls()
     import torch.distributed as dist
@@ -250,6 +270,8 @@ def main() -> None:
                    update_rel=s2["status"].get("rl_guard/update/rel"),
                    snapshot_dir=guard.state.snapshot_dir, ckpt_dir=guard.state.ckpt_dir,
                    snapshot_tags=sorted(os.listdir(guard.state.snapshot_dir)))
+    elif PHASE == "rollback_twice":
+        out.update(rollback_twice(policy, guard))
     else:
         out["checkpoint_states"] = sorted(policy.checkpoint_states)
         s5 = fit(policy, 5)

@@ -65,3 +65,19 @@ def test_launcher_hook_guards_the_real_actor_and_resumes(model, tmp_path, world)
         assert "rl_guard" in r["checkpoint_states"]
         assert (r["guard_step_at_start"], r["skipped_at_start"], r["rollbacks_at_start"]) == (4, 2, 1)
         assert r["applied_after_resume"] and r["steps"] == 5
+
+
+def test_two_rollbacks_restore_the_same_snapshot_through_strategy_load_ckpt(model, tmp_path):
+    """Two ranks, a snapshot after every healthy step, ``confirm_steps: 2``: the second rollback needs the oldest
+    snapshot again. Each rollback leaves the weights bitwise as after step 0, and the snapshot directory holds
+    exactly the tags the ring offers (the guard frees what it forgets; OpenRLHF's own rotation, ``max_num = keep +
+    1``, never reaches one of them)."""
+    ranks = run_ranks(model, tmp_path, 2, "rollback_twice")
+    first = ranks[0]
+    assert first["offered"] == [[1], [1, 2], [1, 2, 3], [1], [1, 5], [1, 5, 6], [1]]
+    assert first["tags"] == [[f"rl_guard_step{n}" for n in steps] for steps in first["offered"]]
+    assert [i for i, ok in enumerate(first["restored"]) if ok] == [0, 3, 6]
+    assert (first["steps"], first["rollbacks"]) == (7, 2)
+    for other in ranks[1:]:
+        assert {k: other[k] for k in ("offered", "tags", "restored")} == \
+            {k: first[k] for k in ("offered", "tags", "restored")}
