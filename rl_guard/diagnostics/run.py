@@ -32,8 +32,8 @@ class RunDiagnostics:
 
     ``quadrant_threshold``: reward at or above which a sample is "high reward" (None: batch median rule).
     ``window``: updates in the trend fits. Audit files: ``audit_updates_per_file`` updates per file, the newest
-    ``audit_max_files`` files kept (see ``audit.py``). Cumulative budgets, the trend window and the audit sampler's RNG state
-    are in ``state_dict`` so they continue across a resume.
+    ``audit_max_files`` files kept (see ``audit.py``). Cumulative budgets, the trend window and the audit
+    sampler's RNG state are in ``state_dict`` so they continue across a resume.
     """
 
     def __init__(self, run_dir=None, audit_k: int = 3, audit_max_files: int = 10, seed: int = 0, *,

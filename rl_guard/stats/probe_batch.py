@@ -191,7 +191,8 @@ def sequence_stats(lengths=None, truncated=None, rewards=None) -> Partial:
 
 
 def _eager_sequence_stats(fields: dict) -> Partial:
-    acc = ChunkStats(next(iter(fields.values())).numel(), next(iter(fields.values())).device)
+    first = next(iter(fields.values()))
+    acc = ChunkStats(first.numel(), first.device)
     _sequence_stats(acc, fields.get("lengths"), fields.get("truncated"), fields.get("rewards"))
     return acc.partial()
 

@@ -53,8 +53,9 @@ def test_two_rollbacks_restore_the_same_deepspeed_snapshot_bit_for_bit(tmp_path)
     """ZeRO-2 on 2 ranks under a real GRPOTrainer: a snapshot (an engine checkpoint tag) after every healthy step,
     ``confirm_steps: 2``. The fault at guard step 4 rolls back to the snapshot from before step 2 (the newest one
     older than the two confirming updates) and abandons the newer ones; the fault at step 7 must find that same
-    snapshot (the abandoned tags are gone from disk, so they cannot crowd it out) and restore it again. Each rollback leaves the module weights and the fp32 master partition
-    exactly as they were at the start of step 2, and the trainer keeps counting to the end."""
+    snapshot (the abandoned tags are gone from disk, so they cannot crowd it out) and restore it again. Each
+    rollback leaves the module weights and the fp32 master partition exactly as they were at the start of step 2,
+    and the trainer keeps counting to the end."""
     ranks = run_torchrun("trl_deepspeed_run.py", 2, tmp_path, "rollback_twice", "2")
     for r, res in enumerate(ranks):
         by_step = {s["decision"][0]: s for s in res["steps"]}

@@ -84,7 +84,8 @@ class Probe(TrainerCallback):
         self.steps.append({"exact_param_norm": param_norm, "exact_update_rel": update_rel,
                            # the update probe reports step t's update with step t+1's statistics
                            "probe_param_norm": m.get("rl_guard/update/param_norm"),
-                           "probe_update_rel": m.get("rl_guard/update/rel"), "step": state.global_step - 1, "decision": self.decision,
+                           "probe_update_rel": m.get("rl_guard/update/rel"),
+                           "step": state.global_step - 1, "decision": self.decision,
                            "restores": self.restores, "tags": snapshot_tags(),
                            "offered": self.guard_cb.guard.actions.snapshots.steps(),
                            "stop": bool(control.should_training_stop),
