@@ -28,19 +28,19 @@ from rl_guard.stats.summarize import summarize
 FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "seq_ratio.")  # summed in float64 here, float32 in eager
 
 
+def _count_calls(m, name: str) -> list:
+    """Count the calls of ``host_engine.<name>`` (a silent fallback must not pass for a host result), with the
+    engine on."""
+    calls, real = [], getattr(host_engine, name)
+    m.setattr(host_engine, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    m.setattr(host_engine, "_failure", [])
+    return calls
+
+
 @pytest.fixture
 def host_calls(monkeypatch):
-    """How many micro-batches the host engine computed (a silent fallback must not pass for a host result)."""
-    calls = []
-    real = host_engine._token_stats
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(host_engine, "_token_stats", counted)
-    monkeypatch.setattr(host_engine, "_failure", [])
-    return calls
+    """How many micro-batches the host engine computed."""
+    return _count_calls(monkeypatch, "_token_stats")
 
 
 def _finish(p):
@@ -116,11 +116,8 @@ def _batches(draw):
 @given(batch=_batches())
 def test_host_equals_eager_on_any_small_batch(batch):
     d, kw = batch
-    calls = []
-    real = host_engine._token_stats
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(host_engine, "_token_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
-        m.setattr(host_engine, "_failure", [])
+        calls = _count_calls(m, "_token_stats")
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # numpy's invalid-value warnings must not leak
             _compare(d, calls, m, **kw)
@@ -192,11 +189,8 @@ def test_sequence_statistics_on_the_host_equal_eager(fields):
     layout and statistics as the eager one, whatever the fields, dtypes and non-finite rewards."""
     from rl_guard.stats.probe_batch import sequence_stats
 
-    calls = []
-    real = host_engine.sequence_probe
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(host_engine, "sequence_probe", lambda *a, **k: calls.append(1) or real(*a, **k))
-        m.setattr(host_engine, "_failure", [])
+        calls = _count_calls(m, "sequence_probe")
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             host = sequence_stats(**fields)
