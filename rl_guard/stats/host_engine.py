@@ -59,14 +59,18 @@ def signature(b, seq_clip: bool, token_clip: bool) -> tuple:
     return fields, seq_clip, token_clip, b.allow_empty_mask
 
 
-def layout_for(sig: tuple):
-    return _layouts.get(sig)
-
-
-def remember(sig: tuple, partial: Partial) -> None:
-    """Keep the layout of an eager micro-batch with signature ``sig`` (its ``Partial`` is still packed)."""
-    (sums, maxes), _, _ = partial.packed
-    _layouts[sig] = (sums, maxes, _offsets(sums), _offsets(maxes))
+def computed(sig: tuple, one_item_eager, compute) -> Partial | None:
+    """``compute(sig)``, this engine's statistics packed in the eager layout kept for ``sig``. The first time a
+    ``sig`` is seen, ``one_item_eager()`` (the eager engine's still packed ``Partial`` of a one-item input with the
+    same fields) gives that layout. None after a failure, which turns this engine off: the caller computes eagerly."""
+    try:
+        if sig not in _layouts:
+            (sums, maxes), _, _ = one_item_eager().packed
+            _layouts[sig] = (sums, maxes, _offsets(sums), _offsets(maxes))
+        return compute(sig)
+    except Exception as e:  # noqa: BLE001 - a fault of this engine must cost speed, never the statistics
+        disable(e)
+        return None
 
 
 def _offsets(layout) -> tuple:
@@ -119,8 +123,7 @@ def probe(b, plan, sig: tuple, seq_clip: bool, token_clip: bool) -> Partial:
 
 def takes_sequences(fields: dict) -> bool:
     """Whether this engine computes ``probe_batch.sequence_stats`` of these per-sequence tensors."""
-    return (not _failure and CPU_MAX_TOKENS > 0
-            and all(t.device.type == "cpu" and 0 < t.numel() <= CPU_MAX_TOKENS for t in fields.values()))
+    return not _failure and all(t.device.type == "cpu" and 0 < t.numel() <= CPU_MAX_TOKENS for t in fields.values())
 
 
 def sequence_probe(fields: dict, sig: tuple) -> Partial:

@@ -57,14 +57,10 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
 
 def _probe_on_host(b: TokenBatch, lag_edges) -> Partial:
     seq_clip, token_clip = _clip_modes(b)
-    sig = host_engine.signature(b, seq_clip, token_clip)
-    try:
-        if host_engine.layout_for(sig) is None:  # the eager layout of this combination of fields, from one token
-            host_engine.remember(sig, _probe(_one_token_like(b), lag_edges, None, compiled=False))
-        return host_engine.probe(b, _plan_of(b), sig, seq_clip, token_clip)
-    except Exception as e:  # noqa: BLE001 - a fault of the host engine must cost speed, never the statistics
-        host_engine.disable(e)
-    return _probe(b, lag_edges, None, compiled=False)
+    p = host_engine.computed(host_engine.signature(b, seq_clip, token_clip),
+                             lambda: _probe(_one_token_like(b), lag_edges, None, compiled=False),
+                             lambda sig: host_engine.probe(b, _plan_of(b), sig, seq_clip, token_clip))
+    return p if p is not None else _probe(b, lag_edges, None, compiled=False)
 
 
 def _one_token_like(b: TokenBatch) -> TokenBatch:
@@ -179,14 +175,12 @@ def sequence_stats(lengths=None, truncated=None, rewards=None) -> Partial:
             raise BatchError(f"{name} must be one value per sequence, 1-D and as long as the other per-sequence "
                              f"fields; got shape {tuple(t.shape)} (expected {(first.numel(),)})")
     if host_engine.takes_sequences(fields):
-        sig = ("sequences", tuple((name, t.dtype) for name, t in fields.items()))
-        try:
-            if host_engine.layout_for(sig) is None:  # the eager layout of these fields, from one sequence
-                host_engine.remember(sig, _eager_sequence_stats({k: torch.ones(1, dtype=t.dtype)
-                                                                 for k, t in fields.items()}))
-            return host_engine.sequence_probe(fields, sig)
-        except Exception as e:  # noqa: BLE001 - as for token statistics: cost speed, never the statistics
-            host_engine.disable(e)
+        p = host_engine.computed(("sequences", tuple((name, t.dtype) for name, t in fields.items())),
+                                 lambda: _eager_sequence_stats({k: torch.ones(1, dtype=t.dtype)
+                                                                for k, t in fields.items()}),
+                                 lambda sig: host_engine.sequence_probe(fields, sig))
+        if p is not None:
+            return p
     return _eager_sequence_stats(fields)
 
 

@@ -113,8 +113,10 @@ def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -
 
 def all_reduce(dist, t: torch.Tensor, largest: bool) -> None:
     """In place across ranks: the elementwise maximum (``largest``) or the sum."""
-    reduction = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
-    dist.all_reduce(t, op=reduction)
+    if largest:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
 def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
