@@ -1,0 +1,180 @@
+"""The guard's own host cost per optimizer step, outside any trainer: warm, and with the CPU caches disturbed
+between its calls the way a trainer's step disturbs them.
+
+``benchmarks/trl_overhead.py`` measures the guard inside a real ``GRPOTrainer``, where a 24-step run carries the
+trainer's noise and its fixed start. This script times the same calls on the same tiny model with micro-batches of
+the same shapes and fields, with nothing else running: a figure stable enough to compare two commits. Each step:
+gradients are set (not timed), then ``observe_sequences`` + ``observe_samples`` (generation steps only),
+``observe``, ``check``, a real ``AdamW`` step (not timed), ``step_done``.
+
+It runs the steps twice: ``warm`` (the calls back to back) and ``cold``, where before every guard call a fixed
+disturbance evicts what the guard's code and data left in the CPU caches: a pass over a 64 MB tensor, the model's
+forward pass and some Python work, as the trainer's own step does between the guard's calls. Inside a trainer
+the guard runs cold; ``cold_over_warm`` says how much of its in-trainer cost is that, rather than its work.
+
+Setups, as in ``trl_overhead.py``: ``demo`` (the demo's guard; old and reference log-probs; a generation batch every
+4 steps) and ``trl-defaults`` (the shipped preset unmodified; TRL's defaults: no reference model, the ratio is
+exactly 1, a generation batch every step).
+
+Usage: ``python benchmarks/guard_step.py [--steps N] [--setup demo|trl-defaults] [--json [FILE]]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from json_output import add_json_argument, emit_json  # noqa: E402
+
+CALLS = ("generation", "observe", "check", "step_done")
+SETUPS = ("demo", "trl-defaults")
+B, T, GROUP = 8, 8, 4  # trl_overhead.py's micro-batch: 8 completions of up to 8 tokens, groups of 4
+
+
+class _Disturbance:
+    """What a trainer's step does to the caches between two guard calls, always the same."""
+
+    def __init__(self, model):
+        self.model, self.big = model, torch.ones(16 << 20)  # 64 MB: larger than the last-level cache
+        self.ids = torch.arange(B * 16).reshape(B, 16) % 10
+
+    def __call__(self) -> None:
+        self.big.add_(1.0)
+        with torch.no_grad():
+            self.model(self.ids)
+        for _ in range(20):
+            json.dumps({str(i): i * 0.5 for i in range(300)})
+
+
+def _guard(setup: str, run_dir: Path):
+    from rl_guard.demo.run import PRESET, demo_config
+    from rl_guard.guard import Guard
+
+    text = demo_config("rollback", console_every=None) if setup == "demo" else PRESET.read_text(encoding="utf-8")
+    return Guard.from_yaml(text, run_dir=run_dir)
+
+
+def _inputs(setup: str, gen: torch.Generator):
+    """One micro-batch as the TRL adapter hands it over, the generation batch's rewards and its samples: a healthy
+    run (every completion ends with EOS), so that no rule fires and the steady state is what is timed."""
+    from rl_guard.diagnostics import SampleBatch
+    from rl_guard.stats.batch import TokenBatch
+
+    lp = -torch.rand(B, T, generator=gen) * 3
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, T - 2:] = torch.rand(B, 2, generator=gen) > 0.5
+    demo = setup == "demo"
+    batch = TokenBatch(logprobs=lp, mask=mask, old_logprobs=lp + torch.randn(B, T, generator=gen) * 0.01 if demo else lp,
+                       ref_logprobs=lp + torch.randn(B, T, generator=gen) * 0.05 if demo else None,
+                       entropy=torch.rand(B, T, generator=gen), advantages=torch.randn(B, generator=gen),
+                       lengths=mask.sum(1), truncated=torch.zeros(B, dtype=torch.bool), eps_low=0.2, eps_high=0.2, clipped_loss=False)
+    rewards = torch.rand(B, generator=gen)
+    lengths = batch.lengths.tolist()
+    samples = SampleBatch(rewards=rewards.numpy(), group_ids=np.arange(B) // GROUP,
+                          reward_components={"repeat_last_digit_reward": rewards.numpy(),
+                                             "length_penalty_reward": np.zeros(B)},
+                          lengths=lengths, truncated=batch.truncated.tolist(), texts=[" ".join("7" * n) for n in lengths],
+                          prompts=["1 2 3 4 5"] * B, rollout_tokens=sum(lengths), episodes=B,
+                          funnel={"sampled": B, "reward_available": B})
+    return batch, rewards, samples
+
+
+def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | None = None) -> dict:
+    """Median ms per step of each guard call over the steps after the first quarter."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_guard.demo.tiny import build_tiny_model
+
+    torch.manual_seed(0)
+    work = Path(work or tempfile.mkdtemp())
+    model_dir = work / "model"
+    if not model_dir.exists():
+        build_tiny_model(model_dir, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    guard = _guard(setup, work / f"guard_{setup}_{'cold' if cold else 'warm'}").attach(model, optimizer)
+    disturb = _Disturbance(model) if cold else None
+    gen = torch.Generator().manual_seed(0)
+    every = 4 if setup == "demo" else 1  # generation batches: steps_per_generation x num_iterations
+    times = {c: [] for c in CALLS}
+
+    def timed(call, fn, *args, **kwargs):
+        if disturb is not None:
+            disturb()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        times[call].append(time.perf_counter() - start)
+        return out
+
+    def generation(rewards, samples):
+        guard.observe_sequences(rewards=rewards)
+        guard.observe_samples(samples, optimizer_updates=every)
+
+    for step in range(steps):
+        batch, rewards, samples = _inputs(setup, gen)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        if step % every == 0:
+            timed("generation", generation, rewards, samples)
+        timed("observe", guard.observe, batch, loss=torch.tensor(0.5))
+        decision = timed("check", guard.check, params=optimizer, pre_clip_norm=torch.tensor(1.0))
+        if decision.apply_step:
+            optimizer.step()
+        optimizer.zero_grad()
+        timed("step_done", guard.step_done)
+    guard.close()
+    per_call = {}
+    for call, values in times.items():
+        kept = values[len(values) // 4:]
+        per_call[call] = 1e3 * statistics.median(kept) * len(values) / steps if kept else 0.0
+    return {"per_call": per_call, "total": sum(per_call.values()), "steps": steps, "run_dir": str(guard.run_dir)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=400, help="optimizer steps per pass (default 400)")
+    ap.add_argument("--setup", default="demo", choices=SETUPS)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    add_json_argument(ap)
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        work = Path(tempfile.mkdtemp())
+        warm = run(args.setup, args.steps, cold=False, work=work)
+        cold = run(args.setup, args.steps, cold=True, work=work)
+    finally:
+        torch.set_num_threads(threads)
+    result = {
+        "setup": args.setup, "steps": args.steps, "threads": args.threads,
+        "guard_ms_per_step_warm": round(warm["total"], 3), "guard_ms_per_step_cold": round(cold["total"], 3),
+        "cold_over_warm": round(cold["total"] / warm["total"], 2),
+        "per_call_ms_warm": {k: round(v, 3) for k, v in warm["per_call"].items()},
+        "per_call_ms_cold": {k: round(v, 3) for k, v in cold["per_call"].items()},
+    }
+    print(f"guard ms per step ({args.setup}, {args.steps} steps, median per call):")
+    print(f"  {'call':<12} {'warm':>7} {'cold':>7}")
+    for call in CALLS:
+        print(f"  {call:<12} {warm['per_call'][call]:7.3f} {cold['per_call'][call]:7.3f}")
+    print(f"  {'total':<12} {warm['total']:7.3f} {cold['total']:7.3f}   cold / warm = {result['cold_over_warm']}")
+    emit_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

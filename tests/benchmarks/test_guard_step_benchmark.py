@@ -1,0 +1,47 @@
+"""Smoke test of ``benchmarks/guard_step.py``: both setups feed what they claim, the timed run is healthy, and the
+JSON carries the warm and cold figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from file_modules import load_module
+
+from rl_guard.sinks.jsonl import read_jsonl
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "guard_step.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_module("rl_guard_benchmark_guard_step", BENCH)
+
+
+@pytest.mark.parametrize("setup", ["demo", "trl-defaults"])
+def test_setups_feed_their_fields_and_run_healthy(bench, tmp_path, setup):
+    out = bench.run(setup, steps=8, work=tmp_path)
+    run_dir = Path(out["run_dir"])
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(8))
+    last = metrics[-1]
+    if setup == "demo":  # old and reference log-probs; a generation batch every 4 steps
+        assert last["rl_guard/ratio/mean"] != 1.0 and "rl_guard/kl_ref/k3_mean" in last
+        assert sum("rl_guard/reward/mean" in m for m in metrics) == 2
+    else:  # TRL's defaults: no reference model, the ratio is exactly 1, a generation batch every step
+        assert last["rl_guard/ratio/mean"] == 1.0 and "rl_guard/kl_ref/k3_mean" not in last
+        assert all("rl_guard/reward/mean" in m for m in metrics)
+    assert "rl_guard/update/rel" in last and "rl_guard/grad/norm" in last
+    assert not (run_dir / "incidents.jsonl").read_text()  # the steady state is timed, not incident handling
+    assert set(out["per_call"]) == set(bench.CALLS) and all(v > 0 for v in out["per_call"].values())
+    assert out["total"] == pytest.approx(sum(out["per_call"].values()))
+
+
+def test_main_writes_warm_and_cold_figures(bench, tmp_path):
+    path = tmp_path / "step.json"
+    result = bench.main(["--steps", "8", "--setup", "trl-defaults", "--json", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    assert result["guard_ms_per_step_warm"] > 0 and result["guard_ms_per_step_cold"] > 0
+    assert result["cold_over_warm"] == round(result["guard_ms_per_step_cold"] / result["guard_ms_per_step_warm"], 2)
+    assert set(result["per_call_ms_warm"]) == set(result["per_call_ms_cold"]) == set(bench.CALLS)
