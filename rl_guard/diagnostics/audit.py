@@ -20,6 +20,7 @@ file, so each file's steps increase; the abandoned run's lines for the same step
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def _cut(x, max_chars: int):
     return x[:max_chars] if isinstance(x, str) else x
 
 
+class _Columns:
+    """The fields a record reads, as Python lists taken once per update (indexing a numpy array element by element
+    costs a numpy scalar per read)."""
+
+    __slots__ = ("ids", "group_ids", "rewards", "floats", "termination", "texts")
+
+    def __init__(self, p: Prepared):
+        self.ids, self.group_ids, self.termination = p.ids, p.group_ids, p.termination
+        self.rewards = p.rewards.tolist() if p.rewards is not None else None
+        self.floats = [(name, arr.tolist()) for name, arr in (("reward", p.rewards), ("outcome", p.outcome),
+                                                               ("length", p.lengths)) if arr is not None]
+        self.texts = [(name, seq) for name, seq in (("prompt", p.prompts), ("text", p.texts)) if seq is not None]
+
+
 class AuditWriter:
     def __init__(self, run_dir, k: int = 3, max_files: int = 10, max_chars: int = 2000, updates_per_file: int = 20):
         if k < 0 or max_files < 1 or max_chars < 1 or updates_per_file < 1:
@@ -51,17 +66,17 @@ class AuditWriter:
         self._updates = 0  # updates in the open file
         self._last_step: int | None = None
 
-    def _record(self, p: Prepared, i: int, kind: str, step: int) -> dict:
-        rec = {"step": step, "kind": kind, "index": int(i), "id": _cut(p.ids[i], self.max_chars)}
-        if p.group_ids is not None:
-            rec["group"] = _cut(p.group_ids[i], self.max_chars)
-        for name, arr in (("reward", p.rewards), ("outcome", p.outcome), ("length", p.lengths)):
-            if arr is not None:
-                rec[name] = json_value(float(arr[i]))
-        if p.termination is not None:
-            rec["termination"] = p.termination[i]
-        for name, seq in (("prompt", p.prompts), ("text", p.texts)):
-            if seq is not None and seq[i] is not None:
+    def _record(self, c: "_Columns", i: int, kind: str, step: int) -> dict:
+        rec = {"step": step, "kind": kind, "index": i, "id": _cut(c.ids[i], self.max_chars)}
+        if c.group_ids is not None:
+            rec["group"] = _cut(c.group_ids[i], self.max_chars)
+        for name, values in c.floats:
+            x = values[i]
+            rec[name] = x if math.isfinite(x) else None
+        if c.termination is not None:
+            rec["termination"] = c.termination[i]
+        for name, seq in c.texts:
+            if seq[i] is not None:
                 full = str(seq[i])
                 rec[name] = full[:self.max_chars]
                 rec[f"{name}_chars"] = len(full)
@@ -76,20 +91,24 @@ class AuditWriter:
             up = valid[np.argsort(p.rewards[valid], kind="stable")].tolist()
             chosen += [("top", i) for i in top] + [("bottom", i) for i in [i for i in up if i not in top][:self.k]]
         taken = {i for _, i in chosen}
-        others = np.array([i for i in range(p.n) if i not in taken], dtype=np.int64)
-        if len(others) and self.k:
-            pick = rng.choice(others, size=min(self.k, len(others)), replace=False)
-            chosen += [("random", int(i)) for i in np.sort(pick)]
+        others = [i for i in range(p.n) if i not in taken]
+        if others and self.k:
+            # the first k of a random permutation: a uniform draw without replacement (Generator.choice with
+            # replace=False costs several times more on a batch this small)
+            pick = rng.permutation(len(others))[:self.k].tolist()
+            chosen += [("random", others[j]) for j in sorted(pick)]
         return chosen
 
     def write(self, step: int, p: Prepared, cells: dict[str, list[int]], rng: np.random.Generator) -> Path:
-        lines = [self._record(p, i, kind, step) for kind, i in self.select(p, rng)]
+        c = _Columns(p)
+        lines = [self._record(c, i, kind, step) for kind, i in self.select(p, rng)]
         for cell, idx in cells.items():
             lines.append({"step": step, "kind": "quadrant_cell", "cell": cell, "count": len(idx),
-                          "ids": [_cut(p.ids[i], self.max_chars) for i in idx[:MAX_CELL_IDS]]})
+                          "ids": [_cut(c.ids[i], self.max_chars) for i in idx[:MAX_CELL_IDS]]})
             sign = -1.0 if cell == "hacking" else 1.0
-            ordered = sorted(idx, key=lambda i: (sign * p.rewards[i], i))
-            lines += [self._record(p, i, cell, step) for i in ordered[:self.k]]
+            rewards = c.rewards
+            ordered = sorted(idx, key=lambda i: (sign * rewards[i], i))
+            lines += [self._record(c, i, cell, step) for i in ordered[:self.k]]
         text = "".join(_JSON.encode(rec) + "\n" for rec in lines)  # a value JSON cannot hold fails before any write
         step = int(step)
         if (self._file is None or self._updates >= self.updates_per_file

@@ -109,7 +109,8 @@ def _np(t: torch.Tensor | None):
     """The tensor's memory as a numpy array (no copy); bfloat16, which numpy lacks, is converted."""
     if t is None:
         return None
-    t = t.detach()
+    if t.requires_grad:  # detach only when needed: it builds a new tensor object on every call
+        t = t.detach()
     return (t.double() if t.dtype == torch.bfloat16 else t).numpy()
 
 
