@@ -131,10 +131,55 @@ def sequence_probe(fields: dict, sig: tuple) -> Partial:
     """Per-sequence statistics (lengths, truncated, rewards), packed in the eager layout kept for ``sig``."""
     s, mx, mn = {}, {}, {}
     lengths = fields.get("lengths")
+    if next(iter(fields.values())).numel() <= PY_MAX_SEQUENCES:
+        _py_sequence_fields(s, mx, mn, fields)
+        return _packed(sig, s, mx, mn)
     with np.errstate(all="ignore"):
         _sequence_fields(s, mx, mn, None if lengths is None else _np(lengths).reshape(-1).astype(F64),
                          fields.get("truncated"), fields.get("rewards"))
     return _packed(sig, s, mx, mn)
+
+
+# Per-sequence fields of up to this many values are read as Python floats: a generation batch's rewards are a few
+# dozen values, where each numpy call costs more than a loop over all of them (~20 calls against one pass).
+PY_MAX_SEQUENCES = 256
+
+
+def _py_sequence_fields(s, mx, mn, fields: dict) -> None:
+    """``_sequence_fields`` on Python floats: the same counts and extremes; the sums in float64, added in order."""
+    lengths, truncated, rewards = fields.get("lengths"), fields.get("truncated"), fields.get("rewards")
+    if lengths is not None:
+        _py_value_stats(s, mx, mn, "length", lengths.reshape(-1).tolist(), finite_only=False)
+    if truncated is not None:
+        s[keys.LENGTH.truncated] = float(sum(map(bool, truncated.reshape(-1).tolist())))
+    if rewards is not None:
+        values = rewards.reshape(-1).tolist()
+        count = _py_value_stats(s, mx, mn, "reward", values, finite_only=True, squares=True)
+        s[keys.input_nonfinite("rewards")] = float(len(values) - count)
+
+
+def _py_value_stats(s, mx, mn, name: str, values: list, finite_only: bool, squares: bool = False) -> float:
+    """Count, sum (and sum of squares), max and min of ``values``. NaN is left out of the sums and extremes;
+    ``finite_only``: +-inf too, and only the values kept are counted (else every value is)."""
+    key = keys.of(name)
+    total = sq = 0.0
+    kept = 0
+    hi, lo = -math.inf, math.inf
+    for x in values:
+        x = float(x)
+        if x != x or (finite_only and x - x != 0.0):  # NaN; x - x is NaN for +-inf
+            continue
+        kept += 1
+        total += x
+        sq += x * x
+        hi = x if x > hi else hi
+        lo = x if x < lo else lo
+    count = float(kept if finite_only else len(values))
+    s[key.count], s[key.sum] = count, total
+    if squares:
+        s[key.sumsq] = sq
+    mx[key.max], mn[key.min] = hi, lo
+    return count
 
 
 def _packed(sig: tuple, s: dict, mx: dict, mn: dict) -> Partial:
