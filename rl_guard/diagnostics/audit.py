@@ -66,7 +66,7 @@ class AuditWriter:
         self._updates = 0  # updates in the open file
         self._last_step: int | None = None
 
-    def _record(self, c: "_Columns", i: int, kind: str, step: int) -> dict:
+    def _record(self, c: _Columns, i: int, kind: str, step: int) -> dict:
         rec = {"step": step, "kind": kind, "index": i, "id": _cut(c.ids[i], self.max_chars)}
         if c.group_ids is not None:
             rec["group"] = _cut(c.group_ids[i], self.max_chars)

@@ -5,6 +5,8 @@ for a few hundred tokens), not the arithmetic. On CPU the tensors already are ho
 place (no copy, nothing to synchronise) at a fraction of the cost per operation. This engine takes padded CPU
 batches of float32 fields up to ``CPU_MAX_TOKENS`` tokens without policy versions; everything else (GPU batches,
 packed or versioned batches, other dtypes, larger batches) stays with the chosen engine.
+Per-sequence fields (``Guard.observe_sequences``: a generation batch's rewards) take it too, and up to
+``PY_MAX_SEQUENCES`` values are read as Python floats, one loop instead of ~20 numpy calls.
 
 Layout: a micro-batch's ``Partial`` must be laid out exactly as the eager engine lays it out, so that micro-batches
 and ranks of either engine merge (a rank whose batches are small and one whose batches are large must agree).
@@ -37,6 +39,9 @@ from .token_rows import device_constant
 # Measured against the eager engine (benchmarks/stats.py small_batch_ms): 3.0x faster at 64 tokens, 1.5x at 8K; above
 # this the per-element work dominates and the chosen engine takes the batch.
 CPU_MAX_TOKENS = 1 << 13
+# Per-sequence fields of up to this many values are read as Python floats: a generation batch's rewards are a few
+# dozen values, where each of the ~20 numpy calls costs more than one loop over all of them.
+PY_MAX_SEQUENCES = 256
 F32, F64 = np.float32, np.float64
 FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
 LAYOUT_FIELDS = ("mask", *FLOAT_FIELDS, "lengths", "truncated", "rewards")  # the fields the layout depends on
@@ -130,19 +135,14 @@ def takes_sequences(fields: dict) -> bool:
 def sequence_probe(fields: dict, sig: tuple) -> Partial:
     """Per-sequence statistics (lengths, truncated, rewards), packed in the eager layout kept for ``sig``."""
     s, mx, mn = {}, {}, {}
-    lengths = fields.get("lengths")
     if next(iter(fields.values())).numel() <= PY_MAX_SEQUENCES:
         _py_sequence_fields(s, mx, mn, fields)
         return _packed(sig, s, mx, mn)
+    lengths = fields.get("lengths")
     with np.errstate(all="ignore"):
         _sequence_fields(s, mx, mn, None if lengths is None else _np(lengths).reshape(-1).astype(F64),
                          fields.get("truncated"), fields.get("rewards"))
     return _packed(sig, s, mx, mn)
-
-
-# Per-sequence fields of up to this many values are read as Python floats: a generation batch's rewards are a few
-# dozen values, where each numpy call costs more than a loop over all of them (~20 calls against one pass).
-PY_MAX_SEQUENCES = 256
 
 
 def _py_sequence_fields(s, mx, mn, fields: dict) -> None:
