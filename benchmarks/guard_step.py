@@ -13,10 +13,10 @@ forward pass and some Python work, as the trainer's own step does between the gu
 the guard runs cold; ``cold_over_warm`` says how much of its in-trainer cost is that, rather than its work.
 
 Setups, as in ``trl_overhead.py``: ``demo`` (the demo's guard; old and reference log-probs; a generation batch every
-4 steps) and ``trl-defaults`` (the shipped preset unmodified; TRL's defaults: no reference model, the ratio is
-exactly 1, a generation batch every step).
+4 steps), ``trl-short`` (the shipped preset unmodified; TRL's loss defaults: no reference model, the ratio is exactly
+1, a generation batch every step) and ``trl-defaults`` (the same with TRL's longer completions and groups of 8).
 
-Usage: ``python benchmarks/guard_step.py [--steps N] [--setup demo|trl-defaults] [--json [FILE]]``.
+Usage: ``python benchmarks/guard_step.py [--steps N] [--setup demo|trl-short|trl-defaults] [--json [FILE]]``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ import torch  # noqa: E402
 from json_output import add_json_argument, emit_json  # noqa: E402
 
 CALLS = ("generation", "observe", "check", "step_done")
-SETUPS = ("demo", "trl-defaults")
-B, T, GROUP = 8, 8, 4  # trl_overhead.py's micro-batch: 8 completions of up to 8 tokens, groups of 4
+B = 8  # completions per micro-batch, as in trl_overhead.py
+# setup -> (tokens per completion, completions per prompt, optimizer steps per generation batch), as trl_overhead.py's
+# setups give them: the demo's and trl-short's 8-token completions; under TRL's defaults (up to 512 tokens) the tiny
+# model ends each completion with EOS at random, and a batch's longest is 20-40 tokens
+SETUPS = {"demo": (8, 4, 4), "trl-short": (8, 4, 1), "trl-defaults": (40, 8, 1)}
 
 
 class _Disturbance:
@@ -75,20 +78,23 @@ def _inputs(setup: str, gen: torch.Generator):
     from rl_guard.diagnostics import SampleBatch
     from rl_guard.stats.batch import TokenBatch
 
+    T, group, _ = SETUPS[setup]
     lp = -torch.rand(B, T, generator=gen) * 3
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[:, T - 2:] = torch.rand(B, 2, generator=gen) > 0.5
+    mask = torch.arange(T) < torch.randint(T // 4, T + 1, (B, 1), generator=gen)  # completions of varied length
     demo = setup == "demo"
-    batch = TokenBatch(logprobs=lp, mask=mask, old_logprobs=lp + torch.randn(B, T, generator=gen) * 0.01 if demo else lp,
-                       ref_logprobs=lp + torch.randn(B, T, generator=gen) * 0.05 if demo else None,
+    old = lp + torch.randn(B, T, generator=gen) * 0.01 if demo else lp  # TRL's defaults: on-policy, the ratio is 1
+    ref = lp + torch.randn(B, T, generator=gen) * 0.05 if demo else None  # beta=0: no reference model
+    batch = TokenBatch(logprobs=lp, mask=mask, old_logprobs=old, ref_logprobs=ref,
                        entropy=torch.rand(B, T, generator=gen), advantages=torch.randn(B, generator=gen),
-                       lengths=mask.sum(1), truncated=torch.zeros(B, dtype=torch.bool), eps_low=0.2, eps_high=0.2, clipped_loss=False)
+                       lengths=mask.sum(1), truncated=torch.zeros(B, dtype=torch.bool), eps_low=0.2, eps_high=0.2,
+                       clipped_loss=True)  # TRL's dapo loss clips
     rewards = torch.rand(B, generator=gen)
     lengths = batch.lengths.tolist()
-    samples = SampleBatch(rewards=rewards.numpy(), group_ids=np.arange(B) // GROUP,
+    samples = SampleBatch(rewards=rewards.numpy(), group_ids=np.arange(B) // group,
                           reward_components={"repeat_last_digit_reward": rewards.numpy(),
                                              "length_penalty_reward": np.zeros(B)},
-                          lengths=lengths, truncated=batch.truncated.tolist(), texts=[" ".join("7" * n) for n in lengths],
+                          lengths=lengths, truncated=batch.truncated.tolist(),
+                          texts=[" ".join("7" * n) for n in lengths],
                           prompts=["1 2 3 4 5"] * B, rollout_tokens=sum(lengths), episodes=B,
                           funnel={"sampled": B, "reward_available": B})
     return batch, rewards, samples
@@ -110,7 +116,7 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
     guard = _guard(setup, work / f"guard_{setup}_{'cold' if cold else 'warm'}").attach(model, optimizer)
     disturb = _Disturbance(model) if cold else None
     gen = torch.Generator().manual_seed(0)
-    every = 4 if setup == "demo" else 1  # generation batches: steps_per_generation x num_iterations
+    every = SETUPS[setup][2]  # optimizer steps per generation batch: steps_per_generation x num_iterations
     times = {c: [] for c in CALLS}
 
     def timed(call, fn, *args, **kwargs):
@@ -148,7 +154,7 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400, help="optimizer steps per pass (default 400)")
-    ap.add_argument("--setup", default="demo", choices=SETUPS)
+    ap.add_argument("--setup", default="demo", choices=list(SETUPS))
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     add_json_argument(ap)
     args = ap.parse_args(argv)

@@ -1,8 +1,17 @@
 """Wall-time overhead of ``RLGuardCallback`` on a real (tiny) GRPO run: guarded vs unguarded, same seed.
 
-Each pair runs an unguarded and a guarded ``GRPOTrainer`` on the tiny local Llama (GRPO preset, reference KL,
-two passes over each rollout batch), alternating which goes first so drift in the machine's load hits both
-alike. Only ``trainer.train()`` is timed (model loading and trainer construction are not). Reported:
+Each pair runs an unguarded and a guarded ``GRPOTrainer`` on the tiny local Llama, alternating which goes first so
+drift in the machine's load hits both alike. Only ``trainer.train()`` is timed (model loading and trainer
+construction are not). Setups (``--setup``):
+
+* ``demo`` (default): the demo's trainer and guard (reference KL, two passes over each rollout batch, frequent
+  snapshots) with its short rollouts: 8-token completions, 4 per prompt, a log every step;
+* ``trl-defaults``: ``GRPOConfig``'s defaults as a user gets them (completions of up to 512 tokens, 8 per prompt,
+  a log every 10 steps, lr 1e-6, ``beta=0``, one pass per rollout batch) and the shipped ``grpo.yaml`` unmodified;
+* ``trl-short``: TRL's loss defaults (``beta=0``, ``num_iterations=1``, a generation every step) and the shipped
+  preset, with the demo's short rollouts: the largest share the guard's fixed per-step cost can have.
+
+Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 
 * ``overhead_ratio``: median over pairs of guarded / unguarded wall time (target <= 1.05);
 * ``overhead_ratio_cpu``: the same with process CPU time (less sensitive to neighbours on a shared machine);
@@ -30,8 +39,8 @@ A tiny model is the worst case for a relative figure: the guard's per-step work 
 ~0.1 s. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
 multi-threaded wall time measure the neighbours.
 
-``--hidden`` / ``--layers`` / ``--completion`` make the model and the rollouts larger, to see the fixed cost
-spread over a step that does more work.
+``--hidden`` / ``--layers`` / ``--completion`` make the model and the rollouts larger (or shorter), to see the fixed
+cost spread over a step that does more work.
 
 Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json [FILE]] [--threads N]
 [--hidden N] [--layers N] [--completion N]``.
@@ -122,7 +131,18 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
     ]
 
 
-SETUPS = ("demo", "trl-defaults")
+SETUPS = ("demo", "trl-defaults", "trl-short")
+# What each setup sets in GRPOConfig beyond the run's own settings (steps, seed, output, CPU). trl-defaults sets
+# nothing else: TRL's defaults as a user gets them (completions of up to 512 tokens, 8 generations per prompt, a log
+# every 10 steps, lr 1e-6). demo and trl-short take the demo's short rollouts (8 tokens, 4 generations, a log every
+# step): the largest share a fixed per-step cost can have.
+SHORT = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
+             learning_rate=3e-3, max_grad_norm=1.0)
+TRAINER_SETUPS = {
+    "demo": dict(SHORT, beta=0.04, num_iterations=2, steps_per_generation=2),  # the demo's trainer
+    "trl-short": dict(SHORT, beta=0.0, num_iterations=1),                     # TRL's loss defaults, short rollouts
+    "trl-defaults": {},
+}
 
 
 def _step_clock():
@@ -141,7 +161,8 @@ def _step_clock():
 
 
 def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0,
-             completion: int = 8, lr: float = 3e-3, stats_engine: str = "eager", setup: str = "demo") -> dict:
+             completion: int | None = None, lr: float | None = None, stats_engine: str = "eager",
+             setup: str = "demo") -> dict:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -150,14 +171,14 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
     from rl_guard.demo.tiny import length_penalty_reward, repeat_last_digit_reward
 
     work.mkdir(parents=True, exist_ok=True)
-    # demo: the demo's trainer and guard (reference KL, two passes over each rollout batch, frequent snapshots);
-    # trl-defaults: TRL's own defaults (beta=0, num_iterations=1, a generation every step) and the shipped preset
-    trainer_setup = (dict(beta=0.04, num_iterations=2, steps_per_generation=2) if setup == "demo" else
-                     dict(beta=0.0, num_iterations=1))
-    args = GRPOConfig(output_dir=str(work / "trainer"), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=completion, max_steps=steps, logging_steps=1, use_cpu=True, bf16=False,
-                      report_to=[], learning_rate=lr, save_strategy="no", seed=seed, disable_tqdm=True,
-                      max_grad_norm=1.0, **trainer_setup)
+    trainer_setup = dict(TRAINER_SETUPS[setup])
+    if completion is not None:
+        trainer_setup["max_completion_length"] = completion
+    if lr is not None:
+        trainer_setup["learning_rate"] = lr
+    # bf16=False: TRL's default bf16 is for accelerators; on CPU every setup runs float32
+    args = GRPOConfig(output_dir=str(work / "trainer"), max_steps=steps, use_cpu=True, bf16=False, report_to=[],
+                      save_strategy="no", seed=seed, disable_tqdm=True, **trainer_setup)
     clock = _step_clock()
     callbacks, bd, patched = [clock], _Breakdown(), []
     if guarded:
@@ -193,6 +214,13 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
             "acted": acted, "steady": steady}
 
 
+def _trl_default(field: str):
+    """A ``GRPOConfig`` field's default, as the installed TRL declares it."""
+    from trl import GRPOConfig
+
+    return GRPOConfig.__dataclass_fields__[field].default
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 pairs of 8 steps (well under 2 minutes)")
@@ -201,12 +229,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--hidden", type=int, default=32, help="the model's hidden size (default 32: the tiny model)")
     ap.add_argument("--layers", type=int, default=2, help="the model's layers (default 2)")
-    ap.add_argument("--completion", type=int, default=8, help="max completion tokens (default 8, at most 48)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3; lower it for larger models "
-                    "so that the guard does not act: a run it acts on does different work)")
+    ap.add_argument("--completion", type=int, help="max completion tokens (default: the setup's, 8 or TRL's 512)")
+    ap.add_argument("--lr", type=float, help="learning rate (default: the setup's, 3e-3 or TRL's 1e-6; lower it for "
+                    "larger models so that the guard does not act: a run it acts on does different work)")
     ap.add_argument("--setup", default="demo", choices=SETUPS,
                     help="demo (default): the demo's trainer and guard configuration; trl-defaults: TRL's GRPOConfig "
-                    "defaults (beta=0, num_iterations=1, a generation every step) with the shipped grpo preset")
+                    "defaults as a user gets them, with the shipped grpo preset; trl-short: TRL's loss defaults "
+                    "(beta=0, num_iterations=1, a generation every step) with the demo's short rollouts")
     ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
                     help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)
@@ -220,7 +249,10 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="rl_guard_overhead_"))
-    model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers)
+    completion = args.completion or TRAINER_SETUPS[args.setup].get("max_completion_length") or _trl_default(
+        "max_completion_length")
+    model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers,
+                                  max_positions=max(64, completion + 16))  # the prompts are 3 words
     dataset = prompt_dataset(256, seed=0)
     run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup)
     for guarded in (False, True):  # warm-up: first-call costs (kernels, lazy imports) land in neither figure
@@ -241,7 +273,8 @@ def main(argv=None) -> dict:
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
         "setup": args.setup,
-        "model": {"hidden": args.hidden, "layers": args.layers, "completion": args.completion, "lr": args.lr},
+        "model": {"hidden": args.hidden, "layers": args.layers, "completion": completion,
+                  "lr": args.lr or TRAINER_SETUPS[args.setup].get("learning_rate") or _trl_default("learning_rate")},
         "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
                               for part in PARTS},
         "unaccounted_ms_per_step": statistics.median(1e3 * (g["wall"] - p["wall"] - g["guard"]) / g["steps"]

@@ -19,7 +19,7 @@ def bench():
     return load_module("rl_guard_benchmark_guard_step", BENCH)
 
 
-@pytest.mark.parametrize("setup", ["demo", "trl-defaults"])
+@pytest.mark.parametrize("setup", ["demo", "trl-short", "trl-defaults"])
 def test_setups_feed_their_fields_and_run_healthy(bench, tmp_path, setup):
     out = bench.run(setup, steps=8, work=tmp_path)
     run_dir = Path(out["run_dir"])
@@ -29,7 +29,7 @@ def test_setups_feed_their_fields_and_run_healthy(bench, tmp_path, setup):
     if setup == "demo":  # old and reference log-probs; a generation batch every 4 steps
         assert last["rl_guard/ratio/mean"] != 1.0 and "rl_guard/kl_ref/k3_mean" in last
         assert sum("rl_guard/reward/mean" in m for m in metrics) == 2
-    else:  # TRL's defaults: no reference model, the ratio is exactly 1, a generation batch every step
+    else:  # TRL's loss defaults: no reference model, the ratio is exactly 1, a generation batch every step
         assert last["rl_guard/ratio/mean"] == 1.0 and "rl_guard/kl_ref/k3_mean" not in last
         assert all("rl_guard/reward/mean" in m for m in metrics)
     assert "rl_guard/update/rel" in last and "rl_guard/grad/norm" in last

@@ -12,7 +12,7 @@ from file_modules import load_module
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trl_overhead.py"
 
 
-@pytest.mark.parametrize("setup", ["demo", "trl-defaults"])
+@pytest.mark.parametrize("setup", ["demo", "trl-defaults", "trl-short"])
 def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     bench = load_module("trl_overhead", BENCH)
     out_file = tmp_path / "overhead.json"
@@ -28,8 +28,11 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
     assert written["setup"] == setup
     parts = written["guard_ms_per_step"]
-    if setup == "trl-defaults":  # TRL generates every step: the sample diagnostics run every step
+    if setup != "demo":  # TRL generates every step: the sample diagnostics run every step
         assert parts["diagnostics"] > 0
+    # trl-defaults is GRPOConfig's own defaults; the others take the demo's 8-token completions
+    assert written["model"]["completion"] == (bench._trl_default("max_completion_length") if setup == "trl-defaults"
+                                              else 8)
     assert set(parts) == {*bench.PARTS, "total"} and all(v >= 0 for v in parts.values())
     assert parts["statistics"] > 0 and parts["grad_probe"] > 0 and parts["rules"] > 0 and parts["sinks"] > 0
     assert parts["total"] == sum(parts[p] for p in bench.PARTS)
