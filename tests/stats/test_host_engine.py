@@ -165,7 +165,8 @@ def test_a_failure_inside_turns_it_off_with_one_warning_and_the_eager_statistics
 
 @st.composite
 def _sequences(draw):
-    """Per-sequence fields as the adapters pass them to ``Guard.observe_sequences``: any non-empty subset."""
+    """Per-sequence fields as the adapters pass them to ``Guard.observe_sequences``: any non-empty subset, rewards in
+    any float dtype a reward function may return."""
     # up to PY_MAX_SEQUENCES values are read as Python floats, more with numpy: both paths
     n = draw(st.one_of(st.integers(1, 40), st.integers(host_engine.PY_MAX_SEQUENCES - 8, 400)))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
@@ -179,7 +180,8 @@ def _sequences(draw):
     if draw(st.booleans()):
         fields["truncated"] = torch.rand(n, generator=g) < 0.5
     if draw(st.booleans()) or not fields:
-        rewards = torch.randn(n, generator=g, dtype=draw(st.sampled_from([torch.float32, torch.float64]))) * 3
+        dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+        rewards = (torch.randn(n, generator=g, dtype=torch.float64) * 3).to(dtype)
         for _ in range(draw(st.integers(0, 3))):
             rewards[draw(st.integers(0, n - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
         fields["rewards"] = rewards
