@@ -17,6 +17,7 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 * ``overhead_ratio_cpu``: the same with process CPU time (less sensitive to neighbours on a shared machine);
 * ``overhead_ratio_best``: the fastest guarded run over the fastest unguarded one (the least disturbed runs of each
   arm; on a loaded machine the per-pair median carries the neighbours' noise);
+* ``overhead_ratio_range``: the smallest and largest per-pair ratio, how far one pair can be from the median;
 * ``overhead_ratio_steady``: median over pairs of the steady-state step time, guarded / unguarded: from the end of
   the first optimizer step to the end of the last. ``train()`` starts with fixed work (accelerate's
   ``clear_device_cache`` runs a full ``gc.collect()``, ~0.2 s here), which a 24-step run spreads as ~10 ms over
@@ -265,10 +266,12 @@ def main(argv=None) -> dict:
         pairs.append((result[False], result[True]))
         print(f"pair {i}: unguarded {result[False]['wall']:.2f}s, guarded {result[True]['wall']:.2f}s "
               f"(guard calls {result[True]['guard']:.3f}s), ratio {result[True]['wall'] / result[False]['wall']:.3f}")
+    ratios = [g["wall"] / p["wall"] for p, g in pairs]
     out = {
-        "overhead_ratio": statistics.median(g["wall"] / p["wall"] for p, g in pairs),
+        "overhead_ratio": statistics.median(ratios),
         "overhead_ratio_cpu": statistics.median(g["cpu"] / p["cpu"] for p, g in pairs),
         "overhead_ratio_best": min(g["wall"] for _, g in pairs) / min(p["wall"] for p, _ in pairs),
+        "overhead_ratio_range": [min(ratios), max(ratios)],
         "overhead_ratio_steady": statistics.median(g["steady"] / p["steady"] for p, g in pairs),
         "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
@@ -287,6 +290,7 @@ def main(argv=None) -> dict:
         "wall_s": {"unguarded": [p["wall"] for p, _ in pairs], "guarded": [g["wall"] for _, g in pairs]},
     }
     print(f"median wall-time ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
+          f"pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}; "
           f"CPU-time ratio {out['overhead_ratio_cpu']:.3f}; fastest runs {out['overhead_ratio_best']:.3f}; "
           f"steady-state step {out['overhead_ratio_steady']:.3f}; "
           f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded run "

@@ -20,6 +20,9 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     written = json.loads(out_file.read_text())
     assert written == json.loads(json.dumps(out))
     assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
+    low, high = written["overhead_ratio_range"]
+    assert low <= written["overhead_ratio"] <= high  # one pair here: all three are its ratio
+    assert low == high == written["wall_s"]["guarded"][0] / written["wall_s"]["unguarded"][0]
     # two steps: one interval between step ends per arm, shorter than the whole train() call
     assert math.isfinite(written["overhead_ratio_steady"]) and written["overhead_ratio_steady"] > 0
     for arm in ("guarded", "unguarded"):
