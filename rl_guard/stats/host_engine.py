@@ -43,6 +43,7 @@ CPU_MAX_TOKENS = 1 << 13
 # dozen values, where each of the ~20 numpy calls costs more than one loop over all of them.
 PY_MAX_SEQUENCES = 256
 F32, F64 = np.float32, np.float64
+F64_MAX = float(np.finfo(np.float64).max)
 FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
 LAYOUT_FIELDS = ("mask", *FLOAT_FIELDS, "lengths", "truncated", "rewards")  # the fields the layout depends on
 CPU = torch.device("cpu")
@@ -160,15 +161,18 @@ def _py_sequence_fields(s, mx, mn, fields: dict) -> None:
 
 def _py_value_stats(s, mx, mn, name: str, values: list, finite_only: bool, squares: bool = False) -> float:
     """Count, sum (and sum of squares), max and min of ``values``. NaN is left out of the sums and extremes;
-    ``finite_only``: +-inf too, and only the values kept are counted (else every value is)."""
+    ``finite_only``: +-inf too, and only the values kept are counted (else every value is, and +-inf counts as the
+    largest float, as the eager engine's ``nan_to_num`` has it)."""
     key = keys.of(name)
     total = sq = 0.0
     kept = 0
     hi, lo = -math.inf, math.inf
     for x in values:
         x = float(x)
-        if x != x or (finite_only and x - x != 0.0):  # NaN; x - x is NaN for +-inf
-            continue
+        if x - x != 0.0:  # NaN or +-inf (x - x is NaN for both)
+            if x != x or finite_only:
+                continue
+            x = math.copysign(F64_MAX, x)
         kept += 1
         total += x
         sq += x * x
@@ -286,6 +290,7 @@ def _advantages(s, b, plan, z, v, counts, token_clip: bool) -> None:
 def _sequence_fields(s, mx, mn, lengths, truncated, rewards) -> None:
     """Lengths (float64 numpy, or None), the truncated count, rewards (finite values only; tensors)."""
     if lengths is not None:
+        lengths = np.clip(lengths, -F64_MAX, F64_MAX)  # +-inf as the eager engine's nan_to_num has it (NaN stays)
         _value_stats(s, mx, mn, "length", lengths, np.ones_like(lengths))
     if truncated is not None:
         s[keys.LENGTH.truncated] = float(_np(truncated).astype(bool).sum())
