@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from json_output import add_json_argument, emit_json  # noqa: E402
+from trl_overhead import guard_config  # noqa: E402  (the same guard per setup as the TRL benchmark)
 
 CALLS = ("generation", "observe", "check", "step_done")
 B = 8  # completions per micro-batch, as in trl_overhead.py
@@ -62,14 +63,6 @@ class _Disturbance:
             self.model(self.ids)
         for _ in range(20):
             json.dumps({str(i): i * 0.5 for i in range(300)})
-
-
-def _guard(setup: str, run_dir: Path):
-    from rl_guard.demo.run import PRESET, demo_config
-    from rl_guard.guard import Guard
-
-    text = demo_config("rollback", console_every=None) if setup == "demo" else PRESET.read_text(encoding="utf-8")
-    return Guard.from_yaml(text, run_dir=run_dir)
 
 
 def _inputs(setup: str, gen: torch.Generator):
@@ -105,6 +98,7 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
     from transformers import AutoModelForCausalLM
 
     from rl_guard.demo.tiny import build_tiny_model
+    from rl_guard.guard import Guard
 
     torch.manual_seed(0)
     work = Path(work or tempfile.mkdtemp())
@@ -113,7 +107,8 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
         build_tiny_model(model_dir, seed=0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    guard = _guard(setup, work / f"guard_{setup}_{'cold' if cold else 'warm'}").attach(model, optimizer)
+    guard = Guard.from_yaml(guard_config(setup), run_dir=work / f"guard_{setup}_{'cold' if cold else 'warm'}")
+    guard.attach(model, optimizer)
     disturb = _Disturbance(model) if cold else None
     gen = torch.Generator().manual_seed(0)
     every = SETUPS[setup][2]  # optimizer steps per generation batch: steps_per_generation x num_iterations

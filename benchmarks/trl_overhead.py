@@ -146,6 +146,15 @@ TRAINER_SETUPS = {
 SETUPS = tuple(TRAINER_SETUPS)
 
 
+def guard_config(setup: str, stats_engine: str = "eager") -> str:
+    """The guard's YAML: the demo's for ``demo``, else the shipped GRPO preset as is."""
+    from rl_guard.demo.run import PRESET, demo_config
+
+    if setup == "demo":
+        return demo_config("rollback", console_every=None, stats_engine=stats_engine)
+    return PRESET.read_text(encoding="utf-8") + f"stats_engine: {stats_engine}\n"
+
+
 def _step_clock():
     """A callback that records when each optimizer step ends (both arms): the steady-state step time leaves out
     ``train()``'s own start (accelerate's ``clear_device_cache`` runs a full ``gc.collect()`` there, ~0.2 s here)."""
@@ -168,7 +177,6 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
     from trl import GRPOConfig, GRPOTrainer
 
     from rl_guard.adapters import trl as adapter
-    from rl_guard.demo.run import PRESET, demo_config
     from rl_guard.demo.tiny import length_penalty_reward, repeat_last_digit_reward
 
     work.mkdir(parents=True, exist_ok=True)
@@ -187,9 +195,7 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
             original = getattr(owner, name)
             patched.append((owner, name, original))
             setattr(owner, name, bd.wrap(original, part))
-        config = (demo_config("rollback", console_every=None, stats_engine=stats_engine) if setup == "demo" else
-                  PRESET.read_text(encoding="utf-8") + f"stats_engine: {stats_engine}\n")
-        callbacks.append(adapter.RLGuardCallback(config, run_dir=str(work / "guard")))
+        callbacks.append(adapter.RLGuardCallback(guard_config(setup, stats_engine), run_dir=str(work / "guard")))
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
                           args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.pop_callback(PrinterCallback)

@@ -48,9 +48,9 @@ class _Columns:
 
     def __init__(self, p: Prepared):
         self.ids, self.group_ids, self.termination = p.ids, p.group_ids, p.termination
-        self.rewards = p.rewards.tolist() if p.rewards is not None else None
         self.floats = [(name, arr.tolist()) for name, arr in (("reward", p.rewards), ("outcome", p.outcome),
                                                                ("length", p.lengths)) if arr is not None]
+        self.rewards = self.floats[0][1] if p.rewards is not None else None  # the list above, not a second copy
         self.texts = [(name, seq) for name, seq in (("prompt", p.prompts), ("text", p.texts)) if seq is not None]
 
 

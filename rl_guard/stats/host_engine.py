@@ -5,8 +5,9 @@ for a few hundred tokens), not the arithmetic. On CPU the tensors already are ho
 place (no copy, nothing to synchronise) at a fraction of the cost per operation. This engine takes padded CPU
 batches of float32 fields up to ``CPU_MAX_TOKENS`` tokens without policy versions; everything else (GPU batches,
 packed or versioned batches, other dtypes, larger batches) stays with the chosen engine.
-Per-sequence fields (``Guard.observe_sequences``: a generation batch's rewards) take it too, and up to
-``PY_MAX_SEQUENCES`` values are read as Python floats, one loop instead of ~20 numpy calls.
+Per-sequence fields (``Guard.observe_sequences``: a generation batch's rewards) take it too. Per-sequence figures
+of up to ``PY_MAX_SEQUENCES`` sequences, there and in a micro-batch, are read as Python floats: one loop instead of
+~20 numpy calls.
 
 Layout: a micro-batch's ``Partial`` must be laid out exactly as the eager engine lays it out, so that micro-batches
 and ranks of either engine merge (a rank whose batches are small and one whose batches are large must agree).
@@ -136,9 +137,6 @@ def takes_sequences(fields: dict) -> bool:
 def sequence_probe(fields: dict, sig: tuple) -> Partial:
     """Per-sequence statistics (lengths, truncated, rewards), packed in the eager layout kept for ``sig``."""
     s, mx, mn = {}, {}, {}
-    if next(iter(fields.values())).numel() <= PY_MAX_SEQUENCES:
-        _py_sequence_fields(s, mx, mn, fields)
-        return _packed(sig, s, mx, mn)
     lengths = fields.get("lengths")
     with np.errstate(all="ignore"):
         _sequence_fields(s, mx, mn, None if lengths is None else _np(lengths).reshape(-1).astype(F64),
@@ -146,11 +144,10 @@ def sequence_probe(fields: dict, sig: tuple) -> Partial:
     return _packed(sig, s, mx, mn)
 
 
-def _py_sequence_fields(s, mx, mn, fields: dict) -> None:
+def _py_sequence_fields(s, mx, mn, lengths: list | None, truncated, rewards) -> None:
     """``_sequence_fields`` on Python floats: the same counts and extremes; the sums in float64, added in order."""
-    lengths, truncated, rewards = fields.get("lengths"), fields.get("truncated"), fields.get("rewards")
     if lengths is not None:
-        _py_value_stats(s, mx, mn, "length", lengths.reshape(-1).tolist(), finite_only=False)
+        _py_value_stats(s, mx, mn, "length", lengths, finite_only=False)
     if truncated is not None:
         s[keys.LENGTH.truncated] = float(sum(map(bool, truncated.reshape(-1).tolist())))
     if rewards is not None:
@@ -288,7 +285,12 @@ def _advantages(s, b, plan, z, v, counts, token_clip: bool) -> None:
 
 
 def _sequence_fields(s, mx, mn, lengths, truncated, rewards) -> None:
-    """Lengths (float64 numpy, or None), the truncated count, rewards (finite values only; tensors)."""
+    """Lengths (float64 numpy, or None), the truncated count, rewards (finite values only; tensors). Up to
+    ``PY_MAX_SEQUENCES`` sequences are read as Python floats, more with numpy."""
+    given = [x for x in (lengths, truncated, rewards) if x is not None]
+    if given and given[0].shape[0] <= PY_MAX_SEQUENCES:
+        _py_sequence_fields(s, mx, mn, None if lengths is None else lengths.tolist(), truncated, rewards)
+        return
     if lengths is not None:
         lengths = np.clip(lengths, -F64_MAX, F64_MAX)  # +-inf as the eager engine's nan_to_num has it (NaN stays)
         _value_stats(s, mx, mn, "length", lengths, np.ones_like(lengths))

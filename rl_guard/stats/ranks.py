@@ -113,10 +113,8 @@ def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -
 
 def all_reduce(dist, t: torch.Tensor, largest: bool) -> None:
     """In place across ranks: the elementwise maximum (``largest``) or the sum."""
-    if largest:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    else:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    reductions = dist.ReduceOp
+    dist.all_reduce(t, reductions.MAX if largest else reductions.SUM)
 
 
 def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
