@@ -46,7 +46,7 @@ CALLS = ("generation", "observe", "check", "step_done")
 B = 8  # completions per micro-batch, as in trl_overhead.py
 # setup -> (tokens per completion, completions per prompt, optimizer steps per generation batch), as trl_overhead.py's
 # setups give them: the demo's and trl-short's 8-token completions; under TRL's defaults (up to 512 tokens) the tiny
-# model ends each completion with EOS at random, and a batch's longest is 20-40 tokens
+# model ends each completion with EOS at random: a batch's longest is mostly 20-40 tokens (up to ~75)
 SETUPS = {"demo": (8, 4, 4), "trl-short": (8, 4, 1), "trl-defaults": (40, 8, 1)}
 
 
