@@ -1,8 +1,8 @@
 """The guard's own host cost per optimizer step, outside any trainer: warm, and with the CPU caches disturbed
 between its calls the way a trainer's step disturbs them.
 
-``benchmarks/trl_overhead.py`` measures the guard inside a real ``GRPOTrainer``, where a 24-step run carries the
-trainer's noise and its fixed start. This script times the same calls on the same tiny model with micro-batches of
+``benchmarks/trl_overhead.py`` measures the guard inside a real ``GRPOTrainer``, where every step carries the
+trainer's own variation. This script times the same calls on the same tiny model with micro-batches of
 the same shapes and fields, with nothing else running: a figure stable enough to compare two commits. Each step:
 gradients are set (not timed), then ``observe_sequences`` + ``observe_samples`` (generation steps only),
 ``observe``, ``check``, a real ``AdamW`` step (not timed), ``step_done``.

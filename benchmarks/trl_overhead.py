@@ -1,8 +1,12 @@
-"""Wall-time overhead of ``RLGuardCallback`` on a real (tiny) GRPO run: guarded vs unguarded, same seed.
+"""Per-step overhead of ``RLGuardCallback`` on a real (tiny) GRPO run: guarded vs unguarded, same seed.
 
-Each pair runs an unguarded and a guarded ``GRPOTrainer`` on the tiny local Llama, alternating which goes first so
-drift in the machine's load hits both alike. Only ``trainer.train()`` is timed (model loading and trainer
-construction are not). Setups (``--setup``):
+Each pair trains an unguarded and a guarded ``GRPOTrainer`` on the tiny local Llama in lockstep
+(``lockstep.py``): both in one process, taking turns one optimizer step at a time, each with the random stream it
+would have alone (so both sample the same rollouts). Step i of one arm runs right after step i of the other, so the
+machine's drifting load, which swings two whole runs made one after the other by 10-40 % here, hits both arms
+alike. Which arm steps first alternates from pair to pair. Model loading, trainer construction and ``train()``'s
+setup are not timed; every optimizer step is, from its ``on_step_begin`` to the next one (or the end of
+``train()``, which includes the guard's closing flush). Setups (``--setup``):
 
 * ``demo`` (default): the demo's trainer and guard (reference KL, two passes over each rollout batch, frequent
   snapshots) with its short rollouts: 8-token completions, 4 per prompt, a log every step;
@@ -13,30 +17,28 @@ construction are not). Setups (``--setup``):
 
 Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 
-* ``overhead_ratio``: median over pairs of guarded / unguarded wall time (target <= 1.05);
-* ``overhead_ratio_cpu``: the same with process CPU time (less sensitive to neighbours on a shared machine);
-* ``overhead_ratio_best``: the fastest guarded run over the fastest unguarded one (the least disturbed runs of each
-  arm; on a loaded machine the per-pair median carries the neighbours' noise);
-* ``overhead_ratio_range``: the smallest and largest per-pair ratio, how far one pair can be from the median;
-* ``overhead_ratio_steady``: median over pairs of the steady-state step time, guarded / unguarded: from the end of
-  the first optimizer step to the end of the last. ``train()`` starts with fixed work (accelerate's
-  ``clear_device_cache`` runs a full ``gc.collect()``, ~0.2 s here), which a 24-step run spreads as ~10 ms over
-  every step of both arms: the whole-run ratio understates the per-step cost of a long run, this one does not;
+* ``overhead_ratio``: median over pairs of the guarded arm's time over all its steps / the unguarded arm's
+  (target <= 1.05);
+* ``overhead_ratio_cpu``: the same with each arm's thread CPU time (what neighbours stealing the CPU do not change);
+* ``overhead_ratio_steady``: the same without the first step (lazy first-call work in both arms);
+* ``overhead_ratio_step_median``: median over all steps of all pairs of the per-step ratio (step i guarded / step i
+  unguarded): the typical step, insensitive to a few disturbed ones;
+* ``overhead_ratio_range``: the smallest and largest per-pair ratio;
 * ``guard_time_frac``: time spent inside the guard's own calls (statistics, gradient probe, transfer, rules,
-  logging, snapshots) over the guarded run's wall time, measured directly with ``perf_counter``;
+  logging, snapshots) over the guarded arm's step time, measured directly with ``perf_counter``;
 * ``guard_ms_per_step``: that time per optimizer step, split by part: ``statistics`` (observe calls and the
   adapter's TokenBatch translation), ``grad_probe``, ``update_probe`` (the weight samples around the optimizer
   step), ``transfer`` (the one device->host copy and its packing), ``summarize`` (host formulas), ``rules``,
   ``sinks``, ``diagnostics`` (generation batches only), ``snapshots``, ``adapter`` (the callback's own work around
   those calls: its events and the reward translation) and ``other`` (the rest of check/step_done). A nested timed
   call counts in its own part only;
-* ``unaccounted_ms_per_step``: median over pairs of (guarded - unguarded wall time) / steps minus the time inside
-  the guard's calls: what the guarded run costs beyond the guard's own work (the trainer's code running slower
-  beside it, and the machine's noise: it can be negative);
-* ``step_ms``: median wall time per optimizer step, unguarded and guarded (the whole ``train()`` call over its
-  steps); ``steady_step_ms``: the same in the steady state.
+* ``unaccounted_ms_per_step``: median over pairs of (guarded - unguarded step time) minus the time inside the
+  guard's calls, per step: what the guarded arm costs beyond the guard's own work (the trainer's code running slower
+  beside it, and what noise is left: it can be negative);
+* ``step_ms``: median over pairs of each arm's mean step time; ``same_rollouts``: whether both arms logged the same
+  rewards and completion lengths at every step (the guard changed nothing in the run; false when it acted).
 
-A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs 25-85 ms
+A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs 20-150 ms
 here. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
 multi-threaded wall time measure the neighbours.
 
@@ -155,24 +157,11 @@ def guard_config(setup: str, stats_engine: str = "eager") -> str:
     return PRESET.read_text(encoding="utf-8") + f"stats_engine: {stats_engine}\n"
 
 
-def _step_clock():
-    """A callback that records when each optimizer step ends (both arms): the steady-state step time leaves out
-    ``train()``'s own start (accelerate's ``clear_device_cache`` runs a full ``gc.collect()`` there, ~0.2 s here)."""
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-
-        def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
-
-    return StepClock()
-
-
-def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, seed: int = 0,
+def _trainer(model_path: Path, dataset, steps: int, guarded: bool, work: Path, turns, seed: int = 0,
              completion: int | None = None, lr: float | None = None, stats_engine: str = "eager",
-             setup: str = "demo") -> dict:
+             setup: str = "demo"):
+    """One arm's ``GRPOTrainer`` (``turns``: its lockstep callback, last, so that a step's slice takes in every
+    callback's work of the step)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -188,37 +177,42 @@ def _one_run(model_path: Path, dataset, steps: int, guarded: bool, work: Path, s
     # bf16=False: TRL's default bf16 is for accelerators; on CPU every setup runs float32
     args = GRPOConfig(output_dir=str(work / "trainer"), max_steps=steps, use_cpu=True, bf16=False, report_to=[],
                       save_strategy="no", seed=seed, disable_tqdm=True, **trainer_setup)
-    clock = _step_clock()
-    callbacks, bd, patched = [clock], _Breakdown(), []
-    if guarded:
-        for owner, name, part in _guard_patches(bd):
-            original = getattr(owner, name)
-            patched.append((owner, name, original))
-            setattr(owner, name, bd.wrap(original, part))
-        callbacks.append(adapter.RLGuardCallback(guard_config(setup, stats_engine), run_dir=str(work / "guard")))
+    callbacks = [adapter.RLGuardCallback(guard_config(setup, stats_engine), run_dir=str(work / "guard"))] \
+        if guarded else []
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
-                          args=args, train_dataset=dataset, callbacks=callbacks)
+                          args=args, train_dataset=dataset, callbacks=[*callbacks, turns])
     trainer.pop_callback(PrinterCallback)
+    return trainer
+
+
+ROLLOUT_LOGS = ("reward", "completions/mean_length")  # what both arms must have logged alike (same rollouts)
+
+
+def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, seed: int = 0, **options) -> dict:
+    """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep; ``first``: the arm that steps first."""
+    from lockstep import Lockstep
+
+    lockstep, bd, patched = Lockstep(), _Breakdown(), []
+    trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{int(guarded)}", lockstep.callbacks[arm],
+                         seed=seed, **options)
+                for arm, guarded in enumerate((False, True))]
+    for owner, name, part in _guard_patches(bd):  # only the guarded arm calls these
+        original = getattr(owner, name)
+        patched.append((owner, name, original))
+        setattr(owner, name, bd.wrap(original, part))
     try:
-        # Both arms start from the same collector state: on the larger model one full (generation-2) collection,
-        # ~0.4 s, lands in some runs and not in others and would swing a pair by ~25 ms per step.
-        gc.collect()
-        wall, cpu = time.perf_counter(), time.process_time()
-        trainer.train()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        gc.collect()  # both arms start from the same collector state
+        lockstep.run(trainers, seed=seed, first=first)
     finally:
         for owner, name, original in patched:
             setattr(owner, name, original)
-    acted = 0
-    if guarded:
-        incidents = work / "guard" / "incidents.jsonl"
-        lines = incidents.read_text().splitlines() if incidents.exists() else []
-        acted = sum('"action": "warn"' not in line for line in lines)
-    # steady state: from the end of the first step to the end of the last (the guard's work of the first step, and
-    # the trainer's start, are left out)
-    steady = (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1) if len(clock.ends) > 1 else float("nan")
-    return {"wall": wall, "cpu": cpu, "guard": bd.total, "parts": dict(bd.parts), "steps": trainer.state.global_step,
-            "acted": acted, "steady": steady}
+    incidents = work / "arm1" / "guard" / "incidents.jsonl"
+    lines = incidents.read_text().splitlines() if incidents.exists() else []
+    logs = [[{k: e[k] for k in ROLLOUT_LOGS if k in e} for e in t.state.log_history if "reward" in e] for t in trainers]
+    arms = [{"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
+            for t, turns in zip(trainers, lockstep.callbacks)]
+    return {"arms": arms, "guard": bd.total, "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
+            "acted": sum('"action": "warn"' not in line for line in lines)}
 
 
 def _trl_default(field: str):
@@ -262,53 +256,59 @@ def main(argv=None) -> dict:
                                   max_positions=max(64, completion + 16))  # the prompts are 3 words
     dataset = prompt_dataset(256, seed=0)
     run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup)
-    for guarded in (False, True):  # warm-up: first-call costs (kernels, lazy imports) land in neither figure
-        _one_run(model_path, dataset, 2, guarded, work / f"warmup_{int(guarded)}", **run_options)
+    # warm-up: first-call costs (kernels, lazy imports) land in neither figure
+    _one_pair(model_path, dataset, 2, work / "warmup", first=0, **run_options)
     pairs = []
     for i in range(runs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        result = {g: _one_run(model_path, dataset, steps, g, work / f"run{i}_{int(g)}", **run_options)
-                  for g in order}
-        pairs.append((result[False], result[True]))
-        print(f"pair {i}: unguarded {result[False]['wall']:.2f}s, guarded {result[True]['wall']:.2f}s "
-              f"(guard calls {result[True]['guard']:.3f}s), ratio {result[True]['wall'] / result[False]['wall']:.3f}")
-    ratios = [g["wall"] / p["wall"] for p, g in pairs]
+        pair = _one_pair(model_path, dataset, steps, work / f"run{i}", first=i % 2, **run_options)
+        plain, guarded = pair["arms"]
+        pair["ratio"] = sum(guarded["wall"]) / sum(plain["wall"])
+        pairs.append(pair)
+        print(f"pair {i}: unguarded {sum(plain['wall']):.2f}s, guarded {sum(guarded['wall']):.2f}s over "
+              f"{guarded['steps']} steps (guard calls {pair['guard']:.3f}s), ratio {pair['ratio']:.3f}")
+
+    def ratio(field: str, skip: int = 0):
+        return statistics.median(sum(p["arms"][1][field][skip:]) / sum(p["arms"][0][field][skip:]) for p in pairs)
+
+    ratios = [p["ratio"] for p in pairs]
+    per_step = [g / u for p in pairs for u, g in zip(p["arms"][0]["wall"], p["arms"][1]["wall"])]
     out = {
         "overhead_ratio": statistics.median(ratios),
-        "overhead_ratio_cpu": statistics.median(g["cpu"] / p["cpu"] for p, g in pairs),
-        "overhead_ratio_best": min(g["wall"] for _, g in pairs) / min(p["wall"] for p, _ in pairs),
+        "overhead_ratio_cpu": ratio("cpu"),
+        "overhead_ratio_steady": ratio("wall", skip=1),
+        "overhead_ratio_step_median": statistics.median(per_step),
         "overhead_ratio_range": [min(ratios), max(ratios)],
-        "overhead_ratio_steady": statistics.median(g["steady"] / p["steady"] for p, g in pairs),
-        "guard_time_frac": statistics.median(g["guard"] / g["wall"] for _, g in pairs),
+        "guard_time_frac": statistics.median(p["guard"] / sum(p["arms"][1]["wall"]) for p in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
-        "setup": args.setup,
+        "setup": args.setup, "method": "lockstep",
         "model": {"hidden": args.hidden, "layers": args.layers, "completion": completion,
                   "lr": args.lr or TRAINER_SETUPS[args.setup].get("learning_rate") or _trl_default("learning_rate")},
-        "guard_ms_per_step": {part: statistics.median(1e3 * g["parts"][part] / g["steps"] for _, g in pairs)
+        "guard_ms_per_step": {part: statistics.median(1e3 * p["parts"][part] / p["arms"][1]["steps"] for p in pairs)
                               for part in PARTS},
-        "unaccounted_ms_per_step": statistics.median(1e3 * (g["wall"] - p["wall"] - g["guard"]) / g["steps"]
-                                                     for p, g in pairs),
-        "step_ms": {"unguarded": statistics.median(1e3 * p["wall"] / p["steps"] for p, _ in pairs),
-                    "guarded": statistics.median(1e3 * g["wall"] / g["steps"] for _, g in pairs)},
-        "steady_step_ms": {"unguarded": statistics.median(1e3 * p["steady"] for p, _ in pairs),
-                           "guarded": statistics.median(1e3 * g["steady"] for _, g in pairs)},
-        "guard_acted": sum(g["acted"] for _, g in pairs),
-        "wall_s": {"unguarded": [p["wall"] for p, _ in pairs], "guarded": [g["wall"] for _, g in pairs]},
+        "unaccounted_ms_per_step": statistics.median(
+            1e3 * (sum(p["arms"][1]["wall"]) - sum(p["arms"][0]["wall"]) - p["guard"]) / p["arms"][1]["steps"]
+            for p in pairs),
+        "step_ms": {arm: statistics.median(1e3 * statistics.fmean(p["arms"][i]["wall"]) for p in pairs)
+                    for i, arm in enumerate(("unguarded", "guarded"))},
+        "same_rollouts": all(p["same_rollouts"] for p in pairs),
+        "guard_acted": sum(p["acted"] for p in pairs),
+        "step_s": {arm: [sum(p["arms"][i]["wall"]) for p in pairs] for i, arm in enumerate(("unguarded", "guarded"))},
     }
-    print(f"median wall-time ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
+    print(f"median step-time ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
           f"pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}; "
-          f"CPU-time ratio {out['overhead_ratio_cpu']:.3f}; fastest runs {out['overhead_ratio_best']:.3f}; "
-          f"steady-state step {out['overhead_ratio_steady']:.3f}; "
-          f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded run "
-          f"({runs} pairs x {steps} steps)")
+          f"CPU-time ratio {out['overhead_ratio_cpu']:.3f}; without the first step {out['overhead_ratio_steady']:.3f}; "
+          f"median per-step ratio {out['overhead_ratio_step_median']:.3f}; "
+          f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded steps "
+          f"({runs} lockstep pairs x {steps} steps)")
     out["guard_ms_per_step"]["total"] = sum(out["guard_ms_per_step"][part] for part in PARTS)
     print(f"guard ms per step (median over pairs; a step takes {out['step_ms']['unguarded']:.1f} ms unguarded):")
     for part, ms in out["guard_ms_per_step"].items():
         print(f"  {part:<12} {ms:7.3f}")
     print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
           "(guarded - unguarded step, beyond the guard's calls)")
-    if out["guard_acted"]:
-        print(f"note: the guard acted {out['guard_acted']} time(s); those runs did different work")
+    if out["guard_acted"] or not out["same_rollouts"]:
+        print(f"note: the guard acted {out['guard_acted']} time(s) (same rollouts in both arms: "
+              f"{out['same_rollouts']}); those runs did different work")
     emit_json(args.json, out)
     return out
 

@@ -1,4 +1,5 @@
-"""Smoke test of ``benchmarks/trl_overhead.py``: one pair of 2-step runs end to end, JSON written."""
+"""``benchmarks/trl_overhead.py`` end to end (one lockstep pair of 2-step runs, JSON written), and the lockstep
+runner it is built on: the arms' steps never overlap, they alternate, and each arm samples what it would alone."""
 
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     assert written == json.loads(json.dumps(out))
     assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
     low, high = written["overhead_ratio_range"]
-    assert low <= written["overhead_ratio"] <= high  # one pair here: all three are its ratio
-    assert low == high == written["wall_s"]["guarded"][0] / written["wall_s"]["unguarded"][0]
-    # two steps: one interval between step ends per arm, shorter than the whole train() call
-    assert math.isfinite(written["overhead_ratio_steady"]) and written["overhead_ratio_steady"] > 0
-    for arm in ("guarded", "unguarded"):
-        assert 0 < written["steady_step_ms"][arm] < 1e3 * written["wall_s"][arm][0]
+    assert low == high == written["overhead_ratio"]  # one pair: its ratio
+    assert written["overhead_ratio"] == pytest.approx(written["step_s"]["guarded"][0] / written["step_s"]["unguarded"][0])
+    for key in ("overhead_ratio_cpu", "overhead_ratio_steady", "overhead_ratio_step_median"):
+        assert math.isfinite(written[key]) and written[key] > 0
+    for arm in ("guarded", "unguarded"):  # two steps: the mean step is half the arm's time
+        assert written["step_ms"][arm] == pytest.approx(1e3 * written["step_s"][arm][0] / 2)
     assert 0 < written["guard_time_frac"] < 1  # the guard did run, and did not take the whole run
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
-    assert written["setup"] == setup
+    assert written["same_rollouts"] is True  # the guard changed nothing: both arms sampled the same rollouts
+    assert written["setup"] == setup and written["method"] == "lockstep"
     parts = written["guard_ms_per_step"]
     if setup != "demo":  # TRL generates every step: the sample diagnostics run every step
         assert parts["diagnostics"] > 0
@@ -40,6 +42,23 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     assert parts["statistics"] > 0 and parts["grad_probe"] > 0 and parts["rules"] > 0 and parts["sinks"] > 0
     assert parts["total"] == sum(parts[p] for p in bench.PARTS)
     # The parts account for the guard's whole time: total per step x steps = the measured time inside the guard.
-    guarded_wall = written["wall_s"]["guarded"][0]
-    assert abs(parts["total"] * 2 / 1e3 - written["guard_time_frac"] * guarded_wall) < 1e-6
-    assert len(written["wall_s"]["guarded"]) == len(written["wall_s"]["unguarded"]) == 1
+    assert abs(parts["total"] * 2 / 1e3 - written["guard_time_frac"] * written["step_s"]["guarded"][0]) < 1e-6
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, first):
+    bench = load_module("trl_overhead", BENCH)
+    from lockstep import Lockstep
+    from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
+
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    lockstep, steps = Lockstep(), 3
+    trainers = [bench._trainer(model, prompt_dataset(64, seed=0), steps, False, tmp_path / f"arm{arm}",
+                               lockstep.callbacks[arm], setup="trl-short") for arm in (0, 1)]
+    lockstep.run(trainers, seed=0, first=first)
+    slices = sorted((span, arm) for arm, turns in enumerate(lockstep.callbacks) for span in turns.spans)
+    assert [arm for _, arm in slices] == [first, 1 - first] * steps  # one step each, in turn, first arm first
+    assert all(a[0][1] <= b[0][0] for a, b in zip(slices, slices[1:]))  # a slice ends before the next starts
+    assert all(len(t.cpu) == steps and all(c >= 0 for c in t.cpu) for t in lockstep.callbacks)
+    rewards = [[e["reward"] for e in t.state.log_history if "reward" in e] for t in trainers]
+    assert len(rewards[0]) == steps and rewards[0] == rewards[1]  # the same random stream: the same rollouts
