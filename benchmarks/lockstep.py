@@ -42,9 +42,9 @@ class Lockstep:
             threads.append(thread)
             thread.start()
             with self._cv:
-                self._cv.wait_for(lambda: self._ready[arm] or self._done[arm])
+                self._cv.wait_for(lambda: self._ready[arm])  # ready at its first step, or done (it failed)
         with self._cv:
-            self._turn = self._next(first - 1)
+            self._turn = first if not self._done[first] else self._next(first)
             self._cv.notify_all()
         for thread in threads:
             thread.join()

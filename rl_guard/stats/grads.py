@@ -209,8 +209,8 @@ def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
 
 
 def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """CPU, unit weights: per group and in all the sum of squares in float64 accuracy (fp32 squares overflow above ~1e19),
-    and every tensor's largest |value| (NaN where it holds one), in an order of its own.
+    """CPU, unit weights: per group and in all the sum of squares in float64 accuracy (fp32 squares overflow above
+    ~1e19), and every tensor's largest |value| (NaN where it holds one), in an order of its own.
 
     On CPU each call of a norm or min/max kernel costs microseconds whatever the size, and the multi-tensor norm
     is a loop of them. So the tensors of up to ``PACK_LIMIT`` elements whose size is a multiple of ``ROW`` are
@@ -264,7 +264,7 @@ def _cpu_plan(layout: tuple, spans: tuple) -> tuple:
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The squared L2 norm of every tensor, float64: from one multi-tensor norm, or, where large float32 tensors sit
-    in host memory, from ``cpu_squares`` (within 2e-6 of it, several times faster on a CPU thread)."""
+    in host memory, from ``cpu_squares`` (within 2e-6 of it, and faster on a CPU thread)."""
     host = square_sums(tensors)
     if host is not None:
         return host
