@@ -35,7 +35,10 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
   guard's calls, per step: what the guarded arm costs beyond the guard's own work (the trainer's code running slower
   beside it, and what noise is left: it can be negative);
 * ``step_ms``: median over pairs of each arm's mean step time; ``same_rollouts``: whether both arms logged the same
-  rewards and completion lengths at every step (the guard changed nothing in the run; false when it acted).
+  rewards and completion lengths at every step (the guard changed nothing in the run; false when it acted);
+* ``control`` (``--control``): the same ratios from an A/A pair run right after each pair, both arms unguarded: what
+  the method reads when the arms do the same work (ideally 1; its distance from 1 is the resolution of the figures
+  above on this machine).
 
 A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs 20-150 ms
 here. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
@@ -45,7 +48,7 @@ multi-threaded wall time measure the neighbours.
 cost spread over a step that does more work.
 
 Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json [FILE]] [--threads N]
-[--hidden N] [--layers N] [--completion N]``.
+[--hidden N] [--layers N] [--completion N] [--setup S] [--control]``.
 """
 
 from __future__ import annotations
@@ -187,14 +190,16 @@ def _trainer(model_path: Path, dataset, steps: int, guarded: bool, work: Path, t
 ROLLOUT_LOGS = ("reward", "completions/mean_length")  # what both arms must have logged alike (same rollouts)
 
 
-def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, seed: int = 0, **options) -> dict:
-    """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep; ``first``: the arm that steps first."""
+def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, seed: int = 0,
+              control: bool = False, **options) -> dict:
+    """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep; ``first``: the arm that steps first.
+    ``control``: arm 1 is unguarded too (an A/A pair: what the method reads when there is no difference)."""
     from lockstep import Lockstep
 
     lockstep, bd, patched = Lockstep(), _Breakdown(), []
-    trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{int(guarded)}", lockstep.callbacks[arm],
+    trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{arm}", lockstep.callbacks[arm],
                          seed=seed, **options)
-                for arm, guarded in enumerate((False, True))]
+                for arm, guarded in enumerate((False, not control))]
     for owner, name, part in _guard_patches(bd):  # only the guarded arm calls these
         original = getattr(owner, name)
         patched.append((owner, name, original))
@@ -210,8 +215,14 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
     logs = [[{k: e[k] for k in ROLLOUT_LOGS if k in e} for e in t.state.log_history if "reward" in e] for t in trainers]
     arms = [{"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
             for t, turns in zip(trainers, lockstep.callbacks)]
-    return {"arms": arms, "guard": bd.total, "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
+    return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
+            "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
             "acted": sum('"action": "warn"' not in line for line in lines)}
+
+
+def _per_step(pairs: list[dict], field: str) -> float:
+    """Median over every step of every pair of arm 1's step time over arm 0's (step i against step i)."""
+    return statistics.median(b / a for p in pairs for a, b in zip(p["arms"][0][field], p["arms"][1][field]))
 
 
 def _trl_default(field: str):
@@ -236,6 +247,9 @@ def main(argv=None) -> dict:
                     help="demo (default): the demo's trainer and guard configuration; trl-defaults: TRL's GRPOConfig "
                     "defaults as a user gets them, with the shipped grpo preset; trl-short: TRL's loss defaults "
                     "(beta=0, num_iterations=1, a generation every step) with the demo's short rollouts")
+    ap.add_argument("--control", action="store_true",
+                    help="after each pair, an A/A pair (both arms unguarded): reports what the method reads when there "
+                    "is no difference, the floor under the figures above")
     ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
                     help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)
@@ -257,22 +271,21 @@ def main(argv=None) -> dict:
     run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup)
     # warm-up: first-call costs (kernels, lazy imports) land in neither figure
     _one_pair(model_path, dataset, 2, work / "warmup", first=0, **run_options)
-    pairs = []
+    pairs, controls = [], []
     for i in range(runs):
         pair = _one_pair(model_path, dataset, steps, work / f"run{i}", first=i % 2, **run_options)
         plain, guarded = pair["arms"]
-        pair["ratio"] = sum(guarded["wall"]) / sum(plain["wall"])
         pairs.append(pair)
         print(f"pair {i}: unguarded {sum(plain['wall']):.2f}s, guarded {sum(guarded['wall']):.2f}s over "
               f"{guarded['steps']} steps (guard calls {pair['guard']:.3f}s), ratio {pair['ratio']:.3f}")
-
-    def per_step(field: str) -> float:
-        return statistics.median(g / u for p in pairs for u, g in zip(p["arms"][0][field], p["arms"][1][field]))
+        if args.control:  # right after the pair it controls: the same stretch of the machine's load
+            controls.append(_one_pair(model_path, dataset, steps, work / f"control{i}", first=i % 2, control=True,
+                                      **run_options))
 
     ratios = [p["ratio"] for p in pairs]
     out = {
-        "overhead_ratio": per_step("wall"),
-        "overhead_ratio_cpu": per_step("cpu"),
+        "overhead_ratio": _per_step(pairs, "wall"),
+        "overhead_ratio_cpu": _per_step(pairs, "cpu"),
         "overhead_ratio_total": statistics.median(ratios),
         "overhead_ratio_range": [min(ratios), max(ratios)],
         "guard_time_frac": statistics.median(p["guard"] / sum(p["arms"][1]["wall"]) for p in pairs),
@@ -291,6 +304,11 @@ def main(argv=None) -> dict:
         "guard_acted": sum(p["acted"] for p in pairs),
         "step_s": {arm: [sum(p["arms"][i]["wall"]) for p in pairs] for i, arm in enumerate(("unguarded", "guarded"))},
     }
+    if controls:
+        c_ratios = [c["ratio"] for c in controls]
+        out["control"] = {"ratio": _per_step(controls, "wall"), "ratio_cpu": _per_step(controls, "cpu"),
+                          "ratio_total": statistics.median(c_ratios), "ratio_range": [min(c_ratios), max(c_ratios)],
+                          "same_rollouts": all(c["same_rollouts"] for c in controls)}
     print(f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
           f"CPU time {out['overhead_ratio_cpu']:.3f}; total time {out['overhead_ratio_total']:.3f} "
           f"(pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}); "
@@ -302,6 +320,10 @@ def main(argv=None) -> dict:
         print(f"  {part:<12} {ms:7.3f}")
     print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
           "(guarded - unguarded step, beyond the guard's calls)")
+    if controls:
+        c = out["control"]
+        print(f"control, both arms unguarded: per-step {c['ratio']:.3f}, CPU time {c['ratio_cpu']:.3f}, total time "
+              f"{c['ratio_total']:.3f} (pairs {c['ratio_range'][0]:.3f}-{c['ratio_range'][1]:.3f})")
     if out["guard_acted"] or not out["same_rollouts"]:
         print(f"note: the guard acted {out['guard_acted']} time(s) (same rollouts in both arms: "
               f"{out['same_rollouts']}); those runs did different work")

@@ -62,3 +62,23 @@ def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, firs
     assert all(len(t.cpu) == steps and all(c >= 0 for c in t.cpu) for t in lockstep.callbacks)
     rewards = [[e["reward"] for e in t.state.log_history if "reward" in e] for t in trainers]
     assert len(rewards[0]) == steps and rewards[0] == rewards[1]  # the same random stream: the same rollouts
+
+
+
+def test_control_pairs_run_both_arms_unguarded(tmp_path):
+    bench = load_module("trl_overhead", BENCH)
+    from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
+
+    work = tmp_path / "aa"  # an A/A pair: the guard runs in neither arm
+    pair = bench._one_pair(build_tiny_model(tmp_path / "model", seed=0), prompt_dataset(64, seed=0), 2, work,
+                           first=0, control=True, setup="trl-short")
+    assert pair["guard"] == 0 and not (work / "arm1" / "guard").exists() and pair["same_rollouts"] is True
+    assert pair["ratio"] == pytest.approx(sum(pair["arms"][1]["wall"]) / sum(pair["arms"][0]["wall"]))
+
+    out = bench.main(["--runs", "1", "--steps", "2", "--setup", "trl-short", "--control"])
+    control = out["control"]
+    assert set(control) == {"ratio", "ratio_cpu", "ratio_total", "ratio_range", "same_rollouts"}
+    assert control["same_rollouts"] is True
+    assert all(math.isfinite(control[k]) and control[k] > 0 for k in ("ratio", "ratio_cpu", "ratio_total"))
+    assert control["ratio_range"] == [control["ratio_total"]] * 2  # one pair: its ratio
+    assert "control" not in bench.main(["--runs", "1", "--steps", "1", "--setup", "trl-short"])
