@@ -54,6 +54,6 @@ def square_sums(tensors: list[torch.Tensor]) -> torch.Tensor | None:
                 continue
         exact.append(i)
     if exact:
-        norms = torch._foreach_norm([tensors[i] for i in exact], 2.0, dtype=torch.float64)
+        norms = torch._foreach_norm([tensors[i].detach() for i in exact], 2.0, dtype=torch.float64)
         out[exact] = torch.stack(norms).numpy() ** 2
     return torch.from_numpy(out)

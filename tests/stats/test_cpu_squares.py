@@ -64,9 +64,10 @@ def test_small_and_other_tensors_keep_torch_float64_norm_and_order():
     bf16 = torch.from_numpy(rng.standard_normal(ROWS_MIN).astype(np.float32)).bfloat16()
     strided = torch.from_numpy(rng.standard_normal((2 * ROWS_MIN, 2)).astype(np.float32))[:, 0]
     assert square_sums([small, small]) is None  # nothing fits: the caller's multi-tensor norm
-    got = squares([small, big, bf16, strided, torch.nn.Parameter(big.clone())]).numpy()
-    want = [_reference(t) for t in (small, big, bf16, strided, big)]
-    for i, (g, w) in enumerate(zip(got, want)):
+    # parameters (which require grad) read outside no_grad too, whichever way each is taken
+    got = squares([small, big, bf16, strided, torch.nn.Parameter(big.clone()), torch.nn.Parameter(small.clone())])
+    want = [_reference(t) for t in (small, big, bf16, strided, big, small)]
+    for i, (g, w) in enumerate(zip(got.numpy(), want)):
         assert _close(float(g), w, REL_ERROR if i in (1, 4) else 1e-12), i
 
 
