@@ -248,8 +248,8 @@ def main(argv=None) -> dict:
                     "defaults as a user gets them, with the shipped grpo preset; trl-short: TRL's loss defaults "
                     "(beta=0, num_iterations=1, a generation every step) with the demo's short rollouts")
     ap.add_argument("--control", action="store_true",
-                    help="after each pair, an A/A pair (both arms unguarded): reports what the method reads when there "
-                    "is no difference, the floor under the figures above")
+                    help="after each pair, an A/A pair (both arms unguarded): what the method reads when there is no "
+                    "difference, i.e. how finely it resolves a ratio on this machine")
     ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
                     help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)

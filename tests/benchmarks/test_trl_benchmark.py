@@ -64,7 +64,6 @@ def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, firs
     assert len(rewards[0]) == steps and rewards[0] == rewards[1]  # the same random stream: the same rollouts
 
 
-
 def test_control_pairs_run_both_arms_unguarded(tmp_path):
     bench = load_module("trl_overhead", BENCH)
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
