@@ -2,9 +2,10 @@
 
 On one CPU thread torch's float64 norm of a float32 tensor converts every element first: ~8x the float32 norm
 when the tensor is in cache (this way: ~3x faster than that). Inside a trainer, where the tensors come from memory,
-both are bound by its bandwidth and this way saves ~10 % of the gradient and update probes. The float32 norm accumulates in float32 (relative error ~1e-4 at 1M elements, growing with the size). Here
-the tensor is read in place as rows of ``ROW`` elements: each row's sum of squares in float32 (numpy's ``einsum``,
-no temporary), the row sums added in float64. A row sum of non-negative terms is within ``(ROW - 1) x 2^-24``
+both are bound by its bandwidth and this way saves ~10 % of the gradient and update probes. The float32 norm
+accumulates in float32 (relative error ~1e-4 at 1M elements, growing with the size). Here the tensor is read in
+place as rows of ``ROW`` elements: each row's sum of squares in float32 (numpy's ``einsum``, no temporary), the row
+sums added in float64. A row sum of non-negative terms is within ``(ROW - 1) x 2^-24``
 (< 2e-6) of its exact value whatever the data, and the float64 sum adds nothing of note, so the result is within
 2e-6 relative of the float64 norm at any size (~1e-9 typically).
 
@@ -44,7 +45,7 @@ def square_sums(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     exact = []
     for i, (t, ok) in enumerate(zip(tensors, chosen)):
         if ok:
-            x = t.detach().numpy().reshape(-1)  # parameters require grad; the probes run under no_grad
+            x = t.detach().numpy().reshape(-1)  # parameters require grad, inside no_grad or not
             cut = x.size - x.size % ROW
             rows = x[:cut].reshape(-1, ROW)
             tail = x[cut:].astype(np.float64)
