@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -14,6 +15,8 @@ class History:
         self.maxlen, self.early = maxlen, early
         self.first: dict[str, list] = {}
         self._rings: dict[str, _Ring] = {}  # the last ``maxlen`` values of each metric
+        # metric -> {n: the last n values, sorted}: kept up to date on every push for the windows read so far
+        self._sorted: dict[str, dict[int, list[float]]] = {}
 
     def values(self, metric: str) -> list[float]:
         return self.recent(metric, self.maxlen)
@@ -24,6 +27,19 @@ class History:
         a few dozen values."""
         ring = self._rings.get(metric)
         return ring.last(n) if ring is not None else []
+
+    def sorted_recent(self, metric: str, n: int) -> list[float]:
+        """``sorted(recent(metric, n))``, kept up to date as values are pushed (one insertion and one removal per
+        push) rather than sorted again at every read: the robust spike windows read it every step. The caller
+        must not change it."""
+        n = min(n, self.maxlen)
+        windows = self._sorted.get(metric)
+        if windows is None:
+            windows = self._sorted[metric] = {}
+        window = windows.get(n)
+        if window is None:
+            window = windows[n] = sorted(self.recent(metric, n))
+        return window
 
     def last(self, metric: str, n: int) -> np.ndarray:
         """``recent`` as a read-only float64 array."""
@@ -40,6 +56,9 @@ class History:
             ring = rings.get(name)
             if ring is None:
                 ring = rings[name] = _Ring(self.maxlen)
+            windows = self._sorted.get(name)
+            if windows:
+                _slide(windows, ring.values, v)
             ring.append(v)
             first = firsts.get(name)
             if first is None:
@@ -54,11 +73,20 @@ class History:
 
     def load_state_dict(self, state: dict) -> None:
         self.first = {k: list(v) for k, v in state["first"].items()}
-        self._rings = {}
+        self._rings, self._sorted = {}, {}
         for k, values in state["recent"].items():
             ring = self._rings[k] = _Ring(self.maxlen)
             for v in values[-self.maxlen:]:
                 ring.append(float(v))
+
+
+def _slide(windows: dict[int, list[float]], values: list[float], v: float) -> None:
+    """Each sorted window of the last n of ``values`` (before ``v`` is appended) takes in ``v`` and, once full,
+    lets go of the value that leaves it (the values are finite, so equal values compare equal)."""
+    for n, window in windows.items():
+        if len(window) >= n:
+            del window[bisect.bisect_left(window, values[-n])]
+        bisect.insort(window, v)
 
 
 class _Ring:

@@ -19,6 +19,7 @@ never be within a threshold") and reads ``<metric> = nan is non-finite``. Compos
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 from collections.abc import Callable
@@ -148,10 +149,16 @@ class Condition:
     def _window_stats(self, history: History) -> tuple[float, float, str, int] | None:
         """(center, scale, label, values) of the spike window; None while it holds fewer than ``min_history``."""
         s = self.spike
-        past = history.recent(self.metric, s["window"])
-        if len(past) < s["min_history"]:
-            return None
-        center, scale, label = _center_scale(s["method"], past, s["window"])
+        if s["method"] == "mad":  # the median and MAD read the window sorted, kept so by the history
+            past = history.sorted_recent(self.metric, s["window"])
+            if len(past) < s["min_history"]:
+                return None
+            center, scale, label = _mad(past, lambda: history.recent(self.metric, s["window"]))
+        else:
+            past = history.recent(self.metric, s["window"])
+            if len(past) < s["min_history"]:
+                return None
+            center, scale, label = _center_scale(s["method"], past, s["window"])
         scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
         return center, scale, label, len(past)
 
@@ -205,11 +212,44 @@ def _never(x: float, history: History) -> bool:
     return False
 
 
-def _median(values: list[float]) -> float:
-    """``np.median`` of finite values (the same value: the middle one, or the mean of the two middle ones)."""
-    s = sorted(values)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2.0
+def _mad(s: list[float], in_order) -> tuple[float, float, str]:
+    """Median and scaled MAD of the window from its values sorted (``s``); ``in_order()`` gives them oldest first
+    for the fallback when the MAD is 0. The deviations from the median grow outward from it on either side of the
+    sorted values: two sorted runs, whose middle one(s) a binary search finds without listing them."""
+    n = len(s)
+    m = n // 2
+    center = s[m] if n % 2 else (s[m - 1] + s[m]) / 2.0
+    before, mad = _middle_deviations(s, center, m)
+    if n % 2 == 0:
+        mad = (before + mad) / 2.0
+    if mad > 0:
+        return center, 1.4826 * mad, "robust z"
+    # np.mean for the fallback: its pairwise summation rounds differently from a Python sum, and depends on the order
+    return center, 1.2533 * float(np.mean([abs(v - center) for v in in_order()])), "robust z"
+
+
+def _middle_deviations(s: list[float], center: float, k: int) -> tuple[float, float]:
+    """The ``k-1``-th and ``k``-th smallest (from 0) of ``abs(v - center)`` over sorted ``s``. Below ``mid`` the
+    deviations grow leftward (run a: ``a[i] = center - s[mid - 1 - i]``), from ``mid`` rightward (run b): the
+    ``k + 1`` smallest are the first ``i`` of a and ``k + 1 - i`` of b for the split where neither run's last taken
+    value exceeds the other's next one (a binary search over ``i``; out of range reads -inf before a run, +inf
+    after it)."""
+    mid = bisect.bisect_left(s, center)
+    n_a, n_b = mid, len(s) - mid
+    lo, hi = max(0, k + 1 - n_b), min(k + 1, n_a)
+    while True:
+        i = (lo + hi) // 2
+        j = k + 1 - i
+        a_last = abs(s[mid - i] - center) if i > 0 else -math.inf
+        b_last = abs(s[mid + j - 1] - center) if j > 0 else -math.inf
+        if i < n_a and b_last > abs(s[mid - 1 - i] - center):
+            lo = i + 1
+        elif j < n_b and a_last > abs(s[mid + j] - center):
+            hi = i - 1
+        elif a_last >= b_last:  # the k-th is a's last taken value; the one before it ends either run
+            return max(abs(s[mid - i + 1] - center) if i > 1 else -math.inf, b_last), a_last
+        else:
+            return max(a_last, abs(s[mid + j - 2] - center) if j > 1 else -math.inf), b_last
 
 
 def _center_scale(method: str, values, window: int) -> tuple[float, float, str]:
@@ -218,11 +258,7 @@ def _center_scale(method: str, values, window: int) -> tuple[float, float, str]:
     IEEE double arithmetic, so the results are the same."""
     values = values.tolist() if isinstance(values, np.ndarray) else values
     if method == "mad":
-        center = _median(values)
-        dev = [abs(v - center) for v in values]
-        mad = _median(dev)
-        # np.mean for the fallback: its pairwise summation rounds differently from a Python sum
-        return center, (1.4826 * mad if mad > 0 else 1.2533 * float(np.mean(dev))), "robust z"
+        return _mad(sorted(values), lambda: values)
     alpha = 2.0 / (window + 1.0)
     center, var = float(values[0]), 0.0
     for v in values[1:]:
