@@ -90,7 +90,24 @@ GLOSSARY: dict[str, str] = {
     "guard/internal_failures": "Cumulative internal failures of the guard itself (see the failure policy in the README).",
     "guard/unguarded": "1 while the guard has failed internally on max_internal_failures consecutive steps (its checks "
     "are not running), else 0. Anything but 0 needs attention.",
+    "guard/host_ms": "The guard's own host time over the last step cycle (ms): its observe, check and step_done calls "
+    "from the previous check to this one. Logged only: rules cannot read it (timings differ between ranks).",
+    "guard/host_frac": "guard/host_ms over the wall time of that cycle: the share of the step the guard's calls took on "
+    "this rank. Logged only, like guard/host_ms.",
 }
+
+# The guard's own timings: they differ between ranks and runs, so they are logged, never given to rules (every rank
+# must take the same decision).
+LOG_ONLY = ("guard/host_ms", "guard/host_frac")
+
+
+def log_only(name: str) -> bool:
+    return name.removeprefix("rl_guard/") in LOG_ONLY
+
+
+def comparable(metrics: dict) -> dict:
+    """The metrics without the guard's own timings: what two ranks, or two runs on the same data, agree on."""
+    return {k: v for k, v in metrics.items() if not log_only(k)}
 
 _PLACEHOLDERS = {
     "<stat>": "(?:" + "|".join(_RATIO_STATS + ("std", "zero_frac", "truncated_frac")) + ")",

@@ -33,6 +33,7 @@ Failure policy, one code path (``protect``) for every entry point and for adapte
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import traceback
@@ -55,6 +56,24 @@ from .stats.kernels import rank_count
 from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.summarize import summarize
 from .stats.update import UpdateProbe, learning_rates
+
+
+def _timed(method):
+    """Adds the call's wall time to the guard's own host time of the step (outermost call only: ``check`` calls
+    ``observe_partial``)."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        if self._in_call:
+            return method(self, *args, **kwargs)
+        self._in_call, start = True, time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_call = False
+            self._host_s += time.perf_counter() - start
+
+    return timed
 
 
 class Guard:
@@ -82,6 +101,8 @@ class Guard:
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
+        # The guard's own cost, logged per step (``_cost_metrics``): host time inside its calls since the last check
+        self._host_s, self._in_call, self._cycle_start = 0.0, False, None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(config.source_text or "# defaults\n", encoding="utf-8")
@@ -142,6 +163,7 @@ class Guard:
         return self.controller.step
 
     # -- per micro-batch ---------------------------------------------------------------------------------------------
+    @_timed
     def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
         """Accumulate one micro-batch's statistics on the device (no host sync)."""
         with self.protect("observe"):
@@ -151,16 +173,19 @@ class Guard:
                 self._saw_loss = True
                 self._acc.add(host_engine.loss_partial(loss))
 
+    @_timed
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
         with self.protect("observe_sequences"):
             self._acc.add(sequence_stats(lengths=lengths, truncated=truncated, rewards=rewards))
 
+    @_timed
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
         with self.protect("observe_samples"):
             self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
 
+    @_timed
     def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
         """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``
         (``rl_guard/stats/update.py``) and host floats such as learning rates; no host sync."""
@@ -170,9 +195,11 @@ class Guard:
             self._host_metrics.update(host_metrics)
 
     # -- per optimizer step --------------------------------------------------------------------------------------------
+    @_timed
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
         params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
+        cost = self._cost_metrics()
         self._probe_update_before()
         self._host_metrics.update(self.diagnostics.no_signal_steps())
         reduce = ranks.reducer()
@@ -202,10 +229,12 @@ class Guard:
             self._host_metrics = {}
         metrics.update(self.controller.counters(decision))
         metrics["rl_guard/guard/fired"] = float(len(decision.firings))
+        metrics.update(cost)
         self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
         self.actions.apply(decision, params, defer_restore=defer_restore)
         return decision
 
+    @_timed
     def step_done(self) -> None:
         """Report that the step happened (applied or skipped): log, snapshot if healthy, advance the counter."""
         decision = self.last_decision or Decision(step=self.step)
@@ -219,6 +248,17 @@ class Guard:
         self.controller.step_done(decision)
         self.last_logged = dict(self.last_metrics)
         self.last_decision = None
+
+    def _cost_metrics(self) -> dict[str, float]:
+        """At the start of ``check``: the guard's host time over the last step cycle (from the start of the previous
+        ``check`` to now: that check, the step_done after it, this step's observe calls) and its share of the
+        cycle's wall time. Logged only, never seen by rules: timings differ between ranks, and every rank must decide
+        alike."""
+        now, start = time.perf_counter(), self._cycle_start
+        host, self._host_s, self._cycle_start = self._host_s, 0.0, now
+        if start is None or now <= start:
+            return {}
+        return {"rl_guard/guard/host_ms": 1e3 * host, "rl_guard/guard/host_frac": host / (now - start)}
 
     def _optimizer(self):
         optimizer = getattr(self.state, "optimizer", None)

@@ -110,6 +110,9 @@ class _Checker:
         name = d.get("metric")
         if not isinstance(name, str):
             self.err(path + ("metric",), "a metric name (string) is required, e.g. rl_guard/kl_ref/k3_mean")
+        elif glossary.log_only(name):
+            self.err(path + ("metric",), f"{name!r} is logged, not checked: it differs between ranks, and every rank "
+                     "must take the same decision; rules can watch every other rl_guard/guard/... metric")
         elif not glossary.is_known(name):
             hint = glossary.closest(name)
             self.err(path + ("metric",), f"unknown metric {name!r}" + (f"; did you mean {hint!r}?" if hint else "")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rl_guard.demo.run import demo_config
+from rl_guard.glossary import comparable
 from rl_guard.stats import fused, host_engine
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ def _runs(grpo_run, tmp_path, monkeypatch, arms, guard=None, **kw):
 
 def _same_metrics(a, b) -> None:
     assert a.guard.internal_failures == 0 and b.guard.internal_failures == 0
-    a_steps, b_steps = a.metrics(), b.metrics()
+    a_steps, b_steps = [comparable(m) for m in a.metrics()], [comparable(m) for m in b.metrics()]
     assert a_steps and len(a_steps) == len(b_steps)
     for x, y in zip(a_steps, b_steps):
         assert x.keys() == y.keys()

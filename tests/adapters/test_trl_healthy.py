@@ -72,6 +72,10 @@ def test_metrics_in_trainer_logs_with_documented_names(healthy):
         record = by_step[log["step"]]
         for n in names:
             assert log[n] == record[n] or (math.isnan(log[n]) and math.isnan(record[n])), n
+    # The guard's own cost, from the second step (the first has no cycle before it): a share of TRL's step.
+    for log in logs[1:]:
+        assert log["rl_guard/guard/host_ms"] > 0 and 0 < log["rl_guard/guard/host_frac"] < 1, log["step"]
+    assert "rl_guard/guard/host_ms" not in logs[0]
 
 
 def test_metric_values_agree_with_trl(healthy):

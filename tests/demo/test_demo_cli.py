@@ -1,5 +1,6 @@
 """`rl-guard demo` end to end: a real GRPO run, a learning-rate blow-up, a rollback, readable output, a report."""
 
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,9 @@ def test_demo_rolls_back_before_nan_and_the_report_renders(tmp_path):
     assert "fault injected: lr_blowup at step 7" in text
     assert "-> rollback" in text and "rolled back to the healthy state" in text
     assert "every weight finite at the end: True" in text
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "rl_guard/guard/host_ms" in r]
+    assert len(records) >= 10 and all(0 < r["rl_guard/guard/host_frac"] < 1 for r in records)
+    assert re.search(r"the guard's own time: [0-9.]+ ms per step, [0-9]+% of the step", text)
     assert "rl_guard step 5" in text and "ratio" in text  # the console health table
     incidents = [i for i in read_jsonl(run_dir / "incidents.jsonl") if i["action"] != "warn"]
     # Caught within one generation cycle of the bad update, and the restored state predates that update.

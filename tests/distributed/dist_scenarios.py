@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rl_guard import Guard, TokenBatch
+from rl_guard.glossary import comparable
 from rl_guard.stats import ranks as rg_dist
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
@@ -89,7 +90,7 @@ def scenario_merge(rank, world, out: Path, log: CollectiveLog, seed: int = 7, st
         decision = guard.check()
         check_calls = log.take()
         guard.step_done()
-        rec["steps"].append({"metrics": guard.last_metrics, "hists": hists_json(guard.last_histograms),
+        rec["steps"].append({"metrics": comparable(guard.last_metrics), "hists": hists_json(guard.last_histograms),
                              "action": decision.action, "observe_calls": observe_calls,
                              "check_calls": check_calls, "step_done_calls": log.take()})
     guard.close()

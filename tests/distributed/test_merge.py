@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import dist_scenarios as sc
 from rl_guard import Guard
+from rl_guard.glossary import comparable
 from rl_guard.stats import ranks as rg_dist
 
 # Metrics computed from float sums: the merge adds the ranks' partial sums in another order than one process adds
@@ -30,7 +31,7 @@ def reference(world: int, tmp_path, seed: int = 7, steps: int = 3) -> list:
         _, sums, maxes = guard._acc.pack()
         decision = guard.check()
         guard.step_done()
-        out.append({"metrics": guard.last_metrics, "hists": sc.hists_json(guard.last_histograms),
+        out.append({"metrics": comparable(guard.last_metrics), "hists": sc.hists_json(guard.last_histograms),
                     "action": decision.action, "n_sums": sums.numel(), "n_maxes": maxes.numel() + 2})
     return out
 
@@ -40,7 +41,7 @@ def local_only(rank: int, tmp_path, seed: int = 7) -> dict:
     for batch, loss in sc.rank_batches(seed, 0, rank):
         guard.observe(batch, loss=loss)
     guard.check()
-    return guard.last_metrics
+    return comparable(guard.last_metrics)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -9,6 +9,8 @@ import pytest
 import torch
 from file_modules import load_module
 
+from rl_guard.glossary import comparable
+
 ROOT = Path(__file__).resolve().parents[2]
 # The recipe has fixed-length outputs (no EOS) and no lag of 9+: those two preset rules say they cannot fire.
 pytestmark = pytest.mark.filterwarnings("ignore:rl_guard.*cannot fire:RuntimeWarning")
@@ -76,5 +78,5 @@ def test_behave_imp_weight_spreads_with_staleness(runs):
 
 def test_threads_do_not_change_the_numbers(runs):
     def numbers(res):  # repr: NaN compares equal to NaN
-        return [repr(sorted((k, v) for k, v in st.items() if k.startswith("rl_guard/"))) for st in res.stats]
+        return [repr(sorted((k, v) for k, v in st.items() if k.startswith("rl_guard/"))) for st in map(comparable, res.stats)]
     assert numbers(runs[6]) == numbers(runs["6b"])

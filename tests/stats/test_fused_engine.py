@@ -24,6 +24,7 @@ from reference_stats import (assert_engines_agree, check, make_padded, np_dict, 
 from rl_guard import Guard
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
+from rl_guard.glossary import comparable
 from rl_guard.stats import fused, host_engine
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
@@ -132,7 +133,7 @@ def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_pa
             opt.step()
             opt.zero_grad()
             guard.step_done()
-            out.append(dict(guard.last_metrics))
+            out.append(comparable(guard.last_metrics))
         assert guard.internal_failures == 0
         guard.close()
         return out

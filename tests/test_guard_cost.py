@@ -1,0 +1,65 @@
+"""``rl_guard/guard/host_ms`` and ``host_frac``: the guard's own host time per step cycle, as a user sees it in their
+logs, agrees with the time spent inside its calls measured from outside; rules cannot watch it."""
+
+import time
+
+import pytest
+import torch
+
+from rl_guard import Guard
+from rl_guard.errors import ConfigError
+from rl_guard.sinks.base import Sink
+
+from guard_loop import BUILTINS_NO_LOGPROBS, setup
+
+SINK_S, WORK_S = 0.03, 0.01
+
+
+class SlowSink(Sink):
+    """A real sink whose every log takes SINK_S (a slow disk or network): the guard's time, inside step_done."""
+
+    def log(self, values, step, histograms=None):
+        time.sleep(SINK_S)
+
+
+def test_host_time_is_the_time_inside_the_guards_calls(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, "")
+    guard._sink_spec = [SlowSink()]
+    took = []  # per step, each call's time measured from outside
+    cycle, reported = [], []  # when each check started; the guard's own figures at each check
+
+    def timed(name, call, *args, **kwargs):
+        start = time.perf_counter()
+        out = call(*args, **kwargs)
+        took[-1][name] = time.perf_counter() - start
+        return out
+
+    for _ in range(6):
+        took.append({})
+        loss = model(torch.randn(16, 6)).pow(2).mean()
+        time.sleep(WORK_S)  # the loop's own work, outside the guard
+        timed("observe", guard.observe, loss=loss)
+        loss.backward()
+        cycle.append(time.perf_counter())
+        timed("check", guard.check)
+        reported.append({k: guard.last_metrics.get("rl_guard/guard/" + k) for k in ("host_ms", "host_frac")})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        timed("step_done", guard.step_done)
+    assert reported[0] == {"host_ms": None, "host_frac": None}  # no cycle before the first check
+    for t in range(1, 6):
+        # the cycle that ends at this check: the previous check and step_done, this step's observe
+        outside_ms = 1e3 * (took[t - 1]["check"] + took[t - 1]["step_done"] + took[t]["observe"])
+        host_ms, frac = reported[t]["host_ms"], reported[t]["host_frac"]
+        assert 1e3 * SINK_S <= host_ms <= outside_ms  # the sink's log runs inside step_done
+        assert host_ms >= outside_ms - 1.0  # what the outside timer adds around three calls
+        assert frac == pytest.approx(host_ms / (1e3 * (cycle[t] - cycle[t - 1])), rel=0.02)
+        assert 0.5 < frac < 1.0  # the sink's 30 ms against the loop's own 10 ms
+
+
+def test_a_rule_on_host_time_is_refused_with_the_reason():
+    with pytest.raises(ConfigError) as err:
+        Guard.from_yaml(BUILTINS_NO_LOGPROBS + "rules:\n  - name: slow\n    metric: rl_guard/guard/host_frac\n"
+                        "    op: '>'\n    threshold: 0.2\n    action: warn\n")
+    text = str(err.value)
+    assert "rules[0].metric" in text and "line 4" in text and "differs between ranks" in text
