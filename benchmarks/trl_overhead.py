@@ -34,6 +34,9 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 * ``unaccounted_ms_per_step``: median over pairs of (guarded - unguarded step time) minus the time inside the
   guard's calls, per step: what the guarded arm costs beyond the guard's own work (the trainer's code running slower
   beside it, and what noise is left: it can be negative);
+* ``guard_reported``: the guard's own figures from the guarded arm's ``metrics.jsonl``, median over its steps and
+  then over pairs: ``host_ms`` (``rl_guard/guard/host_ms``, its host time per step cycle) and ``host_frac`` (its
+  share of the step), what a user's run logs; beside ``guard_ms_per_step``, which adds the adapter's own work;
 * ``step_ms``: median over pairs of each arm's mean step time; ``same_rollouts``: whether both arms logged the same
   rewards and completion lengths at every step (the guard changed nothing in the run; false when it acted);
 * ``control`` (``--control``): the same ratios from an A/A pair run right after each pair, both arms unguarded: what
@@ -69,6 +72,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from json_output import add_json_argument, emit_json  # noqa: E402
+from rl_guard.sinks.jsonl import read_jsonl  # noqa: E402
 from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
 
 TARGET = 1.05
@@ -212,12 +216,21 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
             setattr(owner, name, original)
     incidents = work / "arm1" / "guard" / "incidents.jsonl"
     lines = incidents.read_text().splitlines() if incidents.exists() else []
+    records = work / "arm1" / "guard" / "metrics.jsonl"
+    reported = [r for r in read_jsonl(records) if "rl_guard/guard/host_ms" in r] if records.exists() else []
     logs = [[{k: e[k] for k in ROLLOUT_LOGS if k in e} for e in t.state.log_history if "reward" in e] for t in trainers]
     arms = [{"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
             for t, turns in zip(trainers, lockstep.callbacks)]
     return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
             "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
-            "acted": sum('"action": "warn"' not in line for line in lines)}
+            "acted": sum('"action": "warn"' not in line for line in lines),
+            "reported": {k: statistics.median(r["rl_guard/guard/" + k] for r in reported) if reported else None
+                         for k in ("host_ms", "host_frac")}}
+
+
+def _median_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _per_step(pairs: list[dict], field: str) -> float:
@@ -300,6 +313,7 @@ def main(argv=None) -> dict:
             for p in pairs),
         "step_ms": {arm: statistics.median(1e3 * statistics.fmean(p["arms"][i]["wall"]) for p in pairs)
                     for i, arm in enumerate(("unguarded", "guarded"))},
+        "guard_reported": {k: _median_known(p["reported"][k] for p in pairs) for k in ("host_ms", "host_frac")},
         "same_rollouts": all(p["same_rollouts"] for p in pairs),
         "guard_acted": sum(p["acted"] for p in pairs),
         "step_s": {arm: [sum(p["arms"][i]["wall"]) for p in pairs] for i, arm in enumerate(("unguarded", "guarded"))},
@@ -320,6 +334,10 @@ def main(argv=None) -> dict:
         print(f"  {part:<12} {ms:7.3f}")
     print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
           "(guarded - unguarded step, beyond the guard's calls)")
+    rep = out["guard_reported"]
+    if rep["host_ms"] is not None:
+        print(f"the guard's own figures (median of rl_guard/guard/host_ms and host_frac): {rep['host_ms']:.3f} ms, "
+              f"{100 * rep['host_frac']:.1f}% of the step")
     if controls:
         c = out["control"]
         print(f"control, both arms unguarded: per-step {c['ratio']:.3f}, CPU time {c['ratio_cpu']:.3f}, total time "
