@@ -34,9 +34,9 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 * ``unaccounted_ms_per_step``: median over pairs of (guarded - unguarded step time) minus the time inside the
   guard's calls, per step: what the guarded arm costs beyond the guard's own work (the trainer's code running slower
   beside it, and what noise is left: it can be negative);
-* ``guard_reported``: the guard's own figures from the guarded arm's ``metrics.jsonl``, median over its steps and
-  then over pairs: ``host_ms`` (``rl_guard/guard/host_ms``, its host time per step cycle) and ``host_frac`` (its
-  share of the step), what a user's run logs; beside ``guard_ms_per_step``, which adds the adapter's own work;
+* ``guard_reported_ms``: what the guarded run itself logged as ``rl_guard/guard/host_ms`` (the time inside the
+  guard's calls per step cycle), median over its steps, then over pairs: ``guard_ms_per_step`` less the adapter's
+  own work (its ``host_frac`` is not reported here: in lockstep a cycle also holds the other arm's step);
 * ``step_ms``: median over pairs of each arm's mean step time; ``same_rollouts``: whether both arms logged the same
   rewards and completion lengths at every step (the guard changed nothing in the run; false when it acted);
 * ``control`` (``--control``): the same ratios from an A/A pair run right after each pair, both arms unguarded: what
@@ -224,8 +224,7 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
     return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
             "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
             "acted": sum('"action": "warn"' not in line for line in lines),
-            "reported": {k: statistics.median(r["rl_guard/guard/" + k] for r in reported) if reported else None
-                         for k in ("host_ms", "host_frac")}}
+            "reported_ms": statistics.median(r["rl_guard/guard/host_ms"] for r in reported) if reported else None}
 
 
 def _median_known(values) -> float | None:
@@ -313,7 +312,7 @@ def main(argv=None) -> dict:
             for p in pairs),
         "step_ms": {arm: statistics.median(1e3 * statistics.fmean(p["arms"][i]["wall"]) for p in pairs)
                     for i, arm in enumerate(("unguarded", "guarded"))},
-        "guard_reported": {k: _median_known(p["reported"][k] for p in pairs) for k in ("host_ms", "host_frac")},
+        "guard_reported_ms": _median_known(p["reported_ms"] for p in pairs),
         "same_rollouts": all(p["same_rollouts"] for p in pairs),
         "guard_acted": sum(p["acted"] for p in pairs),
         "step_s": {arm: [sum(p["arms"][i]["wall"]) for p in pairs] for i, arm in enumerate(("unguarded", "guarded"))},
@@ -334,10 +333,8 @@ def main(argv=None) -> dict:
         print(f"  {part:<12} {ms:7.3f}")
     print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
           "(guarded - unguarded step, beyond the guard's calls)")
-    rep = out["guard_reported"]
-    if rep["host_ms"] is not None:
-        print(f"the guard's own figures (median of rl_guard/guard/host_ms and host_frac): {rep['host_ms']:.3f} ms, "
-              f"{100 * rep['host_frac']:.1f}% of the step")
+    if out["guard_reported_ms"] is not None:
+        print(f"  {'as logged':<12} {out['guard_reported_ms']:7.3f} (rl_guard/guard/host_ms: the guard's calls only)")
     if controls:
         c = out["control"]
         print(f"control, both arms unguarded: per-step {c['ratio']:.3f}, CPU time {c['ratio_cpu']:.3f}, total time "

@@ -29,8 +29,7 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     for arm in ("guarded", "unguarded"):  # two steps: the mean step is half the arm's time
         assert written["step_ms"][arm] == pytest.approx(1e3 * written["step_s"][arm][0] / 2)
     assert 0 < written["guard_time_frac"] < 1  # the guard did run, and did not take the whole run
-    # the guard's own figures, as the run logged them (the second step's cycle)
-    assert written["guard_reported"]["host_ms"] > 0 and 0 < written["guard_reported"]["host_frac"] < 1
+    assert written["guard_reported_ms"] > 0  # the guard's own figure, as the run logged it (the second step's cycle)
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
     assert written["same_rollouts"] is True  # the guard changed nothing: both arms sampled the same rollouts
     assert written["setup"] == setup and written["method"] == "lockstep"
