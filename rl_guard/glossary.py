@@ -109,6 +109,7 @@ def comparable(metrics: dict) -> dict:
     """The metrics without the guard's own timings: what two ranks, or two runs on the same data, agree on."""
     return {k: v for k, v in metrics.items() if not log_only(k)}
 
+
 _PLACEHOLDERS = {
     "<stat>": "(?:" + "|".join(_RATIO_STATS + ("std", "zero_frac", "truncated_frac")) + ")",
     "<k>": "k[123]",

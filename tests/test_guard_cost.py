@@ -10,7 +10,7 @@ from rl_guard import Guard
 from rl_guard.errors import ConfigError
 from rl_guard.sinks.base import Sink
 
-from guard_loop import BUILTINS_NO_LOGPROBS, setup
+from guard_loop import BUILTINS_NO_LOGPROBS
 
 SINK_S, WORK_S = 0.03, 0.01
 
@@ -23,8 +23,10 @@ class SlowSink(Sink):
 
 
 def test_host_time_is_the_time_inside_the_guards_calls(tmp_path):
-    guard, model, opt, sched = setup(tmp_path, "")
-    guard._sink_spec = [SlowSink()]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard.from_yaml(BUILTINS_NO_LOGPROBS, run_dir=tmp_path / "run", sinks=[SlowSink()]).attach(model, opt)
     took = []  # per step, each call's time measured from outside
     cycle, reported = [], []  # when each check started; the guard's own figures at each check
 
@@ -52,8 +54,8 @@ def test_host_time_is_the_time_inside_the_guards_calls(tmp_path):
         outside_ms = 1e3 * (took[t - 1]["check"] + took[t - 1]["step_done"] + took[t]["observe"])
         host_ms, frac = reported[t]["host_ms"], reported[t]["host_frac"]
         assert 1e3 * SINK_S <= host_ms <= outside_ms  # the sink's log runs inside step_done
-        assert host_ms >= outside_ms - 1.0  # what the outside timer adds around three calls
-        assert frac == pytest.approx(host_ms / (1e3 * (cycle[t] - cycle[t - 1])), rel=0.02)
+        assert host_ms >= 0.9 * outside_ms  # the outside timer adds a little around each call (more under load)
+        assert frac == pytest.approx(host_ms / (1e3 * (cycle[t] - cycle[t - 1])), rel=0.05)
         assert 0.5 < frac < 1.0  # the sink's 30 ms against the loop's own 10 ms
 
 
