@@ -33,7 +33,6 @@ Failure policy, one code path (``protect``) for every entry point and for adapte
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 import traceback
@@ -58,22 +57,26 @@ from .stats.summarize import summarize
 from .stats.update import UpdateProbe, learning_rates
 
 
-def _timed(method):
-    """Adds the call's wall time to the guard's own host time of the step (outermost call only: ``check`` calls
-    ``observe_partial``)."""
+class _Clock:
+    """The guard's own host time: ``with guard._clock:`` around each public call's body (a context manager rather
+    than a wrapper, so the call adds no stack frame and warnings still point at the caller). Only the outermost
+    call counts (``check`` calls ``observe_partial``)."""
 
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        if self._in_call:
-            return method(self, *args, **kwargs)
-        self._in_call, start = True, time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._in_call = False
-            self._host_s += time.perf_counter() - start
+    __slots__ = ("seconds", "depth", "start")
 
-    return timed
+    def __init__(self) -> None:
+        self.seconds, self.depth, self.start = 0.0, 0, 0.0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> bool:
+        self.depth -= 1
+        if self.depth == 0:
+            self.seconds += time.perf_counter() - self.start
+        return False
 
 
 class Guard:
@@ -102,7 +105,7 @@ class Guard:
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
         # The guard's own cost, logged per step (``_cost_metrics``): host time inside its calls since the last check
-        self._host_s, self._in_call, self._cycle_start = 0.0, False, None
+        self._clock, self._cycle_start = _Clock(), None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(config.source_text or "# defaults\n", encoding="utf-8")
@@ -163,91 +166,91 @@ class Guard:
         return self.controller.step
 
     # -- per micro-batch ---------------------------------------------------------------------------------------------
-    @_timed
     def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
         """Accumulate one micro-batch's statistics on the device (no host sync)."""
-        with self.protect("observe"):
+        with self._clock, self.protect("observe"):
             if batch is not None:
                 self._acc.add(probe_batch(batch, self.config.lag_buckets, engine=self.config.stats_engine))
             if loss is not None:
                 self._saw_loss = True
                 self._acc.add(host_engine.loss_partial(loss))
 
-    @_timed
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
-        with self.protect("observe_sequences"):
+        with self._clock, self.protect("observe_sequences"):
             self._acc.add(sequence_stats(lengths=lengths, truncated=truncated, rewards=rewards))
 
-    @_timed
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
-        with self.protect("observe_samples"):
+        with self._clock, self.protect("observe_samples"):
             self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
 
-    @_timed
     def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
         """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``
         (``rl_guard/stats/update.py``) and host floats such as learning rates; no host sync."""
-        if partial is not None:
-            self._acc.add(partial)
-        if host_metrics:
-            self._host_metrics.update(host_metrics)
+        with self._clock:
+            if partial is not None:
+                self._acc.add(partial)
+            if host_metrics:
+                self._host_metrics.update(host_metrics)
 
     # -- per optimizer step --------------------------------------------------------------------------------------------
-    @_timed
     def check(self, params=None, pre_clip_norm=None, defer_restore: bool = False) -> Decision:
         """Probe gradients, transfer once, evaluate rules and act. Call after backward, before optimizer.step()."""
-        params = params if params is not None else (self.state.optimizer or self.state.model if self.state else None)
-        cost = self._cost_metrics()
-        self._probe_update_before()
-        self._host_metrics.update(self.diagnostics.no_signal_steps())
-        reduce = ranks.reducer()
-        try:
-            if self._incomplete_step:
-                raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
-            if params is not None:
-                self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=self.config.sharded_grads))
-            if self._saw_loss:
-                self._acc.add(rank_count(keys.LOSS.ranks, self._acc.device))
-            raw = self._acc.finish(reduce)
-            if raw.get(keys.TOKENS.empty_microbatches, [0])[0] > 0:
-                raise EmptyMaskError(
-                    f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an all-zero "
-                    "mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no data'.")
-            metrics, hists = summarize(raw, self.config.lag_buckets)
-            metrics.update(self._host_metrics)
-            decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
-        except (InputError, ranks.RankMismatch):
-            raise
-        except Exception as exc:  # noqa: BLE001
-            if reduce is not None and not reduce.entered:
-                ranks.abstain()  # the other ranks must not wait for statistics that will never come
-            return self._fail(exc, params)
-        finally:
-            self._incomplete_step = self._saw_loss = False
-            self._host_metrics = {}
-        metrics.update(self.controller.counters(decision))
-        metrics["rl_guard/guard/fired"] = float(len(decision.firings))
-        metrics.update(cost)
-        self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
-        self.actions.apply(decision, params, defer_restore=defer_restore)
-        return decision
+        with self._clock:
+            if params is None:
+                params = (self.state.optimizer or self.state.model) if self.state else None
+            cost = self._cost_metrics()
+            self._probe_update_before()
+            self._host_metrics.update(self.diagnostics.no_signal_steps())
+            reduce = ranks.reducer()
+            try:
+                if self._incomplete_step:
+                    raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
+                if params is not None:
+                    sharded = self.config.sharded_grads
+                    self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded))
+                if self._saw_loss:
+                    self._acc.add(rank_count(keys.LOSS.ranks, self._acc.device))
+                raw = self._acc.finish(reduce)
+                if raw.get(keys.TOKENS.empty_microbatches, [0])[0] > 0:
+                    raise EmptyMaskError(
+                        f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an "
+                        "all-zero mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no "
+                        "data'.")
+                metrics, hists = summarize(raw, self.config.lag_buckets)
+                metrics.update(self._host_metrics)
+                decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
+            except (InputError, ranks.RankMismatch):
+                raise
+            except Exception as exc:  # noqa: BLE001
+                if reduce is not None and not reduce.entered:
+                    ranks.abstain()  # the other ranks must not wait for statistics that will never come
+                return self._fail(exc, params)
+            finally:
+                self._incomplete_step = self._saw_loss = False
+                self._host_metrics = {}
+            metrics.update(self.controller.counters(decision))
+            metrics["rl_guard/guard/fired"] = float(len(decision.firings))
+            metrics.update(cost)
+            self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
+            self.actions.apply(decision, params, defer_restore=defer_restore)
+            return decision
 
-    @_timed
     def step_done(self) -> None:
         """Report that the step happened (applied or skipped): log, snapshot if healthy, advance the counter."""
-        decision = self.last_decision or Decision(step=self.step)
-        self._probe_update_after(decision)
-        self._count_failing_step()
-        if self.step % self.config.log_every == 0 or decision.firings or self.failing_steps:
-            with self.protect("log"):
-                self.sinks.log(self.last_metrics, self.step, self.last_histograms)
-        with self.protect("snapshot"):
-            self.actions.after_step(decision)
-        self.controller.step_done(decision)
-        self.last_logged = dict(self.last_metrics)
-        self.last_decision = None
+        with self._clock:
+            decision = self.last_decision or Decision(step=self.step)
+            self._probe_update_after(decision)
+            self._count_failing_step()
+            if self.step % self.config.log_every == 0 or decision.firings or self.failing_steps:
+                with self.protect("log"):
+                    self.sinks.log(self.last_metrics, self.step, self.last_histograms)
+            with self.protect("snapshot"):
+                self.actions.after_step(decision)
+            self.controller.step_done(decision)
+            self.last_logged = dict(self.last_metrics)
+            self.last_decision = None
 
     def _cost_metrics(self) -> dict[str, float]:
         """At the start of ``check``: the guard's host time over the last step cycle (from the start of the previous
@@ -255,7 +258,7 @@ class Guard:
         cycle's wall time. Logged only, never seen by rules: timings differ between ranks, and every rank must decide
         alike."""
         now, start = time.perf_counter(), self._cycle_start
-        host, self._host_s, self._cycle_start = self._host_s, 0.0, now
+        host, self._clock.seconds, self._cycle_start = self._clock.seconds, 0.0, now
         if start is None or now <= start:
             return {}
         return {"rl_guard/guard/host_ms": 1e3 * host, "rl_guard/guard/host_frac": host / (now - start)}
