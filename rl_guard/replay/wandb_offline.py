@@ -34,6 +34,8 @@ def records(path: Path):
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a torn last record (a crash, or a write still under way): dropped
+            break
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind == 0:  # zero padding up to the block end

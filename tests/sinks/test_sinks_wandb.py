@@ -134,3 +134,20 @@ def test_no_run_and_no_init_warns_once_and_drops(offline):
         warnings.simplefilter("error")
         sink.finish()
     assert not list(offline.rglob("*.wandb"))
+
+
+def test_a_file_cut_inside_a_record_reads_up_to_the_last_whole_record(offline, tmp_path):
+    """A .wandb file read while wandb-core is still appending (or left by a crash) may end inside a record: the
+    reader yields every whole record and drops the torn one, as it does for a torn header."""
+    run = wandb.init(project="cut", mode="offline", dir=str(offline / "trainer"))
+    for i in range(50):
+        run.log({"rl_guard/grad/norm": float(i), "pad": "x" * 200})
+    run.finish()
+    path, whole = _complete_records(offline / "trainer")
+    data = path.read_bytes()
+    kinds = [r.WhichOneof("record_type") for r in whole]
+    for cut in range(len(data) // 3, len(data), max(1, len(data) // 17)):
+        torn = tmp_path / f"cut{cut}.wandb"
+        torn.write_bytes(data[:cut])
+        got = [r.WhichOneof("record_type") for r in read_records(torn)]
+        assert got == kinds[:len(got)] and len(got) < len(kinds)  # a prefix of the whole file's records
