@@ -72,7 +72,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from json_output import add_json_argument, emit_json  # noqa: E402
-from rl_guard.sinks.jsonl import read_jsonl  # noqa: E402
+from rl_guard.demo.run import guard_cost  # noqa: E402
 from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
 
 TARGET = 1.05
@@ -216,15 +216,14 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
             setattr(owner, name, original)
     incidents = work / "arm1" / "guard" / "incidents.jsonl"
     lines = incidents.read_text().splitlines() if incidents.exists() else []
-    records = work / "arm1" / "guard" / "metrics.jsonl"
-    reported = [r for r in read_jsonl(records) if "rl_guard/guard/host_ms" in r] if records.exists() else []
+    reported = guard_cost(work / "arm1" / "guard")
     logs = [[{k: e[k] for k in ROLLOUT_LOGS if k in e} for e in t.state.log_history if "reward" in e] for t in trainers]
     arms = [{"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
             for t, turns in zip(trainers, lockstep.callbacks)]
     return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
             "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
             "acted": sum('"action": "warn"' not in line for line in lines),
-            "reported_ms": statistics.median(r["rl_guard/guard/host_ms"] for r in reported) if reported else None}
+            "reported_ms": reported[0] if reported else None}
 
 
 def _median_known(values) -> float | None:

@@ -62,10 +62,10 @@ class _Clock:
     than a wrapper, so the call adds no stack frame and warnings still point at the caller). Only the outermost
     call counts (``check`` calls ``observe_partial``)."""
 
-    __slots__ = ("seconds", "depth", "start")
+    __slots__ = ("seconds", "depth", "start", "lap_start")
 
     def __init__(self) -> None:
-        self.seconds, self.depth, self.start = 0.0, 0, 0.0
+        self.seconds, self.depth, self.start, self.lap_start = 0.0, 0, 0.0, None
 
     def __enter__(self) -> None:
         self.depth += 1
@@ -77,6 +77,17 @@ class _Clock:
         if self.depth == 0:
             self.seconds += time.perf_counter() - self.start
         return False
+
+    def lap(self) -> dict[str, float]:
+        """Called at the start of ``check``: the host time inside the guard's calls since the previous lap (that
+        check, the step_done after it, this step's observe calls) and its share of the lap's wall time; none before
+        the first lap. Logged only, never seen by rules: timings differ between ranks, and every rank must decide
+        alike."""
+        now, start = time.perf_counter(), self.lap_start
+        host, self.seconds, self.lap_start = self.seconds, 0.0, now
+        if start is None or now <= start:
+            return {}
+        return {"rl_guard/guard/host_ms": 1e3 * host, "rl_guard/guard/host_frac": host / (now - start)}
 
 
 class Guard:
@@ -104,8 +115,7 @@ class Guard:
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
-        # The guard's own cost, logged per step (``_cost_metrics``): host time inside its calls since the last check
-        self._clock, self._cycle_start = _Clock(), None
+        self._clock = _Clock()  # the guard's own cost, logged every step
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(config.source_text or "# defaults\n", encoding="utf-8")
@@ -200,7 +210,7 @@ class Guard:
         with self._clock:
             if params is None:
                 params = (self.state.optimizer or self.state.model) if self.state else None
-            cost = self._cost_metrics()
+            cost = self._clock.lap()
             self._probe_update_before()
             self._host_metrics.update(self.diagnostics.no_signal_steps())
             reduce = ranks.reducer()
@@ -251,17 +261,6 @@ class Guard:
             self.controller.step_done(decision)
             self.last_logged = dict(self.last_metrics)
             self.last_decision = None
-
-    def _cost_metrics(self) -> dict[str, float]:
-        """At the start of ``check``: the guard's host time over the last step cycle (from the start of the previous
-        ``check`` to now: that check, the step_done after it, this step's observe calls) and its share of the
-        cycle's wall time. Logged only, never seen by rules: timings differ between ranks, and every rank must decide
-        alike."""
-        now, start = time.perf_counter(), self._cycle_start
-        host, self._clock.seconds, self._cycle_start = self._clock.seconds, 0.0, now
-        if start is None or now <= start:
-            return {}
-        return {"rl_guard/guard/host_ms": 1e3 * host, "rl_guard/guard/host_frac": host / (now - start)}
 
     def _optimizer(self):
         optimizer = getattr(self.state, "optimizer", None)

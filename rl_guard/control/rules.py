@@ -149,15 +149,13 @@ class Condition:
     def _window_stats(self, history: History) -> tuple[float, float, str, int] | None:
         """(center, scale, label, values) of the spike window; None while it holds fewer than ``min_history``."""
         s = self.spike
-        if s["method"] == "mad":  # the median and MAD read the window sorted, kept so by the history
-            past = history.sorted_recent(self.metric, s["window"])
-            if len(past) < s["min_history"]:
-                return None
+        mad = s["method"] == "mad"  # the median and MAD read the window sorted, kept so by the history
+        past = (history.sorted_recent if mad else history.recent)(self.metric, s["window"])
+        if len(past) < s["min_history"]:
+            return None
+        if mad:
             center, scale, label = _mad(past, lambda: history.recent(self.metric, s["window"]))
         else:
-            past = history.recent(self.metric, s["window"])
-            if len(past) < s["min_history"]:
-                return None
             center, scale, label = _center_scale(s["method"], past, s["window"])
         scale = max(scale, 1e-12 * max(abs(center), 1.0))  # a constant history: any change is a spike
         return center, scale, label, len(past)

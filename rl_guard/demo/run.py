@@ -119,7 +119,7 @@ def main(args) -> int:
     else:
         print("guard took no action" + (" (no fault injected)" if args.fault == "none" else ""))
     print(f"steps run: {res.steps}; every weight finite at the end: {res.weights_finite}")
-    cost = _guard_cost(res.run_dir)
+    cost = guard_cost(res.run_dir)
     if cost:
         print(f"the guard's own time: {cost[0]:.1f} ms per step, {100 * cost[1]:.0f}% of the step (median; "
               "rl_guard/guard/host_ms and host_frac in the logs)")
@@ -128,13 +128,14 @@ def main(args) -> int:
     return 0 if res.weights_finite else 1
 
 
-def _guard_cost(run_dir: Path) -> tuple[float, float] | None:
-    """Median ``guard/host_ms`` and ``guard/host_frac`` of the run's metrics.jsonl, or None without them."""
+def guard_cost(run_dir: Path) -> tuple[float, float] | None:
+    """Median ``guard/host_ms`` and ``guard/host_frac`` of a run directory's metrics.jsonl, or None without them."""
     import statistics
 
     from ..sinks.jsonl import read_jsonl
 
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "rl_guard/guard/host_ms" in r]
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [r for r in read_jsonl(path) if "rl_guard/guard/host_ms" in r] if path.exists() else []
     if not rows:
         return None
     return (statistics.median(r["rl_guard/guard/host_ms"] for r in rows),
