@@ -12,6 +12,11 @@ disturbance evicts what the guard's code and data left in the CPU caches: a pass
 forward pass and some Python work, as the trainer's own step does between the guard's calls. Inside a trainer
 the guard runs cold; ``cold_over_warm`` says how much of its in-trainer cost is that, rather than its work.
 
+``machine`` says what the machine makes of that: the time of one small torch operation (a 64-element add), one
+numpy operation and one 64-iteration Python loop, warm and right after the disturbance. A cache miss costs each
+machine its own price (a virtual machine's nested page tables add to it), so ``machine`` is what to compare before
+comparing two machines' ``cold`` figures: the guard's ~100 small operations per step pay it on every call.
+
 Setups, as in ``trl_overhead.py``: ``demo`` (the demo's guard; old and reference log-probs; a generation batch every
 4 steps), ``trl-short`` (the shipped preset unmodified; TRL's loss defaults: no reference model, the ratio is exactly
 1, a generation batch every step) and ``trl-defaults`` (the same with TRL's longer completions and groups of 8).
@@ -93,6 +98,34 @@ def _inputs(setup: str, gen: torch.Generator):
     return batch, rewards, samples
 
 
+def machine(repeats: int = 60) -> dict:
+    """Microseconds (median) of one small torch op, one numpy op and one short Python loop, warm and right after
+    the disturbance (a fresh 64 MB pass and a forward pass of a small model: no guard code involved)."""
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    disturb = _Disturbance(net)
+    disturb.ids = torch.randn(B, 32)
+    t = torch.randn(64)
+    a, values = t.numpy(), t.tolist()
+
+    def loop():
+        total = 0.0
+        for v in values:
+            total += v * v
+        return total
+
+    out = {}
+    for name, fn in (("torch_op", lambda: t + 1), ("numpy_op", lambda: a + 1), ("python_loop", loop)):
+        for state, before in (("warm", lambda: None), ("cold", disturb)):
+            times = []
+            for _ in range(repeats):
+                before()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out[f"{name}_us_{state}"] = round(1e6 * statistics.median(times[repeats // 4:]), 2)
+    return out
+
+
 def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | None = None) -> dict:
     """Median ms per step of each guard call over the steps after the first quarter."""
     from transformers import AutoModelForCausalLM
@@ -159,6 +192,7 @@ def main(argv=None) -> dict:
         work = Path(tempfile.mkdtemp())
         warm = run(args.setup, args.steps, cold=False, work=work)
         cold = run(args.setup, args.steps, cold=True, work=work)
+        probe = machine()
     finally:
         torch.set_num_threads(threads)
     result = {
@@ -167,12 +201,16 @@ def main(argv=None) -> dict:
         "cold_over_warm": round(cold["total"] / warm["total"], 2),
         "per_call_ms_warm": {k: round(v, 3) for k, v in warm["per_call"].items()},
         "per_call_ms_cold": {k: round(v, 3) for k, v in cold["per_call"].items()},
+        "machine": probe,
     }
     print(f"guard ms per step ({args.setup}, {args.steps} steps, median per call):")
     print(f"  {'call':<12} {'warm':>7} {'cold':>7}")
     for call in CALLS:
         print(f"  {call:<12} {warm['per_call'][call]:7.3f} {cold['per_call'][call]:7.3f}")
     print(f"  {'total':<12} {warm['total']:7.3f} {cold['total']:7.3f}   cold / warm = {result['cold_over_warm']}")
+    print("this machine, one operation in us (warm / cold): " + ", ".join(
+        f"{name} {probe[name + '_us_warm']:.1f} / {probe[name + '_us_cold']:.1f}"
+        for name in ("torch_op", "numpy_op", "python_loop")))
     emit_json(args.json, result)
     return result
 

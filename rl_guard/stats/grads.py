@@ -22,9 +22,10 @@ import functools
 import math
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from . import keys
+from . import host_engine, keys
 from .cpu_squares import square_sums
 from .partial import Partial
 from .ranks import rank_and_world
@@ -168,18 +169,17 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     """
     pairs, merge_sum = local_grads(param_groups, sharded)
     scale = float(getattr(param_groups, "scale", 1.0))
-    p = Partial()
     tensors, weights, spans = flatten(pairs)
+    device = tensors[0].device if tensors else None
+    if _on_host(device, weights, pre_clip_norm):
+        return _host_partial(tensors, spans, merge_sum, scale, _host_number(pre_clip_norm))
+    p = Partial()
     # Entries are written as 1-element float64 vectors, the form ``Partial.add_*`` gives them.
     entries = p.sum if merge_sum else p.max
-    device = tensors[0].device if tensors else None
     if tensors:
         seg = segments_for(weights, [b - a for a, b in spans], device)
-        if device.type == "cpu" and seg.unit:
-            per_group, total, linf = _cpu_figures(tensors, spans)
-        else:
-            per_group, total, linf = _multi_tensor_figures(tensors, seg)
-        # linf: per tensor (in any order when the weights are all 1), NaN / inf where the tensor holds one
+        per_group, total, linf = _multi_tensor_figures(tensors, seg)
+        # linf: per tensor, NaN / inf where the tensor holds one
         bad = (linf * 0).isnan()
         bad = bad.sum(0, keepdim=True, dtype=torch.float64) if seg.unit else (bad.double() @ seg.weights).reshape(1)
         linf = linf.amax(0, keepdim=True).double()
@@ -201,6 +201,59 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     return p
 
 
+def _on_host(device, weights: list[float], pre_clip_norm) -> bool:
+    """Whether numpy computes the figures in place (``_host_partial``): CPU gradients with unit merge weights and
+    a pre-clip norm that is a number or one value in host memory, while the host engine is on
+    (``host_engine.CPU_MAX_TOKENS`` > 0; off, CPU tensors are handled as a GPU's)."""
+    if torch.is_tensor(pre_clip_norm) and (pre_clip_norm.device.type != "cpu" or pre_clip_norm.numel() != 1):
+        return False
+    return device is not None and device.type == "cpu" and host_engine.CPU_MAX_TOKENS > 0 and \
+        all(w == 1.0 for w in weights)
+
+
+def _host_number(x) -> float | None:
+    """A pre-clip norm (a number, or one value in host memory) as a float, read in place."""
+    if x is None or not torch.is_tensor(x):
+        return None if x is None else float(x)
+    x = x.detach()
+    return float((x.float() if x.dtype == torch.bfloat16 else x).numpy().reshape(-1)[0])  # numpy lacks bfloat16
+
+
+def _host_partial(tensors: list[torch.Tensor], spans, merge_sum: bool, scale: float, preclip) -> Partial:
+    """``probe_grads`` of CPU gradients with unit weights: the figures from ``_cpu_figures`` (numpy), packed in the
+    layout the multi-tensor path gives them (so that ranks and micro-batches merge either way)."""
+    per_group, linf = _cpu_figures(tensors, spans)
+    n = len(per_group)
+    figures = np.empty(n + 4)
+    figures[:n] = per_group
+    figures[n] = per_group.sum()
+    figures[n + 1] = linf.max() if linf.size else 0.0  # NaN-propagating, as the multi-tensor path
+    figures[n + 2] = linf.size - np.count_nonzero(np.isfinite(linf))  # tensors holding a NaN or an infinity
+    if scale != 1.0:
+        figures[: n + 1] *= scale * scale
+        figures[n + 1] *= scale
+    figures[n + 3] = math.nan if preclip is None else preclip * preclip
+    layout, sums, maxes = _host_layout(n, merge_sum, preclip is not None)
+    return Partial.of_packed(layout, torch.from_numpy(figures[sums]), torch.from_numpy(figures[maxes]))
+
+
+@functools.lru_cache(maxsize=32)
+def _host_layout(groups: int, merge_sum: bool, preclip: bool) -> tuple:
+    """``(layout, sum indices, max indices)`` into ``_host_partial``'s figures (the group sums, the total, max |g|,
+    the non-finite count, the squared pre-clip norm), in the order ``probe_grads`` writes its entries."""
+    names = [keys.grad_group(i) for i in range(groups)] + [keys.GRAD.sq, keys.GRAD.max_abs, keys.GRAD.nonfinite]
+    at = dict(zip(names, range(groups + 3)))
+    shared = [*names[:groups], keys.GRAD.sq]
+    sum_names = [*shared, keys.GRAD.nonfinite] if merge_sum else []
+    max_names = [keys.GRAD.max_abs] if merge_sum else [*shared, keys.GRAD.max_abs, keys.GRAD.nonfinite]
+    max_idx = [at[k] for k in max_names]
+    if preclip:
+        max_names.append(keys.GRAD.preclip_sq)
+        max_idx.append(groups + 3)
+    layout = (tuple((k, 1) for k in sum_names), tuple((k, 1) for k in max_names))
+    return layout, np.array([at[k] for k in sum_names], dtype=np.int64), np.array(max_idx, dtype=np.int64)
+
+
 def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
     """``(per-group sums of squares, their total, per-tensor largest |value|)`` from multi-tensor kernels (fused
     on CUDA), merge weights applied to the squares; the per-tensor figures keep the tensors' order."""
@@ -208,58 +261,51 @@ def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
     return (per_group.split(1) if seg.groups > 1 else (per_group,)), total, abs_max(tensors)
 
 
-def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """CPU, unit weights: per group and in all the sum of squares in float64 accuracy (fp32 squares overflow above
-    ~1e19), and every tensor's largest |value| (NaN where it holds one), in an order of its own.
+def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[np.ndarray, np.ndarray]:
+    """CPU, unit weights: per group the sum of squares in float64 accuracy (fp32 squares overflow above ~1e19),
+    and every tensor's largest |value| (NaN where it holds one), in an order of its own; numpy float64 arrays.
 
-    On CPU each call of a norm or min/max kernel costs microseconds whatever the size, and the multi-tensor norm
-    is a loop of them. So the tensors of up to ``PACK_LIMIT`` elements whose size is a multiple of ``ROW`` are
-    copied into one vector (one kernel), read as rows of ``ROW``: one |max| per row, one segment max per tensor,
-    one float64 dot product per group. Larger or odd-sized tensors get a multi-tensor norm and one min/max each."""
-    plan = _cpu_plan(tuple((t.shape, t.dtype) for t in tensors), tuple(spans))
-    fits, lengths, ranges = plan
+    On CPU each torch call costs microseconds whatever the size, and the multi-tensor norm is a loop of them. So the
+    tensors of up to ``PACK_LIMIT`` elements are copied into one vector (one kernel) that numpy reads in place: one
+    ``|max|`` per tensor from one ``reduceat``, one float64 dot product per group. Larger tensors get a multi-tensor
+    norm and one min/max each."""
+    fits, offsets, ranges = _cpu_plan(tuple((t.shape, t.dtype) for t in tensors), tuple(spans))
     packed = [t for t, ok in zip(tensors, fits) if ok]
     rest = [t for t, ok in zip(tensors, fits) if not ok]
-    device = tensors[0].device
-    parts, per_group = [], []
+    linf, per_group = [], np.zeros(len(ranges))
     if packed:
         flat = _pack(packed)
-        rows = flat.view(-1, ROW).abs().amax(1)  # NaN-propagating, |+-inf| = inf
-        parts.append(torch.segment_reduce(rows, "max", lengths=lengths, unsafe=True))  # lengths: see Segments
-        flat = flat.double()
+        flat = (flat.float() if flat.dtype == torch.bfloat16 else flat).numpy()  # bfloat16 -> float32 is exact
+        linf.append(np.maximum.reduceat(np.abs(flat), offsets))  # NaN-propagating, |+-inf| = inf
+        flat = flat.astype(np.float64)
     if rest:
-        parts.append(abs_max(rest))
-        rest_sq = squares(rest)
-    for lo, hi, r_lo, r_hi in ranges:  # per group: a range of ``flat`` (groups keep their order), one of rest_sq
-        sq = None
+        linf.append(abs_max(rest).to(torch.float64).numpy())
+        rest_sq = squares(rest).numpy()
+    for g, (lo, hi, r_lo, r_hi) in enumerate(ranges):  # per group: a range of ``flat``, one of ``rest_sq``
         if hi > lo:
-            x = flat if hi - lo == flat.numel() else flat[lo:hi]
-            sq = torch.dot(x, x)
+            x = flat[lo:hi]
+            per_group[g] = np.dot(x, x)
         if r_hi > r_lo:
-            s = rest_sq.sum() if r_hi - r_lo == rest_sq.numel() else rest_sq[r_lo:r_hi].sum()
-            sq = s if sq is None else sq + s
-        per_group.append(torch.zeros(1, dtype=torch.float64, device=device) if sq is None else sq.reshape(1))
-    total = functools.reduce(torch.add, per_group)  # 1-element vectors: one add per further group
-    linf = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return per_group, total, linf
+            per_group[g] += rest_sq[r_lo:r_hi].sum()
+    return per_group, (linf[0] if len(linf) == 1 else np.concatenate(linf))
 
 
 @functools.lru_cache(maxsize=16)
 def _cpu_plan(layout: tuple, spans: tuple) -> tuple:
-    """For ``_cpu_figures``, per layout (shapes and dtypes, group spans): which tensors are packed, their row
-    counts (lengths for ``segment_reduce``), and per group its range of packed elements and of other tensors."""
+    """For ``_cpu_figures``, per layout (shapes and dtypes, group spans): which tensors are packed, where each
+    starts in the packed vector, and per group its range of packed elements and of other tensors."""
     dtype = layout[0][1]
     sizes = [math.prod(shape) for shape, _ in layout]
-    fits = tuple(n <= PACK_LIMIT and n % ROW == 0 and d == dtype and len(shape) > 0
-                 for n, (shape, d) in zip(sizes, layout))
-    lengths = torch.tensor([n // ROW for n, ok in zip(sizes, fits) if ok], dtype=torch.int64)
+    fits = tuple(n <= PACK_LIMIT and d == dtype and len(shape) > 0 for n, (shape, d) in zip(sizes, layout))
+    packed_sizes = [n for n, ok in zip(sizes, fits) if ok]
+    offsets = np.cumsum([0, *packed_sizes[:-1]]).astype(np.int64)
     ranges, lo, r_lo = [], 0, 0
     for a, b in spans:
         n = sum(size for size, ok in zip(sizes[a:b], fits[a:b]) if ok)
         r = sum(1 for ok in fits[a:b] if not ok)
         ranges.append((lo, lo + n, r_lo, r_lo + r))
         lo, r_lo = lo + n, r_lo + r
-    return fits, lengths, tuple(ranges)
+    return fits, offsets, tuple(ranges)
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -282,7 +328,6 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 _CHUNK_CAT = getattr(torch, "_chunk_cat", None)
 PACK_LIMIT = 1 << 13  # elements: above, a tensor's own kernels cost less than copying it (one CPU thread)
-ROW = 32  # row length of the packed gradients: the sizes of most tensors are multiples of it
 
 
 def extremes(tensors: list[torch.Tensor]) -> torch.Tensor:

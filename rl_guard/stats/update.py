@@ -25,7 +25,9 @@ from their copy, the larger ones from one fused multi-tensor norm.
 
 The samples are strided views of the live weights, built once per parameter layout (made again when a tensor
 gets new storage, e.g. ``p.data = ...``, or the parameter set changes), so taking them is one ``torch.cat`` (and
-one conversion to float64) per call; the per-group sums are one dot product per group.
+one conversion to float64) per call; the per-group sums are one dot product per group. Weights in host memory
+(CPU, a dtype numpy has) are read by numpy in place: the same arithmetic at a fraction of the per-call cost of
+torch's CPU operations on small tensors.
 
 All figures stay on the device and travel in the step's one device-to-host transfer: the update of step t is
 measured right after ``optimizer.step()`` and reported with step t+1's statistics (where a rule on it rolls back
@@ -36,11 +38,13 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import random
 
+import numpy as np
 import torch
 
-from . import keys
+from . import host_engine, keys
 from .grads import device_vector, local_shards, squares
 from .partial import Partial
 
@@ -48,6 +52,7 @@ DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note
 WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole: exact, for a copy of a few sample sizes
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 F64 = torch.float64
+HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # what numpy reads in place
 
 
 def stride_for(n: int, sample: int) -> int | None:
@@ -97,9 +102,15 @@ class _Layout:
             big_counts.append(len(sampled))
             self.spans.append((lo, mid, pos))
         self.size = pos
+        # host: numpy reads the weights where they are (CPU, a dtype numpy has, the host engine on: off, CPU
+        # tensors are handled as a GPU's); the figures are then host floats
+        self.host = device is not None and device.type == "cpu" and host_engine.CPU_MAX_TOKENS > 0 and \
+            all(dtype in HOST_DTYPES for group in structure for _, dtype, _ in group)
         self.weights = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
+            if self.host:
+                self.weights = self.weights.numpy()
         self.big_weights = None if all(w == 1.0 for w in big_w) else device_vector(big_w, device)
         self.big_spans, start = [], 0
         for n in big_counts:
@@ -120,39 +131,50 @@ class _Layout:
             self.views.append(flat if s == 1 else flat[offset::s])
             if s > 1:
                 self.big.append(tensors[i])
+        if self.host:  # numpy views of the same memory (detached: parameters require grad)
+            self.views = [v.detach().numpy() for v in self.views]
         self.storage = storage
 
-    def take(self) -> torch.Tensor:
-        """The current sampled values, float64 (exact for every floating dtype up to float64). Concatenated in the
-        weights' dtype, then converted: on CPU a ``cat`` that converts as it copies is several times slower."""
+    def take(self):
+        """The current sampled values, float64 (exact for every floating dtype up to float64): a numpy array on the
+        host, else a device tensor concatenated in the weights' dtype, then converted (on CPU a ``cat`` that
+        converts as it copies is several times slower)."""
+        if self.host:
+            return np.concatenate(self.views, dtype=np.float64) if self.views else np.zeros(0)
         if not self.views:
             return torch.zeros(0, dtype=F64, device=self.device)
         return torch.cat(self.views).to(F64)
 
-    def group_sq(self, a: torch.Tensor, b: torch.Tensor | None, part: int = 2) -> list[torch.Tensor]:
+    def _zero(self):
+        return 0.0 if self.host else torch.zeros((), dtype=F64, device=self.device)
+
+    def _dot(self, x, y):
+        return float(np.dot(x, y)) if self.host else torch.dot(x, y)
+
+    def group_sq(self, a, b, part: int = 2) -> list:
         """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over the group's span: its
-        whole tensors only (``part`` 1) or all its samples (``part`` 2). One dot product per group: a NaN in one
-        group leaves the others finite."""
+        whole tensors only (``part`` 1) or all its samples (``part`` 2); host floats or 0-d device tensors. One
+        dot product per group: a NaN in one group leaves the others finite."""
         d = a if b is None else a - b
         dw = d if self.weights is None else d * self.weights
         out = []
         for span in self.spans:
             lo, hi = span[0], span[part]
             if hi == lo:
-                out.append(torch.zeros((), dtype=F64, device=a.device))
+                out.append(self._zero())
             elif lo == 0 and hi == self.size:
-                out.append(torch.dot(dw, d))
+                out.append(self._dot(dw, d))
             else:
                 x = d[lo:hi]
-                out.append(torch.dot(x if dw is d else dw[lo:hi], x))
+                out.append(self._dot(x if dw is d else dw[lo:hi], x))
         return out
 
-    def total_sq(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def total_sq(self, a, b):
         """The weighted sum of ``(a - b)^2`` over every sample."""
         d = a - b
-        return torch.dot(d if self.weights is None else d * self.weights, d)
+        return self._dot(d if self.weights is None else d * self.weights, d)
 
-    def big_sq(self) -> list[torch.Tensor] | None:
+    def big_sq(self) -> list | None:
         """Per group, the exact merge-weighted squared norm of its sampled (large) tensors; None when there are
         none (one multi-tensor norm over all of them)."""
         if not self.big:
@@ -160,9 +182,12 @@ class _Layout:
         sq = squares(self.big)
         if self.big_weights is not None:
             sq = sq * self.big_weights
+        if self.host:
+            sq = sq.numpy()
+            return [float(sq[a:b].sum()) for a, b in self.big_spans]
         if len(self.big_spans) == 1:
             return [sq.sum()]
-        return [sq[a:b].sum() if b > a else torch.zeros((), dtype=F64, device=sq.device) for a, b in self.big_spans]
+        return [sq[a:b].sum() if b > a else self._zero() for a, b in self.big_spans]
 
 
 def _keys(pairs) -> tuple[tuple, tuple | None]:
@@ -174,6 +199,27 @@ def _keys(pairs) -> tuple[tuple, tuple | None]:
     if not all(t.is_contiguous() for group in pairs for t, _ in group):
         storage = None
     return structure, storage
+
+
+class _Report:
+    """The figures of one report, ``(name, value)`` per reduction in the order they were measured: host floats or
+    0-d device tensors, packed into one ``Partial`` at the end (one vector per reduction, no dict of tensors)."""
+
+    def __init__(self):
+        self.sum: list[tuple[str, object]] = []
+        self.max: list[tuple[str, object]] = []
+
+    def partial(self, layout: _Layout) -> Partial:
+        names = (tuple((name, 1) for name, _ in self.sum), tuple((name, 1) for name, _ in self.max))
+        return Partial.of_packed(names, _vector(self.sum, layout), _vector(self.max, layout))
+
+
+def _vector(entries: list, layout: _Layout) -> torch.Tensor:
+    if layout.host:
+        return torch.from_numpy(np.array([value for _, value in entries], dtype=np.float64))
+    if not entries:
+        return torch.zeros(0, dtype=F64, device=layout.device)
+    return torch.stack([value for _, value in entries]).to(F64)
 
 
 class UpdateProbe:
@@ -188,7 +234,7 @@ class UpdateProbe:
         self._after: torch.Tensor | None = None    # sampled weights right after it
         self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
         self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step, then the total
-        self._pending: Partial | None = None             # the last step's update, reported at the next pre_step
+        self._pending: _Report | None = None             # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
@@ -218,7 +264,7 @@ class UpdateProbe:
                                                        [len(g) for g in pairs])
         return self._layout.take()
 
-    def _param_sq(self, now: torch.Tensor) -> list[torch.Tensor]:
+    def _param_sq(self, now) -> list:
         """Exact ||theta_g||^2 per group (merge weights applied): whole tensors from their copy in ``now``, the
         larger ones from one multi-tensor norm."""
         layout = self._layout
@@ -230,21 +276,20 @@ class UpdateProbe:
     @torch.no_grad()
     def pre_step(self, groups: list[list[torch.Tensor]], lrs: list[float]) -> Partial:
         """The last step's update, the weight change since then, the current norms (device, no sync)."""
-        p = self._pending or Partial()
+        report = self._pending or _Report()
         self._pending = None
         now = self._take(groups)  # first: it finds whether the parameters are shards
-        add = p.add_sum if self._merge_sum else p.add_max
-        if self._after is not None and self._after_layout is self._layout:
-            add(keys.UPDATE.drift_sq, self._layout.total_sq(now, self._after))
-        base = [sq.reshape(1) for sq in self._param_sq(now)]
-        base.append(functools.reduce(torch.add, base))  # 1-element vectors: one add per further group
-        entries = p.sum if self._merge_sum else p.max
-        for i, sq in enumerate(base[:-1]):
-            entries[keys.update_group(i, "param_sq")] = sq
-        entries[keys.UPDATE.param_sq] = base[-1]
+        layout = self._layout
+        entries = report.sum if self._merge_sum else report.max
+        if self._after is not None and self._after_layout is layout:
+            entries.append((keys.UPDATE.drift_sq, layout.total_sq(now, self._after)))
+        base = self._param_sq(now)
+        base.append(functools.reduce(operator.add, base))  # host floats or 0-d tensors: one add per further group
+        entries.extend((keys.update_group(i, "param_sq"), sq) for i, sq in enumerate(base[:-1]))
+        entries.append((keys.UPDATE.param_sq, base[-1]))
         self._base_sq, self._before = base, now
         self._last_lrs = list(lrs)
-        return p
+        return report.partial(layout)
 
     @torch.no_grad()
     def post_step(self, groups: list[list[torch.Tensor]]) -> None:
@@ -253,19 +298,19 @@ class UpdateProbe:
             return
         layout = self._layout
         after = self._take(groups)
-        p = Partial()
-        entries = p.sum if self._merge_sum else p.max
+        report = _Report()
+        entries = report.sum if self._merge_sum else report.max
         if self._layout is layout:
-            sq = [s.reshape(1) for s in layout.group_sq(after, self._before)]
-            total = functools.reduce(torch.add, sq)
+            sq = layout.group_sq(after, self._before)
             for i, (s, b) in enumerate(zip(sq, self._base_sq)):
-                entries[keys.update_group(i, "sq")] = s
-                entries[keys.update_group(i, "base_sq")] = b
+                entries.append((keys.update_group(i, "sq"), s))
+                entries.append((keys.update_group(i, "base_sq"), b))
                 lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
-                p.max[keys.update_group(i, "lr")] = torch.full((1,), lr, dtype=F64, device=s.device)
-            entries[keys.UPDATE.sq] = total
-            entries[keys.UPDATE.base_sq] = self._base_sq[-1]
-        self._pending, self._before = p, None
+                report.max.append((keys.update_group(i, "lr"), lr if layout.host else
+                                   torch.full((), lr, dtype=F64, device=layout.device)))
+            entries.append((keys.UPDATE.sq, functools.reduce(operator.add, sq)))
+            entries.append((keys.UPDATE.base_sq, self._base_sq[-1]))
+        self._pending, self._before = report, None
         self._after, self._after_layout = after, self._layout
 
     @torch.no_grad()

@@ -47,3 +47,9 @@ def test_main_writes_warm_and_cold_figures(bench, tmp_path):
     ratio = result["guard_ms_per_step_cold"] / result["guard_ms_per_step_warm"]
     assert result["cold_over_warm"] == pytest.approx(ratio, abs=0.011)
     assert set(result["per_call_ms_warm"]) == set(result["per_call_ms_cold"]) == set(bench.CALLS)
+    probe = result["machine"]
+    assert set(probe) == {f"{op}_us_{state}" for op in ("torch_op", "numpy_op", "python_loop")
+                          for state in ("warm", "cold")}
+    assert all(v > 0 for v in probe.values())
+    # the disturbance evicts what the operation needs: cold is never the cheaper (medians of 60 calls)
+    assert all(probe[f"{op}_us_cold"] >= probe[f"{op}_us_warm"] for op in ("torch_op", "numpy_op"))

@@ -9,10 +9,20 @@ import numpy as np
 import pytest
 import torch
 
+from rl_guard.stats import host_engine
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.cpu_squares import REL_ERROR
 from rl_guard.stats.summarize import summarize
 from rl_guard.stats.update import WHOLE, UpdateProbe, stride_for
+
+
+@pytest.fixture(autouse=True, params=["host", "device"])
+def engine(request, monkeypatch):
+    """Every test runs both ways: CPU weights read by numpy in place (``host``), and the torch path a GPU's weights
+    take (``device``: the host engine off, so CPU tensors are handled as a GPU's)."""
+    if request.param == "device":
+        monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
+    return request.param
 
 
 def _metrics(partial) -> dict:
@@ -164,3 +174,25 @@ def test_a_parameter_with_no_local_elements_is_left_out():
     got = _metrics(probe.pre_step(groups, [0.1, 0.1, 0.1]))
     assert got["rl_guard/update/norm"] == pytest.approx(math.sqrt(5.0), rel=1e-6)
     assert got["rl_guard/update/group2/param_norm"] == 0.0
+
+
+def test_host_and_device_paths_lay_out_and_compute_the_same():
+    # Ranks merge packed vectors by layout: whichever path a rank's weights take, the same names in the same order,
+    # and the same figures (each path is chosen here, whatever the module's fixture chose).
+    reports = {}
+    for path in ("host", "device"):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(host_engine, "CPU_MAX_TOKENS", 1 << 13 if path == "host" else 0)
+            groups = _model(big=50_000)
+            probe = UpdateProbe(sample=256)
+            probe.pre_step(groups, [0.1, 0.2])
+            with torch.no_grad():
+                groups[0][1].add_(0.5)
+                groups[1][0].mul_(0.9)
+            probe.post_step(groups)
+            reports[path] = probe.pre_step(groups, [0.1, 0.2])
+            assert probe._layout.host == (path == "host")
+    host, device = reports["host"], reports["device"]
+    assert host.packed[0] == device.packed[0]
+    np.testing.assert_allclose(host.packed[1].numpy(), device.packed[1].numpy(), rtol=1e-12)
+    np.testing.assert_allclose(host.packed[2].numpy(), device.packed[2].numpy(), rtol=1e-12)
