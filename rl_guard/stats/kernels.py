@@ -19,7 +19,9 @@ rarer paths: GSPO's second pass and the per-sequence fields (lengths, rewards, t
 
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 
 from . import keys
@@ -166,7 +168,12 @@ def loss_stats(p: Partial, loss: torch.Tensor) -> Partial:
 
 
 def rank_count(name: str, device) -> Partial:
-    """A count of 1 per rank per step (summed across ranks: the number of ranks that contributed)."""
-    p = Partial()
-    p.add_sum(name, torch.ones((), device=device if device is not None else "cpu"))
-    return p
+    """A count of 1 per rank per step (summed across ranks: the number of ranks that contributed): a packed
+    ``Partial`` of constant vectors made once per device (the accumulator copies what it adds, never writes it)."""
+    ones, empty = _constant_count(torch.device(device if device is not None else "cpu"))
+    return Partial.of_packed((((name, 1),), ()), ones, empty)
+
+
+@functools.lru_cache(maxsize=8)
+def _constant_count(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(1, dtype=torch.float64, device=device), torch.zeros(0, dtype=torch.float64, device=device)
