@@ -215,11 +215,15 @@ class _Report:
 
 
 def _vector(entries: list, layout: _Layout) -> torch.Tensor:
+    """The entries' values as one float64 vector where ``layout`` keeps its figures. A report taken under another
+    layout (the weights moved between host and device since the last step) is converted, once."""
+    values = [value for _, value in entries]
     if layout.host:
-        return torch.from_numpy(np.array([value for _, value in entries], dtype=np.float64))
-    if not entries:
+        return torch.from_numpy(np.array([float(v) for v in values], dtype=np.float64))
+    if not values:
         return torch.zeros(0, dtype=F64, device=layout.device)
-    return torch.stack([value for _, value in entries]).to(F64)
+    values = [v if torch.is_tensor(v) else torch.tensor(v, dtype=F64) for v in values]
+    return torch.stack(values).to(device=layout.device, dtype=F64)
 
 
 class UpdateProbe:

@@ -196,3 +196,26 @@ def test_host_and_device_paths_lay_out_and_compute_the_same():
     assert host.packed[0] == device.packed[0]
     np.testing.assert_allclose(host.packed[1].numpy(), device.packed[1].numpy(), rtol=1e-12)
     np.testing.assert_allclose(host.packed[2].numpy(), device.packed[2].numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("first", ["host", "device"])
+def test_a_report_survives_the_weights_changing_path_between_steps(first):
+    # The last step's update is reported at the next pre_step; if the layout changed path meanwhile (a new
+    # parameter, weights moved), its figures are converted, not lost.
+    groups = _model()
+    probe = UpdateProbe(sample=10**6)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_engine, "CPU_MAX_TOKENS", 1 << 13 if first == "host" else 0)
+        probe.pre_step(groups, [0.1, 0.1])
+        before = _np(groups)
+        with torch.no_grad():
+            groups[1][0].add_(2.0)
+        probe.post_step(groups)
+        moved = math.sqrt(sum(((y - x) ** 2).sum() for g, h in zip(before, _np(groups)) for x, y in zip(g, h)))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_engine, "CPU_MAX_TOKENS", 0 if first == "host" else 1 << 13)
+        groups[1].append(torch.nn.Parameter(torch.ones(3)))  # a new layout, on the other path
+        got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
+    assert probe._layout.host == (first == "device")
+    assert moved == pytest.approx(math.sqrt(20.0), rel=1e-6)
+    assert got["rl_guard/update/norm"] == pytest.approx(moved, rel=1e-12)
