@@ -27,7 +27,7 @@ import torch
 
 from . import host_engine, keys
 from .cpu_squares import square_sums
-from .partial import Partial
+from .partial import Partial, Scalars
 from .ranks import rank_and_world
 
 
@@ -220,38 +220,19 @@ def _host_number(x) -> float | None:
 
 
 def _host_partial(tensors: list[torch.Tensor], spans, merge_sum: bool, scale: float, preclip) -> Partial:
-    """``probe_grads`` of CPU gradients with unit weights: the figures from ``_cpu_figures`` (numpy), packed in the
-    layout the multi-tensor path gives them (so that ranks and micro-batches merge either way)."""
+    """``probe_grads`` of CPU gradients with unit weights: the figures from ``_cpu_figures`` (numpy), entered in the
+    order the multi-tensor path writes them (ranks and micro-batches merge packed vectors by that layout)."""
     per_group, linf = _cpu_figures(tensors, spans)
-    n = len(per_group)
-    figures = np.empty(n + 4)
-    figures[:n] = per_group
-    figures[n] = per_group.sum()
-    figures[n + 1] = linf.max() if linf.size else 0.0  # NaN-propagating, as the multi-tensor path
-    figures[n + 2] = linf.size - np.count_nonzero(np.isfinite(linf))  # tensors holding a NaN or an infinity
-    if scale != 1.0:
-        figures[: n + 1] *= scale * scale
-        figures[n + 1] *= scale
-    figures[n + 3] = math.nan if preclip is None else preclip * preclip
-    layout, sums, maxes = _host_layout(n, merge_sum, preclip is not None)
-    return Partial.of_packed(layout, torch.from_numpy(figures[sums]), torch.from_numpy(figures[maxes]))
-
-
-@functools.lru_cache(maxsize=32)
-def _host_layout(groups: int, merge_sum: bool, preclip: bool) -> tuple:
-    """``(layout, sum indices, max indices)`` into ``_host_partial``'s figures (the group sums, the total, max |g|,
-    the non-finite count, the squared pre-clip norm), in the order ``probe_grads`` writes its entries."""
-    names = [keys.grad_group(i) for i in range(groups)] + [keys.GRAD.sq, keys.GRAD.max_abs, keys.GRAD.nonfinite]
-    at = dict(zip(names, range(groups + 3)))
-    shared = [*names[:groups], keys.GRAD.sq]
-    sum_names = [*shared, keys.GRAD.nonfinite] if merge_sum else []
-    max_names = [keys.GRAD.max_abs] if merge_sum else [*shared, keys.GRAD.max_abs, keys.GRAD.nonfinite]
-    max_idx = [at[k] for k in max_names]
-    if preclip:
-        max_names.append(keys.GRAD.preclip_sq)
-        max_idx.append(groups + 3)
-    layout = (tuple((k, 1) for k in sum_names), tuple((k, 1) for k in max_names))
-    return layout, np.array([at[k] for k in sum_names], dtype=np.int64), np.array(max_idx, dtype=np.int64)
+    sq_scale = scale * scale
+    figures = Scalars()
+    entries = figures.sum if merge_sum else figures.max
+    entries.extend((keys.grad_group(i), sq * sq_scale) for i, sq in enumerate(per_group))
+    entries.append((keys.GRAD.sq, per_group.sum() * sq_scale))
+    figures.max.append((keys.GRAD.max_abs, linf.max() * scale))  # NaN-propagating, as the multi-tensor path
+    entries.append((keys.GRAD.nonfinite, linf.size - np.count_nonzero(np.isfinite(linf))))  # NaN / inf tensors
+    if preclip is not None:
+        figures.max.append((keys.GRAD.preclip_sq, preclip * preclip))
+    return figures.partial(host=True)
 
 
 def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):

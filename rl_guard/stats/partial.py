@@ -8,6 +8,7 @@ built only when someone reads ``sum`` / ``max`` (after which the ``Partial`` is 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 F64 = torch.float64
@@ -59,6 +60,31 @@ class Partial:
 
     def add_max(self, name: str, t: torch.Tensor) -> None:
         self.max[name] = t.reshape(-1).to(F64)
+
+
+class Scalars:
+    """Scalar figures by reduction, ``(name, value)`` in the order they were measured: host floats, or 0-d tensors
+    on the device; packed into one ``Partial`` at the end (one vector per reduction, no dict of tensors)."""
+
+    def __init__(self) -> None:
+        self.sum: list[tuple[str, object]] = []
+        self.max: list[tuple[str, object]] = []
+
+    def partial(self, host: bool, device=None) -> Partial:
+        """The packed ``Partial``: built in numpy when ``host`` (a value measured on the device, e.g. before the
+        weights moved, is read once), else stacked on ``device``."""
+        layout = (tuple((name, 1) for name, _ in self.sum), tuple((name, 1) for name, _ in self.max))
+        return Partial.of_packed(layout, _scalar_vector(self.sum, host, device), _scalar_vector(self.max, host, device))
+
+
+def _scalar_vector(entries: list, host: bool, device) -> torch.Tensor:
+    values = [value for _, value in entries]
+    if host:
+        return torch.from_numpy(np.array([float(v) for v in values], dtype=np.float64))
+    if not values:
+        return torch.zeros(0, dtype=F64, device=device)
+    values = [v if torch.is_tensor(v) else torch.tensor(v, dtype=F64) for v in values]
+    return torch.stack(values).to(device=device, dtype=F64)
 
 
 def _joined(parts: list, device) -> tuple[tuple, torch.Tensor]:

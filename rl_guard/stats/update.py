@@ -46,7 +46,7 @@ import torch
 
 from . import host_engine, keys
 from .grads import device_vector, local_shards, squares
-from .partial import Partial
+from .partial import Partial, Scalars
 
 DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note above
 WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole: exact, for a copy of a few sample sizes
@@ -201,31 +201,6 @@ def _keys(pairs) -> tuple[tuple, tuple | None]:
     return structure, storage
 
 
-class _Report:
-    """The figures of one report, ``(name, value)`` per reduction in the order they were measured: host floats or
-    0-d device tensors, packed into one ``Partial`` at the end (one vector per reduction, no dict of tensors)."""
-
-    def __init__(self):
-        self.sum: list[tuple[str, object]] = []
-        self.max: list[tuple[str, object]] = []
-
-    def partial(self, layout: _Layout) -> Partial:
-        names = (tuple((name, 1) for name, _ in self.sum), tuple((name, 1) for name, _ in self.max))
-        return Partial.of_packed(names, _vector(self.sum, layout), _vector(self.max, layout))
-
-
-def _vector(entries: list, layout: _Layout) -> torch.Tensor:
-    """The entries' values as one float64 vector where ``layout`` keeps its figures. A report taken under another
-    layout (the weights moved between host and device since the last step) is converted, once."""
-    values = [value for _, value in entries]
-    if layout.host:
-        return torch.from_numpy(np.array([float(v) for v in values], dtype=np.float64))
-    if not values:
-        return torch.zeros(0, dtype=F64, device=layout.device)
-    values = [v if torch.is_tensor(v) else torch.tensor(v, dtype=F64) for v in values]
-    return torch.stack(values).to(device=layout.device, dtype=F64)
-
-
 class UpdateProbe:
     """Call ``pre_step`` right before ``optimizer.step()`` (it returns the ``Partial`` to add to that step's
     statistics), ``post_step`` right after it, and ``resync`` after the weights were restored (a rollback)."""
@@ -238,7 +213,7 @@ class UpdateProbe:
         self._after: torch.Tensor | None = None    # sampled weights right after it
         self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
         self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step, then the total
-        self._pending: _Report | None = None             # the last step's update, reported at the next pre_step
+        self._pending: Scalars | None = None             # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
@@ -280,7 +255,7 @@ class UpdateProbe:
     @torch.no_grad()
     def pre_step(self, groups: list[list[torch.Tensor]], lrs: list[float]) -> Partial:
         """The last step's update, the weight change since then, the current norms (device, no sync)."""
-        report = self._pending or _Report()
+        report = self._pending or Scalars()
         self._pending = None
         now = self._take(groups)  # first: it finds whether the parameters are shards
         layout = self._layout
@@ -293,7 +268,7 @@ class UpdateProbe:
         entries.append((keys.UPDATE.param_sq, base[-1]))
         self._base_sq, self._before = base, now
         self._last_lrs = list(lrs)
-        return report.partial(layout)
+        return report.partial(layout.host, layout.device)
 
     @torch.no_grad()
     def post_step(self, groups: list[list[torch.Tensor]]) -> None:
@@ -302,7 +277,7 @@ class UpdateProbe:
             return
         layout = self._layout
         after = self._take(groups)
-        report = _Report()
+        report = Scalars()
         entries = report.sum if self._merge_sum else report.max
         if self._layout is layout:
             sq = layout.group_sq(after, self._before)
