@@ -41,7 +41,10 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
   rewards and completion lengths at every step (the guard changed nothing in the run; false when it acted);
 * ``control`` (``--control``): the same ratios from an A/A pair run right after each pair, both arms unguarded: what
   the method reads when the arms do the same work (ideally 1; its distance from 1 is the resolution of the figures
-  above on this machine).
+  above on this machine);
+* ``floor`` (``--floor``): the same ratios from a pair whose second arm runs, instead of the guard, the least any guard
+  that acts before ``optimizer.step()`` must do (``FloorGuard``: the gradients' norm and non-finite count, one host
+  read per step): what no guard of this kind can read below on this setup and machine.
 
 A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs 20-150 ms
 here. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
@@ -51,7 +54,7 @@ multi-threaded wall time measure the neighbours.
 cost spread over a step that does more work.
 
 Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json [FILE]] [--threads N]
-[--hidden N] [--layers N] [--completion N] [--setup S] [--control]``.
+[--hidden N] [--layers N] [--completion N] [--setup S] [--control] [--floor]``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,28 @@ from rl_guard.demo.run import guard_cost  # noqa: E402
 from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
 
 TARGET = 1.05
+
+
+def floor_guard():
+    """A ``TrainerCallback`` doing the least a guard that acts before ``optimizer.step()`` must do: per step, one
+    multi-tensor norm over the gradients, their squared total and non-finite count in one host read (a non-finite
+    gradient stops the run). ``reads`` counts the steps it checked."""
+    import torch
+    from transformers import TrainerCallback
+
+    class FloorGuard(TrainerCallback):
+        def __init__(self):
+            self.reads = 0
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norms = torch.stack(torch._foreach_norm(grads))
+            _, bad = torch.stack([norms.square().sum(), (~norms.isfinite()).sum().to(norms.dtype)]).tolist()
+            self.reads += 1
+            if bad:
+                control.should_training_stop = True
+
+    return FloorGuard()
 
 
 PARTS = ("statistics", "grad_probe", "update_probe", "transfer", "summarize", "rules", "sinks", "diagnostics",
@@ -163,11 +188,11 @@ def guard_config(setup: str, stats_engine: str = "eager") -> str:
     return PRESET.read_text(encoding="utf-8") + f"stats_engine: {stats_engine}\n"
 
 
-def _trainer(model_path: Path, dataset, steps: int, guarded: bool, work: Path, turns, seed: int = 0,
+def _trainer(model_path: Path, dataset, steps: int, guarded: bool | str, work: Path, turns, seed: int = 0,
              completion: int | None = None, lr: float | None = None, stats_engine: str = "eager",
              setup: str = "demo"):
     """One arm's ``GRPOTrainer`` (``turns``: its lockstep callback, last, so that a step's slice takes in every
-    callback's work of the step)."""
+    callback's work of the step). ``guarded``: the guard, nothing, or ``"floor"`` (``floor_guard``)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -183,8 +208,12 @@ def _trainer(model_path: Path, dataset, steps: int, guarded: bool, work: Path, t
     # bf16=False: TRL's default bf16 is for accelerators; on CPU every setup runs float32
     args = GRPOConfig(output_dir=str(work / "trainer"), max_steps=steps, use_cpu=True, bf16=False, report_to=[],
                       save_strategy="no", seed=seed, disable_tqdm=True, **trainer_setup)
-    callbacks = [adapter.RLGuardCallback(guard_config(setup, stats_engine), run_dir=str(work / "guard"))] \
-        if guarded else []
+    if guarded == "floor":
+        callbacks = [floor_guard()]
+    elif guarded:
+        callbacks = [adapter.RLGuardCallback(guard_config(setup, stats_engine), run_dir=str(work / "guard"))]
+    else:
+        callbacks = []
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
                           args=args, train_dataset=dataset, callbacks=[*callbacks, turns])
     trainer.pop_callback(PrinterCallback)
@@ -195,15 +224,17 @@ ROLLOUT_LOGS = ("reward", "completions/mean_length")  # what both arms must have
 
 
 def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, seed: int = 0,
-              control: bool = False, **options) -> dict:
+              control: bool = False, floor: bool = False, **options) -> dict:
     """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep; ``first``: the arm that steps first.
-    ``control``: arm 1 is unguarded too (an A/A pair: what the method reads when there is no difference)."""
+    ``control``: arm 1 is unguarded too (an A/A pair: what the method reads when there is no difference);
+    ``floor``: arm 1 runs ``floor_guard`` instead of the guard."""
     from lockstep import Lockstep
 
     lockstep, bd, patched = Lockstep(), _Breakdown(), []
+    second = "floor" if floor else not control
     trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{arm}", lockstep.callbacks[arm],
                          seed=seed, **options)
-                for arm, guarded in enumerate((False, not control))]
+                for arm, guarded in enumerate((False, second))]
     for owner, name, part in _guard_patches(bd):  # only the guarded arm calls these
         original = getattr(owner, name)
         patched.append((owner, name, original))
@@ -220,7 +251,9 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
     logs = [[{k: e[k] for k in ROLLOUT_LOGS if k in e} for e in t.state.log_history if "reward" in e] for t in trainers]
     arms = [{"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
             for t, turns in zip(trainers, lockstep.callbacks)]
+    floor_reads = sum(getattr(c, "reads", 0) for c in trainers[1].callback_handler.callbacks)
     return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
+            "floor_reads": floor_reads,
             "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
             "acted": sum('"action": "warn"' not in line for line in lines),
             "reported_ms": reported[0] if reported else None}
@@ -261,6 +294,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--control", action="store_true",
                     help="after each pair, an A/A pair (both arms unguarded): what the method reads when there is no "
                     "difference, i.e. how finely it resolves a ratio on this machine")
+    ap.add_argument("--floor", action="store_true",
+                    help="after each pair, a pair whose second arm runs the least a guard acting before "
+                    "optimizer.step() must do (gradient norm and non-finite count, one host read) instead of the "
+                    "guard: what no such guard reads below here")
     ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
                     help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)
@@ -282,7 +319,7 @@ def main(argv=None) -> dict:
     run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup)
     # warm-up: first-call costs (kernels, lazy imports) land in neither figure
     _one_pair(model_path, dataset, 2, work / "warmup", first=0, **run_options)
-    pairs, controls = [], []
+    pairs, controls, floors = [], [], []
     for i in range(runs):
         pair = _one_pair(model_path, dataset, steps, work / f"run{i}", first=i % 2, **run_options)
         plain, guarded = pair["arms"]
@@ -292,6 +329,9 @@ def main(argv=None) -> dict:
         if args.control:  # right after the pair it controls: the same stretch of the machine's load
             controls.append(_one_pair(model_path, dataset, steps, work / f"control{i}", first=i % 2, control=True,
                                       **run_options))
+        if args.floor:
+            floors.append(_one_pair(model_path, dataset, steps, work / f"floor{i}", first=i % 2, floor=True,
+                                    **run_options))
 
     ratios = [p["ratio"] for p in pairs]
     out = {
@@ -316,11 +356,12 @@ def main(argv=None) -> dict:
         "guard_acted": sum(p["acted"] for p in pairs),
         "step_s": {arm: [sum(p["arms"][i]["wall"]) for p in pairs] for i, arm in enumerate(("unguarded", "guarded"))},
     }
-    if controls:
-        c_ratios = [c["ratio"] for c in controls]
-        out["control"] = {"ratio": _per_step(controls, "wall"), "ratio_cpu": _per_step(controls, "cpu"),
-                          "ratio_total": statistics.median(c_ratios), "ratio_range": [min(c_ratios), max(c_ratios)],
-                          "same_rollouts": all(c["same_rollouts"] for c in controls)}
+    for name, extra in (("control", controls), ("floor", floors)):
+        if extra:
+            ratios = [c["ratio"] for c in extra]
+            out[name] = {"ratio": _per_step(extra, "wall"), "ratio_cpu": _per_step(extra, "cpu"),
+                         "ratio_total": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                         "same_rollouts": all(c["same_rollouts"] for c in extra)}
     print(f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
           f"CPU time {out['overhead_ratio_cpu']:.3f}; total time {out['overhead_ratio_total']:.3f} "
           f"(pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}); "
@@ -334,10 +375,12 @@ def main(argv=None) -> dict:
           "(guarded - unguarded step, beyond the guard's calls)")
     if out["guard_reported_ms"] is not None:
         print(f"  {'as logged':<12} {out['guard_reported_ms']:7.3f} (rl_guard/guard/host_ms: the guard's calls only)")
-    if controls:
-        c = out["control"]
-        print(f"control, both arms unguarded: per-step {c['ratio']:.3f}, CPU time {c['ratio_cpu']:.3f}, total time "
-              f"{c['ratio_total']:.3f} (pairs {c['ratio_range'][0]:.3f}-{c['ratio_range'][1]:.3f})")
+    for name, label in (("control", "control, both arms unguarded"),
+                        ("floor", "floor, the least a guard acting before the step does")):
+        if name in out:
+            c = out[name]
+            print(f"{label}: per-step {c['ratio']:.3f}, CPU time {c['ratio_cpu']:.3f}, total time "
+                  f"{c['ratio_total']:.3f} (pairs {c['ratio_range'][0]:.3f}-{c['ratio_range'][1]:.3f})")
     if out["guard_acted"] or not out["same_rollouts"]:
         print(f"note: the guard acted {out['guard_acted']} time(s) (same rollouts in both arms: "
               f"{out['same_rollouts']}); those runs did different work")

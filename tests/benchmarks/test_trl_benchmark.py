@@ -82,3 +82,35 @@ def test_control_pairs_run_both_arms_unguarded(tmp_path):
     assert all(math.isfinite(control[k]) and control[k] > 0 for k in ("ratio", "ratio_cpu", "ratio_total"))
     assert control["ratio_range"] == [control["ratio_total"]] * 2  # one pair: its ratio
     assert "control" not in bench.main(["--runs", "1", "--steps", "1", "--setup", "trl-short"])
+
+
+def test_floor_pairs_run_the_least_guard_in_the_second_arm(tmp_path):
+    bench = load_module("trl_overhead", BENCH)
+    from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
+
+    work = tmp_path / "floor"
+    pair = bench._one_pair(build_tiny_model(tmp_path / "model", seed=0), prompt_dataset(64, seed=0), 3, work,
+                           first=1, floor=True, setup="trl-short")
+    assert pair["floor_reads"] == 3  # one gradient check per optimizer step, in the second arm only
+    assert pair["guard"] == 0 and not (work / "arm1" / "guard").exists() and pair["same_rollouts"] is True
+
+    out = bench.main(["--runs", "1", "--steps", "2", "--setup", "trl-short", "--floor"])
+    floor = out["floor"]
+    assert set(floor) == {"ratio", "ratio_cpu", "ratio_total", "ratio_range", "same_rollouts"}
+    assert floor["same_rollouts"] is True and floor["ratio_range"] == [floor["ratio_total"]] * 2
+    assert "floor" not in bench.main(["--runs", "1", "--steps", "1", "--setup", "trl-short"])
+
+
+def test_the_floor_guard_stops_the_run_on_a_non_finite_gradient():
+    import torch
+    from transformers import TrainerControl
+
+    bench = load_module("trl_overhead", BENCH)
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    floor, control = bench.floor_guard(), TrainerControl()
+    floor.on_pre_optimizer_step(None, None, control, model=model)
+    assert not control.should_training_stop and floor.reads == 1
+    model.weight.grad[0, 0] = float("nan")
+    floor.on_pre_optimizer_step(None, None, control, model=model)
+    assert control.should_training_stop and floor.reads == 2
