@@ -265,7 +265,7 @@ def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[np.ndarray, np.nda
     for g, (lo, hi, r_lo, r_hi) in enumerate(ranges):  # per group: a range of ``flat``, one of ``rest_sq``
         if hi > lo:
             x = flat[lo:hi]
-            per_group[g] = np.dot(x, x)
+            per_group[g] = host_engine.dot(x, x)
         if r_hi > r_lo:
             per_group[g] += rest_sq[r_lo:r_hi].sum()
     return per_group, (linf[0] if len(linf) == 1 else np.concatenate(linf))

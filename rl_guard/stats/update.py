@@ -149,7 +149,7 @@ class _Layout:
         return 0.0 if self.host else torch.zeros((), dtype=F64, device=self.device)
 
     def _dot(self, x, y):
-        return float(np.dot(x, y)) if self.host else torch.dot(x, y)
+        return host_engine.dot(x, y) if self.host else torch.dot(x, y)
 
     def group_sq(self, a, b, part: int = 2) -> list:
         """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over the group's span: its
