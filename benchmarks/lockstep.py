@@ -81,6 +81,25 @@ class Lockstep:
             self._cv.wait_for(lambda: self._turn == arm)
 
 
+class Sequential:
+    """The arms one after the other, each a whole ``train()`` in the calling thread, as a user runs one trainer: the
+    way to see what depends on the thread that drives the trainer (torch's OpenMP workers and BLAS's threads belong to
+    it), which ``Lockstep``'s one thread per arm changes. Drift of the machine's load between the runs is not
+    cancelled: compare several pairs, and their order alternated. Same callbacks and timing as ``Lockstep``."""
+
+    def __init__(self, arms: int = 2):
+        self.arms = arms
+        self.callbacks = [_Turns(self, arm) for arm in range(arms)]
+
+    def run(self, trainers, seed: int, first: int = 0) -> None:
+        for arm in [first] + [a for a in range(self.arms) if a != first]:
+            set_seed(seed)
+            trainers[arm].train()
+
+    def _hand_over(self, arm: int) -> None:  # one arm at a time already
+        pass
+
+
 class _Turns(TrainerCallback):
     """The arm's side: hands the turn over at every step's start and times its own slices."""
 

@@ -50,11 +50,18 @@ A tiny model is the worst case for a relative figure: the guard's per-step work 
 here. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
 multi-threaded wall time measure the neighbours.
 
+``--sequential`` runs each pair as two whole runs, one after the other in the calling thread (which arm runs first
+alternates), as a user runs one trainer: lockstep gives each arm a thread of its own, and with it its own OpenMP
+workers, which hides what depends on the thread that drives the trainer. With ``--threads 0`` (torch's default
+thread count) that is how a guard whose numpy dot products went to BLAS's own threads, stalling ~4 ms each behind
+torch's still-spinning workers, showed: 1.98 per step (demo), the trainer's own work 25 ms a step slower beside it,
+where lockstep read 1.2.
+
 ``--hidden`` / ``--layers`` / ``--completion`` make the model and the rollouts larger (or shorter), to see the fixed
 cost spread over a step that does more work.
 
 Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json [FILE]] [--threads N]
-[--hidden N] [--layers N] [--completion N] [--setup S] [--control] [--floor]``.
+[--hidden N] [--layers N] [--completion N] [--setup S] [--control] [--floor] [--sequential]``.
 """
 
 from __future__ import annotations
@@ -224,13 +231,13 @@ ROLLOUT_LOGS = ("reward", "completions/mean_length")  # what both arms must have
 
 
 def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, seed: int = 0,
-              control: bool = False, floor: bool = False, **options) -> dict:
-    """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep; ``first``: the arm that steps first.
-    ``control``: arm 1 is unguarded too (an A/A pair: what the method reads when there is no difference);
-    ``floor``: arm 1 runs ``floor_guard`` instead of the guard."""
-    from lockstep import Lockstep
+              control: bool = False, floor: bool = False, method: str = "lockstep", **options) -> dict:
+    """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep (``method``: or ``sequential``, one whole run
+    after the other); ``first``: the arm that steps first. ``control``: arm 1 is unguarded too (an A/A pair: what the
+    method reads when there is no difference); ``floor``: arm 1 runs ``floor_guard`` instead of the guard."""
+    from lockstep import Lockstep, Sequential
 
-    lockstep, bd, patched = Lockstep(), _Breakdown(), []
+    lockstep, bd, patched = (Sequential if method == "sequential" else Lockstep)(), _Breakdown(), []
     second = "floor" if floor else not control
     trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{arm}", lockstep.callbacks[arm],
                          seed=seed, **options)
@@ -281,7 +288,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="3 pairs of 8 steps (well under 2 minutes)")
     ap.add_argument("--runs", type=int, help="pairs of runs (default 5, quick 3)")
     ap.add_argument("--steps", type=int, help="optimizer steps per run (default 24, quick 8)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1; 0: torch's own default, as a user gets it)")
     ap.add_argument("--hidden", type=int, default=32, help="the model's hidden size (default 32: the tiny model)")
     ap.add_argument("--layers", type=int, default=2, help="the model's layers (default 2)")
     ap.add_argument("--completion", type=int, help="max completion tokens (default: the setup's, 8 or TRL's 512)")
@@ -298,6 +306,10 @@ def main(argv=None) -> dict:
                     help="after each pair, a pair whose second arm runs the least a guard acting before "
                     "optimizer.step() must do (gradient norm and non-finite count, one host read) instead of the "
                     "guard: what no such guard reads below here")
+    ap.add_argument("--sequential", action="store_true",
+                    help="each pair as two whole runs one after the other in this thread (order alternated), as a "
+                    "user runs one trainer, instead of lockstep: shows what depends on the thread that drives the "
+                    "trainer (torch's and BLAS's thread pools), at the price of the load's drift between the runs")
     ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
                     help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
     add_json_argument(ap)
@@ -309,14 +321,16 @@ def main(argv=None) -> dict:
 
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
 
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="rl_guard_overhead_"))
     completion = args.completion or TRAINER_SETUPS[args.setup].get("max_completion_length") or _trl_default(
         "max_completion_length")
     model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers,
                                   max_positions=max(64, completion + 16))  # the prompts are 3 words
     dataset = prompt_dataset(256, seed=0)
-    run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup)
+    run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=args.setup,
+                       method="sequential" if args.sequential else "lockstep")
     # warm-up: first-call costs (kernels, lazy imports) land in neither figure
     _one_pair(model_path, dataset, 2, work / "warmup", first=0, **run_options)
     pairs, controls, floors = [], [], []
@@ -340,8 +354,8 @@ def main(argv=None) -> dict:
         "overhead_ratio_total": statistics.median(ratios),
         "overhead_ratio_range": [min(ratios), max(ratios)],
         "guard_time_frac": statistics.median(p["guard"] / sum(p["arms"][1]["wall"]) for p in pairs),
-        "target": TARGET, "runs": runs, "steps": steps, "threads": args.threads, "stats_engine": args.stats_engine,
-        "setup": args.setup, "method": "lockstep",
+        "target": TARGET, "runs": runs, "steps": steps, "threads": torch.get_num_threads(),
+        "stats_engine": args.stats_engine, "setup": args.setup, "method": run_options["method"],
         "model": {"hidden": args.hidden, "layers": args.layers, "completion": completion,
                   "lr": args.lr or TRAINER_SETUPS[args.setup].get("learning_rate") or _trl_default("learning_rate")},
         "guard_ms_per_step": {part: statistics.median(1e3 * p["parts"][part] / p["arms"][1]["steps"] for p in pairs)
@@ -366,7 +380,7 @@ def main(argv=None) -> dict:
           f"CPU time {out['overhead_ratio_cpu']:.3f}; total time {out['overhead_ratio_total']:.3f} "
           f"(pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}); "
           f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded steps "
-          f"({runs} lockstep pairs x {steps} steps)")
+          f"({runs} {run_options['method']} pairs x {steps} steps, {torch.get_num_threads()} torch thread(s))")
     out["guard_ms_per_step"]["total"] = sum(out["guard_ms_per_step"][part] for part in PARTS)
     print(f"guard ms per step (median over pairs; a step takes {out['step_ms']['unguarded']:.1f} ms unguarded):")
     for part, ms in out["guard_ms_per_step"].items():

@@ -114,3 +114,30 @@ def test_the_floor_guard_stops_the_run_on_a_non_finite_gradient():
     model.weight.grad[0, 0] = float("nan")
     floor.on_pre_optimizer_step(None, None, control, model=model)
     assert control.should_training_stop and floor.reads == 2
+
+
+def test_sequential_pairs_run_one_whole_arm_after_the_other_in_this_thread(tmp_path):
+    import threading
+
+    import torch
+
+    bench = load_module("trl_overhead", BENCH)
+    from lockstep import Sequential
+    from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
+
+    model, runner, steps = build_tiny_model(tmp_path / "model", seed=0), Sequential(), 3
+    threads = []
+    runner.callbacks[1].on_train_begin = lambda *a, **k: threads.append(threading.current_thread())
+    trainers = [bench._trainer(model, prompt_dataset(64, seed=0), steps, arm == 1, tmp_path / f"arm{arm}",
+                               runner.callbacks[arm], setup="trl-short") for arm in (0, 1)]
+    runner.run(trainers, seed=0, first=1)
+    assert threads == [threading.current_thread()]  # the guarded arm trained in the caller's thread
+    spans = [turns.spans for turns in runner.callbacks]
+    assert [len(s) for s in spans] == [steps, steps] and spans[1][-1][1] <= spans[0][0][0]  # arm 1 whole, then 0
+    rewards = [[e["reward"] for e in t.state.log_history if "reward" in e] for t in trainers]
+    assert len(rewards[0]) == steps and rewards[0] == rewards[1]  # each run from the seed: the same rollouts
+
+    threads_before = torch.get_num_threads()
+    out = bench.main(["--runs", "1", "--steps", "2", "--setup", "trl-short", "--sequential", "--threads", "0"])
+    assert out["method"] == "sequential" and out["threads"] == threads_before == torch.get_num_threads()
+    assert out["same_rollouts"] is True and out["guard_acted"] == 0 and out["guard_ms_per_step"]["total"] > 0
