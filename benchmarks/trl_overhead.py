@@ -54,8 +54,8 @@ multi-threaded wall time measure the neighbours.
 alternates), as a user runs one trainer: lockstep gives each arm a thread of its own, and with it its own OpenMP
 workers, which hides what depends on the thread that drives the trainer. With ``--threads 0`` (torch's default
 thread count) that is how a guard whose numpy dot products went to BLAS's own threads, stalling ~4 ms each behind
-torch's still-spinning workers, showed: 1.98 per step (demo), the trainer's own work 25 ms a step slower beside it,
-where lockstep read 1.2.
+torch's still-spinning workers, showed: 1.98 per step (demo) and 1.87 (trl-defaults), the trainer's own work 25
+and 124 ms a step slower beside it, where lockstep read 1.2 and 1.02-1.05.
 
 ``--hidden`` / ``--layers`` / ``--completion`` make the model and the rollouts larger (or shorter), to see the fixed
 cost spread over a step that does more work.
