@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     assert written["runs"] == 1 and written["steps"] == 2 and written["guard_acted"] == 0
     assert written["same_rollouts"] is True  # the guard changed nothing: both arms sampled the same rollouts
     assert written["setup"] == setup and written["method"] == "lockstep"
+    assert written["pinned_cpu"] == min(os.sched_getaffinity(0))  # one torch thread: both arms on one CPU
     parts = written["guard_ms_per_step"]
     if setup != "demo":  # TRL generates every step: the sample diagnostics run every step
         assert parts["diagnostics"] > 0
@@ -46,17 +48,44 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     assert abs(parts["total"] * 2 / 1e3 - written["guard_time_frac"] * written["step_s"]["guarded"][0]) < 1e-6
 
 
-@pytest.mark.parametrize("first", [0, 1])
-def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, first):
+def test_default_run_measures_trl_defaults_first_and_the_demo_beside_it(tmp_path):
+    import torch
+
     bench = load_module("trl_overhead", BENCH)
-    from lockstep import Lockstep
+    threads_before = torch.get_num_threads()
+    out_file = tmp_path / "overhead.json"
+    out = bench.main(["--runs", "1", "--steps", "2", "--json", str(out_file)])
+    assert json.loads(out_file.read_text()) == json.loads(json.dumps(out))
+    # the top-level figures (the target's) are TRL's defaults with the shipped preset, as a user runs them
+    assert out["setup"] == "trl-defaults" and out["model"]["completion"] == bench._trl_default("max_completion_length")
+    assert list(out["other_setups"]) == ["demo"]  # the short rollouts' figures travel with them, never alone
+    demo = out["other_setups"]["demo"]
+    assert demo["setup"] == "demo" and demo["model"]["completion"] == 8 and "other_setups" not in demo
+    assert demo["guard_acted"] == 0 and demo["same_rollouts"] is True and demo["guard_ms_per_step"]["total"] > 0
+    assert demo["step_ms"]["unguarded"] < out["step_ms"]["unguarded"]  # 8-token rollouts: the shorter step
+    assert torch.get_num_threads() == threads_before  # --threads 1 holds for the run only
+    assert "other_setups" not in bench.main(["--runs", "1", "--steps", "1", "--setup", "trl-short"])
+
+
+@pytest.mark.parametrize("first, pinned", [(0, False), (1, True)])
+def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, first, pinned):
+    import os
+
+    bench = load_module("trl_overhead", BENCH)
+    from lockstep import Lockstep, shared_cpu
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
 
     model = build_tiny_model(tmp_path / "model", seed=0)
-    lockstep, steps = Lockstep(), 3
+    caller = os.sched_getaffinity(0)
+    cpu = shared_cpu() if pinned else None
+    lockstep, steps, seen = Lockstep(cpu=cpu), 3, {}
+    for arm, turns in enumerate(lockstep.callbacks):  # each arm's CPUs, read in its own thread
+        turns.on_train_begin = lambda *a, arm=arm, **k: seen.__setitem__(arm, os.sched_getaffinity(0))
     trainers = [bench._trainer(model, prompt_dataset(64, seed=0), steps, False, tmp_path / f"arm{arm}",
                                lockstep.callbacks[arm], setup="trl-short") for arm in (0, 1)]
     lockstep.run(trainers, seed=0, first=first)
+    assert seen == ({0: {cpu}, 1: {cpu}} if pinned else {0: caller, 1: caller})  # pinned: both arms on one CPU
+    assert os.sched_getaffinity(0) == caller  # the caller's own CPUs are left as they were
     slices = sorted((span, arm) for arm, turns in enumerate(lockstep.callbacks) for span in turns.spans)
     assert [arm for _, arm in slices] == [first, 1 - first] * steps  # one step each, in turn, first arm first
     assert all(a[0][1] <= b[0][0] for a, b in zip(slices, slices[1:]))  # a slice ends before the next starts
@@ -140,4 +169,5 @@ def test_sequential_pairs_run_one_whole_arm_after_the_other_in_this_thread(tmp_p
     threads_before = torch.get_num_threads()
     out = bench.main(["--runs", "1", "--steps", "2", "--setup", "trl-short", "--sequential", "--threads", "0"])
     assert out["method"] == "sequential" and out["threads"] == threads_before == torch.get_num_threads()
+    assert out["pinned_cpu"] is None  # a whole run in the caller's thread: nothing pinned
     assert out["same_rollouts"] is True and out["guard_acted"] == 0 and out["guard_ms_per_step"]["total"] > 0
