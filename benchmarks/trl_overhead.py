@@ -51,7 +51,8 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 
 A tiny model is the worst case for a relative figure: the guard's per-step work is fixed while a step costs 20-150 ms
 here. One intra-op thread by default (``--threads``): on a shared machine, spinning worker threads make
-multi-threaded wall time measure the neighbours.
+multi-threaded wall time measure the neighbours. With one thread both lockstep arms run on the same CPU
+(``pinned_cpu``; ``lockstep.py`` says why): A/A pairs then read 0.95-1.01 instead of 0.96-1.14.
 
 ``--sequential`` runs each pair as two whole runs, one after the other in the calling thread (which arm runs first
 alternates), as a user runs one trainer: lockstep gives each arm a thread of its own, and with it its own OpenMP
@@ -64,7 +65,7 @@ and 124 ms a step slower beside it, where lockstep read 1.2 and 1.02-1.05.
 cost spread over a step that does more work.
 
 Usage: ``python benchmarks/trl_overhead.py [--quick] [--runs N] [--steps N] [--json [FILE]] [--threads N]
-[--hidden N] [--layers N] [--completion N] [--setup S] [--control] [--floor] [--sequential]``.
+[--hidden N] [--layers N] [--completion N] [--setup S [S ...]] [--control] [--floor] [--sequential]``.
 """
 
 from __future__ import annotations
