@@ -432,7 +432,5 @@ def measure(setup: str, args) -> dict:
     return out
 
 
-
-
 if __name__ == "__main__":
     main()

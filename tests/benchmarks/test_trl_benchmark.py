@@ -69,8 +69,6 @@ def test_default_run_measures_trl_defaults_first_and_the_demo_beside_it(tmp_path
 
 @pytest.mark.parametrize("first, pinned", [(0, False), (1, True)])
 def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, first, pinned):
-    import os
-
     bench = load_module("trl_overhead", BENCH)
     from lockstep import Lockstep, shared_cpu
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
