@@ -244,10 +244,9 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
     import torch
     from lockstep import Lockstep, Sequential, shared_cpu
 
-    # one CPU for both single-threaded arms: neither spends the pair on a CPU whose neighbours are busier
-    lockstep = Sequential() if method == "sequential" else Lockstep(
-        cpu=shared_cpu() if torch.get_num_threads() == 1 else None)
-    bd, patched = _Breakdown(), []
+    # one CPU for both single-threaded lockstep arms: neither spends the pair on a CPU whose neighbours are busier
+    cpu = shared_cpu() if method == "lockstep" and torch.get_num_threads() == 1 else None
+    lockstep, bd, patched = Sequential() if method == "sequential" else Lockstep(cpu=cpu), _Breakdown(), []
     second = "floor" if floor else not control
     trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{arm}", lockstep.callbacks[arm],
                          seed=seed, **options)
@@ -270,7 +269,7 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
             for t, turns in zip(trainers, lockstep.callbacks)]
     floor_reads = sum(getattr(c, "reads", 0) for c in trainers[1].callback_handler.callbacks)
     return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
-            "cpu": getattr(lockstep, "cpu", None),
+            "cpu": cpu,
             "floor_reads": floor_reads,
             "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
             "acted": sum('"action": "warn"' not in line for line in lines),
@@ -336,7 +335,7 @@ def main(argv=None) -> dict:
         results = [measure(setup, args) for setup in dict.fromkeys(args.setup)]
     finally:
         torch.set_num_threads(threads)
-    out = dict(results[0])
+    out = results[0]
     if len(results) > 1:
         out["other_setups"] = {r["setup"]: r for r in results[1:]}
     emit_json(args.json, out)
