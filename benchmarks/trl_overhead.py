@@ -23,6 +23,9 @@ Every setup runs in float32 on the CPU (``bf16=False``). Reported:
 * ``overhead_ratio``: median over every step of every pair of guarded / unguarded step time (step i against step
   i; target <= 1.05): the typical step, which a few steps disturbed by neighbours do not move. For a fixed cost per
   step it is at least the ratio of total times (a short step's ratio is the larger);
+* ``overhead_ratio_ci95``: its 95 % bootstrap interval over the pairs (pairs resampled with replacement): how far
+  the figure could move on another run here. An interval that contains the target means this run does not decide
+  whether the target is met;
 * ``overhead_ratio_cpu``: the same with each arm's thread CPU time (what neighbours stealing the CPU change less);
 * ``overhead_ratio_total``: median over pairs of the guarded arm's total step time over the unguarded arm's, and
   ``overhead_ratio_range`` the smallest and largest per-pair ratio (how far one pair can be from the others);
@@ -73,6 +76,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -286,6 +290,17 @@ def _per_step(pairs: list[dict], field: str) -> float:
     return statistics.median(b / a for p in pairs for a, b in zip(p["arms"][0][field], p["arms"][1][field]))
 
 
+def _per_step_interval(pairs: list[dict], field: str, level: float = 0.95, resamples: int = 2000,
+                       seed: int = 0) -> list[float]:
+    """Percentile bootstrap interval of ``_per_step``: the pairs resampled with replacement (a pair, not a step, is
+    the unit that repeats: its steps share one stretch of the machine's load). With few pairs it is coarse, and it
+    can only be as wide as the pairs differ; one pair gives a point."""
+    rng = random.Random(seed)
+    values = sorted(_per_step(rng.choices(pairs, k=len(pairs)), field) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    return [values[round(tail * (resamples - 1))], values[round((1.0 - tail) * (resamples - 1))]]
+
+
 def _trl_default(field: str):
     """A ``GRPOConfig`` field's default, as the installed TRL declares it."""
     from trl import GRPOConfig
@@ -379,6 +394,7 @@ def measure(setup: str, args) -> dict:
     ratios = [p["ratio"] for p in pairs]
     out = {
         "overhead_ratio": _per_step(pairs, "wall"),
+        "overhead_ratio_ci95": _per_step_interval(pairs, "wall"),
         "overhead_ratio_cpu": _per_step(pairs, "cpu"),
         "overhead_ratio_total": statistics.median(ratios),
         "overhead_ratio_range": [min(ratios), max(ratios)],
@@ -403,10 +419,13 @@ def measure(setup: str, args) -> dict:
     for name, extra in (("control", controls), ("floor", floors)):
         if extra:
             ratios = [c["ratio"] for c in extra]
-            out[name] = {"ratio": _per_step(extra, "wall"), "ratio_cpu": _per_step(extra, "cpu"),
+            out[name] = {"ratio": _per_step(extra, "wall"), "ratio_ci95": _per_step_interval(extra, "wall"),
+                         "ratio_cpu": _per_step(extra, "cpu"),
                          "ratio_total": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                          "same_rollouts": all(c["same_rollouts"] for c in extra)}
-    print(f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (target <= {TARGET}); "
+    low, high = out["overhead_ratio_ci95"]
+    print(f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (95% interval over pairs "
+          f"{low:.3f}-{high:.3f}; target <= {TARGET}); "
           f"CPU time {out['overhead_ratio_cpu']:.3f}; total time {out['overhead_ratio_total']:.3f} "
           f"(pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}); "
           f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded steps "
@@ -423,7 +442,8 @@ def measure(setup: str, args) -> dict:
                         ("floor", "floor, the least a guard acting before the step does")):
         if name in out:
             c = out[name]
-            print(f"{label}: per-step {c['ratio']:.3f}, CPU time {c['ratio_cpu']:.3f}, total time "
+            print(f"{label}: per-step {c['ratio']:.3f} ({c['ratio_ci95'][0]:.3f}-{c['ratio_ci95'][1]:.3f}), "
+                  f"CPU time {c['ratio_cpu']:.3f}, total time "
                   f"{c['ratio_total']:.3f} (pairs {c['ratio_range'][0]:.3f}-{c['ratio_range'][1]:.3f})")
     if out["guard_acted"] or not out["same_rollouts"]:
         print(f"note: the guard acted {out['guard_acted']} time(s) (same rollouts in both arms: "

@@ -23,6 +23,7 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     assert written == json.loads(json.dumps(out))
     low, high = written["overhead_ratio_range"]
     assert low == high == written["overhead_ratio_total"]  # one pair: its ratio
+    assert written["overhead_ratio_ci95"] == [written["overhead_ratio"]] * 2  # one pair: nothing to resample
     total = written["step_s"]["guarded"][0] / written["step_s"]["unguarded"][0]
     assert written["overhead_ratio_total"] == pytest.approx(total)
     assert math.isfinite(written["overhead_ratio"]) and written["overhead_ratio"] > 0
@@ -92,6 +93,27 @@ def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, firs
     assert len(rewards[0]) == steps and rewards[0] == rewards[1]  # the same random stream: the same rollouts
 
 
+def _pair(unguarded: list[float], guarded: list[float]) -> dict:
+    return {"arms": [{"wall": unguarded}, {"wall": guarded}]}
+
+
+def test_the_interval_resamples_pairs_and_is_reproducible():
+    bench = load_module("trl_overhead", BENCH)
+    # Three pairs of two steps whose per-step ratios are 1.0, 1.1 and 1.3 in every step.
+    pairs = [_pair([10.0, 20.0], [10.0 * r, 20.0 * r]) for r in (1.0, 1.1, 1.3)]
+    assert bench._per_step(pairs, "wall") == pytest.approx(1.1)
+    low, high = bench._per_step_interval(pairs, "wall")
+    # A resample's median is one of the pairs' ratios; the 2.5 % and 97.5 % resamples are all-first and all-last
+    # pairs (each drawn with probability 1/27), so the interval spans the pairs' whole range.
+    assert low == pytest.approx(1.0) and high == pytest.approx(1.3)
+    assert bench._per_step_interval(pairs, "wall") == [low, high]  # seeded: the same run gives the same interval
+    # A resample's median is 1.0 or 1.3 with probability 7/27 each (two draws or more of that pair): the middle 20 %
+    # of the resamples all read the middle pair's 1.1.
+    assert bench._per_step_interval(pairs, "wall", level=0.2) == [pytest.approx(1.1)] * 2
+    same = [_pair([10.0, 20.0], [11.0, 22.0])] * 4  # identical pairs: no spread to resample
+    assert bench._per_step_interval(same, "wall") == [pytest.approx(1.1)] * 2
+
+
 def test_control_pairs_run_both_arms_unguarded(tmp_path):
     bench = load_module("trl_overhead", BENCH)
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
@@ -104,7 +126,8 @@ def test_control_pairs_run_both_arms_unguarded(tmp_path):
 
     out = bench.main(["--runs", "1", "--steps", "2", "--setup", "trl-short", "--control"])
     control = out["control"]
-    assert set(control) == {"ratio", "ratio_cpu", "ratio_total", "ratio_range", "same_rollouts"}
+    assert set(control) == {"ratio", "ratio_ci95", "ratio_cpu", "ratio_total", "ratio_range", "same_rollouts"}
+    assert control["ratio_ci95"] == [control["ratio"]] * 2
     assert control["same_rollouts"] is True
     assert all(math.isfinite(control[k]) and control[k] > 0 for k in ("ratio", "ratio_cpu", "ratio_total"))
     assert control["ratio_range"] == [control["ratio_total"]] * 2  # one pair: its ratio
@@ -123,7 +146,7 @@ def test_floor_pairs_run_the_least_guard_in_the_second_arm(tmp_path):
 
     out = bench.main(["--runs", "1", "--steps", "2", "--setup", "trl-short", "--floor"])
     floor = out["floor"]
-    assert set(floor) == {"ratio", "ratio_cpu", "ratio_total", "ratio_range", "same_rollouts"}
+    assert set(floor) == {"ratio", "ratio_ci95", "ratio_cpu", "ratio_total", "ratio_range", "same_rollouts"}
     assert floor["same_rollouts"] is True and floor["ratio_range"] == [floor["ratio_total"]] * 2
     assert "floor" not in bench.main(["--runs", "1", "--steps", "1", "--setup", "trl-short"])
 
