@@ -102,13 +102,11 @@ def test_the_interval_resamples_pairs_and_is_reproducible():
     # Three pairs of two steps whose per-step ratios are 1.0, 1.1 and 1.3 in every step.
     pairs = [_pair([10.0, 20.0], [10.0 * r, 20.0 * r]) for r in (1.0, 1.1, 1.3)]
     assert bench._per_step(pairs, "wall") == pytest.approx(1.1)
+    # A resample's median is 1.0 or 1.3 with probability 7/27 each (two or three draws of that pair), else 1.1: the
+    # 95 % interval spans the pairs' whole range, while the middle 20 % of the resamples all read 1.1.
     low, high = bench._per_step_interval(pairs, "wall")
-    # A resample's median is one of the pairs' ratios; the 2.5 % and 97.5 % resamples are all-first and all-last
-    # pairs (each drawn with probability 1/27), so the interval spans the pairs' whole range.
     assert low == pytest.approx(1.0) and high == pytest.approx(1.3)
     assert bench._per_step_interval(pairs, "wall") == [low, high]  # seeded: the same run gives the same interval
-    # A resample's median is 1.0 or 1.3 with probability 7/27 each (two draws or more of that pair): the middle 20 %
-    # of the resamples all read the middle pair's 1.1.
     assert bench._per_step_interval(pairs, "wall", level=0.2) == [pytest.approx(1.1)] * 2
     same = [_pair([10.0, 20.0], [11.0, 22.0])] * 4  # identical pairs: no spread to resample
     assert bench._per_step_interval(same, "wall") == [pytest.approx(1.1)] * 2
