@@ -273,9 +273,7 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
             for t, turns in zip(trainers, lockstep.callbacks)]
     floor_reads = sum(getattr(c, "reads", 0) for c in trainers[1].callback_handler.callbacks)
     return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
-            "cpu": cpu,
-            "floor_reads": floor_reads,
-            "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
+            "cpu": cpu, "floor_reads": floor_reads, "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
             "acted": sum('"action": "warn"' not in line for line in lines),
             "reported_ms": reported[0] if reported else None}
 
@@ -299,6 +297,15 @@ def _per_step_interval(pairs: list[dict], field: str, level: float = 0.95, resam
     values = sorted(_per_step(rng.choices(pairs, k=len(pairs)), field) for _ in range(resamples))
     tail = (1.0 - level) / 2.0
     return [values[round(tail * (resamples - 1))], values[round((1.0 - tail) * (resamples - 1))]]
+
+
+def _ratios(pairs: list[dict]) -> dict:
+    """The ratios of a set of pairs (guarded, control or floor): per step (wall, with its interval, and CPU time) and
+    of total times (median and range over the pairs)."""
+    totals = [p["ratio"] for p in pairs]
+    return {"ratio": _per_step(pairs, "wall"), "ratio_ci95": _per_step_interval(pairs, "wall"),
+            "ratio_cpu": _per_step(pairs, "cpu"), "ratio_total": statistics.median(totals),
+            "ratio_range": [min(totals), max(totals)]}
 
 
 def _trl_default(field: str):
@@ -391,13 +398,8 @@ def measure(setup: str, args) -> dict:
             floors.append(_one_pair(model_path, dataset, steps, work / f"floor{i}", first=i % 2, floor=True,
                                     **run_options))
 
-    ratios = [p["ratio"] for p in pairs]
     out = {
-        "overhead_ratio": _per_step(pairs, "wall"),
-        "overhead_ratio_ci95": _per_step_interval(pairs, "wall"),
-        "overhead_ratio_cpu": _per_step(pairs, "cpu"),
-        "overhead_ratio_total": statistics.median(ratios),
-        "overhead_ratio_range": [min(ratios), max(ratios)],
+        **{f"overhead_{name}": value for name, value in _ratios(pairs).items()},
         "guard_time_frac": statistics.median(p["guard"] / sum(p["arms"][1]["wall"]) for p in pairs),
         "target": TARGET, "runs": runs, "steps": steps, "threads": torch.get_num_threads(),
         "stats_engine": args.stats_engine, "setup": setup, "method": run_options["method"],
@@ -418,11 +420,7 @@ def measure(setup: str, args) -> dict:
     }
     for name, extra in (("control", controls), ("floor", floors)):
         if extra:
-            ratios = [c["ratio"] for c in extra]
-            out[name] = {"ratio": _per_step(extra, "wall"), "ratio_ci95": _per_step_interval(extra, "wall"),
-                         "ratio_cpu": _per_step(extra, "cpu"),
-                         "ratio_total": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                         "same_rollouts": all(c["same_rollouts"] for c in extra)}
+            out[name] = {**_ratios(extra), "same_rollouts": all(c["same_rollouts"] for c in extra)}
     low, high = out["overhead_ratio_ci95"]
     print(f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (95% interval over pairs "
           f"{low:.3f}-{high:.3f}; target <= {TARGET}); "
