@@ -37,6 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from .. import Guard, TokenBatch
+from ..stats.on_device import host_to_device
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import samples_from_rewards
@@ -239,7 +240,7 @@ class RLGuardCallback(TrainerCallback):
         """The trainer's EOS ids as a device tensor, built once per (ids, device) rather than per micro-batch."""
         key = (tuple(ids), device)
         if self._eos_cache is None or self._eos_cache[0] != key:
-            self._eos_cache = (key, torch.tensor(ids, device=device))
+            self._eos_cache = (key, host_to_device(torch.tensor(ids), device))
         return self._eos_cache[1]
 
     # -- acting before and after the optimizer step -------------------------------------------------------------

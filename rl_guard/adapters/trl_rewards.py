@@ -14,6 +14,8 @@ import inspect
 
 import torch
 
+from ..stats.on_device import host_to_device
+
 
 class NoneTracker:
     def __init__(self, trainer):
@@ -47,7 +49,7 @@ class NoneTracker:
             if len(flags) == n:
                 mask[:, i] = torch.tensor(flags)
         self.nones = {}
-        return mask.to(device, non_blocking=True)
+        return host_to_device(mask, device)
 
     def remove(self) -> None:
         self.trainer.reward_funcs = self.original

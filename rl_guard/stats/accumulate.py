@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .on_device import device_vector, host_to_device
 from .partial import Layout, Partial
 
 class RankMismatch(RuntimeError):
@@ -30,7 +31,7 @@ def _cat(tensors, device) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64, device=device)
     if all(t.dtype == torch.float64 and t.device == device for t in tensors):  # Partial entries already are
         return torch.cat(tensors)
-    return torch.cat([t.to(device=device, dtype=torch.float64) for t in tensors])
+    return torch.cat([host_to_device(t, device, torch.float64) for t in tensors])
 
 
 @functools.lru_cache(maxsize=64)
@@ -124,7 +125,7 @@ class StepAccumulator:
 @functools.lru_cache(maxsize=16)
 def _check_pair(n: float, device: torch.device) -> torch.Tensor:
     """The layout checksum pair (+n, -n), built on the device once per layout (the concatenation copies it)."""
-    return torch.tensor([n, -n], dtype=torch.float64).to(device)
+    return device_vector([n, -n], device)
 
 
 def to_host(packed: torch.Tensor) -> np.ndarray:

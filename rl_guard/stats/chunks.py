@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
+from .on_device import host_to_device
 from .partial import pack
 
 F64 = torch.float64
@@ -64,7 +65,7 @@ class Chunk:
         if self._ids is None:
             b = self.b
             pos = torch.arange(self.start, self.stop, device=b.device)
-            ends = b.cu_seqlens[1:].to(b.device, non_blocking=True)
+            ends = host_to_device(b.cu_seqlens[1:], b.device)
             self._ids = torch.searchsorted(ends, pos, right=True).clamp_(max=b.num_seqs - 1)
         return self._ids
 

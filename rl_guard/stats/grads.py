@@ -27,6 +27,7 @@ import torch
 
 from . import host_engine, keys
 from .cpu_squares import square_sums
+from .on_device import device_vector
 from .partial import Partial, Scalars
 from .ranks import rank_and_world
 
@@ -194,9 +195,9 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     else:
         for i in range(len(spans)):
             entries[keys.grad_group(i)] = torch.zeros(1, dtype=torch.float64)
-    if pre_clip_norm is not None:
-        on = None if torch.is_tensor(pre_clip_norm) else device
-        norm = torch.as_tensor(pre_clip_norm, dtype=torch.float64, device=on)
+    if pre_clip_norm is not None:  # a number is filled in on the device, not copied there
+        norm = pre_clip_norm.to(torch.float64) if torch.is_tensor(pre_clip_norm) else \
+            torch.full((), float(pre_clip_norm), dtype=torch.float64, device=device)
         p.add_max(keys.GRAD.preclip_sq, norm * norm)
     return p
 
@@ -350,17 +351,6 @@ _EXTREMES: dict = {}
 def abs_max(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest |value| of every tensor, stacked (NaN where a tensor holds one)."""
     return extremes(tensors).abs().amax(1)
-
-
-def device_vector(values: list, device, dtype=torch.float64) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, built from one ``full`` per run of equal values: no host-to-device
-    copy (which CUDA makes the host wait for)."""
-    runs, start = [], 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[start]:
-            runs.append(torch.full((i - start,), values[start], dtype=dtype, device=device))
-            start = i
-    return torch.cat(runs)
 
 
 def param_groups_of(optimizer_or_params):

@@ -135,12 +135,17 @@ def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high:
 def lag_lut(edges, device) -> torch.Tensor:
     """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
     masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
-    (below ``edges[0]`` -> bucket 0)."""
+    (below ``edges[0]`` -> bucket 0). Built once per edges and device; read only."""
+    return _lag_lut(tuple(edges), torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _lag_lut(edges: tuple, device: torch.device) -> torch.Tensor:
     lags = torch.arange(edges[0], edges[-1] + 2, device=device)  # built on the device: no host->device copy
     lut = torch.zeros_like(lags, dtype=torch.int32)
     for e in edges[1:]:
         lut += lags >= e
-    lut[-1] = len(edges)
+    lut[-1:].fill_(len(edges))  # not ``lut[-1] = n``: on a GPU that copies n from the host and waits
     return lut
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .on_device import host_to_device
+
 F64 = torch.float64
 
 Layout = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
@@ -84,7 +86,7 @@ def _scalar_vector(entries: list, host: bool, device) -> torch.Tensor:
     if not values:
         return torch.zeros(0, dtype=F64, device=device)
     values = [v if torch.is_tensor(v) else torch.tensor(v, dtype=F64) for v in values]
-    return torch.stack(values).to(device=device, dtype=F64)
+    return host_to_device(torch.stack(values), device, F64)
 
 
 def _joined(parts: list, device) -> tuple[tuple, torch.Tensor]:

@@ -38,6 +38,7 @@ import math
 import torch
 
 from .accumulate import RankMismatch  # noqa: F401 - re-exported
+from .on_device import device_vector, host_to_device
 
 HEADER = 8  # +n_sums, -n_sums, +n_maxes, -n_maxes, failed, three spare slots (kept 0)
 MAX_SLOTS = 512  # room for the maxima of any common layout; a larger one adds one collective
@@ -68,11 +69,8 @@ def _device(dist, like: torch.Tensor) -> torch.device:
 
 
 def _header(n_sums: int, n_maxes: int, failed: bool, device) -> torch.Tensor:
-    # Filled on the device from Python numbers: a blocking host->device copy would wait for the stream (a sync).
-    h = torch.zeros(HEADER, dtype=torch.float64, device=device)
-    for i, v in enumerate((n_sums, -n_sums, n_maxes, -n_maxes, 1.0 if failed else 0.0)):
-        h[i] = v
-    return h
+    values = [float(n_sums), float(-n_sums), float(n_maxes), float(-n_maxes), 1.0 if failed else 0.0]
+    return device_vector(values + [0.0] * (HEADER - len(values)), device)
 
 
 class StepReducer:
@@ -107,7 +105,7 @@ def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -
     buf = torch.full((HEADER + MAX_SLOTS,), -math.inf, dtype=torch.float64, device=device)
     buf[:HEADER] = _header(n_sums, n_maxes, failed, device)
     if maxes is not None:
-        buf[HEADER : HEADER + maxes.numel()] = _nan_to_inf(maxes).to(device)
+        buf[HEADER : HEADER + maxes.numel()] = host_to_device(_nan_to_inf(maxes), device)
     return buf
 
 
@@ -124,7 +122,7 @@ def _merge_into(dist, t: torch.Tensor, device, largest: bool) -> None:
     """``all_reduce`` of ``t`` on the collective's device (maxima: NaN sent as +inf), written back into ``t``."""
     work = _nan_to_inf(t) if largest else t
     if work.device != device:
-        work = work.to(device)
+        work = host_to_device(work, device)
     all_reduce(dist, work, largest)
     if work is not t:
         t.copy_(work)

@@ -28,6 +28,7 @@ import torch
 from . import keys
 from .chunks import Chunk, ChunkStats, row_layout
 from .constants import EXP_CLAMP
+from .on_device import device_vector, host_to_device
 from .scratch import Scratch
 from .sketch import ENTROPY, LOG_RATIO, cell_index_with, count_cells
 
@@ -147,14 +148,14 @@ def device_constant(kind: str, plan: RowPlan | int | None, device: torch.device)
     """Small constants built once per device: the nonfinite matrix, the KL estimator scales (k1 = -sum log r,
     k2 = sum (log r)^2 / 2, k3 = sum k3), the histogram rows' sketch constants."""
     if kind == "nonfinite":
-        return torch.from_numpy(plan.nonfinite_matrix()).to(device)
+        return host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device)
     if kind == "estimators":
-        return torch.tensor([-1.0, 0.5, 1.0], dtype=F64).view(3, 1, 1).to(device)
+        return device_vector([-1.0, 0.5, 1.0], device).view(3, 1, 1)
     specs, middles = plan.hist_specs, [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
-    col = lambda values, dtype: torch.tensor(values, dtype=dtype).view(-1, 1).to(device)  # noqa: E731
+    col = lambda values, dtype: device_vector(values, device, dtype).view(-1, 1)  # noqa: E731
     return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
             col([spec.shift for spec in specs], I32), col([spec.base for spec in specs], I32),
-            col(middles, I32), torch.tensor(middles, device=device))
+            col(middles, I32), device_vector(middles, device, torch.int64))
 
 
 def gate_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:

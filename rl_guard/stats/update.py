@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from . import host_engine, keys
-from .grads import device_vector, local_shards, squares
+from .grads import local_shards, squares
+from .on_device import device_vector
 from .partial import Partial, Scalars
 
 DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note above
