@@ -85,10 +85,11 @@ def make_inputs(tokens: int, rows: int = ROWS, seed: int = 0, device: str = "cpu
     )
 
 
-def full_step(d: dict, engine: str = "eager") -> dict:
-    """The measured path: the probes (``stats_engine``), the one transfer, the host formulas."""
+def full_step(d: dict, engine: str = "eager", chunk: int | None = None) -> dict:
+    """The measured path: the probes (``stats_engine``; ``chunk``: tokens per chunk, default the engine's own), the
+    one transfer, the host formulas."""
     acc = StepAccumulator()
-    acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION), engine=engine))
+    acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION), chunk_tokens=chunk, engine=engine))
     return summarize(acc.finish())[0]
 
 

@@ -1,8 +1,12 @@
 """The statistics benchmark on a GPU: ``python benchmarks/stats.py --device cuda [--json FILE]``.
 
-* Time per step of the same paths as on CPU (``full`` with the eager engine, ``compiled``, ``floor``, ``naive``) on 8M tokens by default
-  (``--sizes``), measured with CUDA events around each call, after one warm-up, over interleaved repeats (best and
-  median reported). ``full`` ends with the step's one device->host transfer, so its events cover all its work.
+* Time per step of the same paths as on CPU (``full`` with the eager engine, ``compiled``, ``floor``, ``naive``) on
+  8M tokens by default (``--sizes``), measured with CUDA events around each call, after one warm-up, over
+  interleaved repeats (best and median reported). ``full`` ends with the step's one device->host transfer, so its
+  events cover all its work. The floor reads each whole tensor once (on a GPU, CPU-sized blocks would time kernel
+  launches, not memory).
+* For the largest size, both engines' time by tokens per chunk (``chunk_sweep``); for the smallest and the largest,
+  one step under torch's profiler (``profile``: kernels per step, the ops taking the most GPU and host time).
 * Synchronisations of a whole guard cycle: a real ``Guard`` with the async preset (every statistic family, lag
   buckets, rules) observes four micro-batches of the 8M-token batch with their losses, then ``check()`` probes
   the gradients, transfers once and evaluates the rules; ``step_done()`` is counted apart (a snapshot, when one
@@ -16,7 +20,9 @@ Without CUDA it prints why and exits cleanly (returns ``{"skipped": reason}``).
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import traceback
 import warnings
 from pathlib import Path
 
@@ -24,7 +30,8 @@ import torch
 
 from stats import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step, time_interleaved
 
-SIZES_GPU = {**SIZES, "8M": 1 << 23}
+SIZES_GPU = {"64K": 1 << 16, **SIZES, "8M": 1 << 23}
+SWEEP_CHUNKS = (1 << 20, 1 << 21, 1 << 22, 1 << 23)
 ASYNC_PRESET = "async"
 
 
@@ -38,8 +45,9 @@ def _event_ms(fn) -> float:
 
 
 def time_paths(d: dict, repeats: int) -> dict:
-    fns = {"full": lambda: full_step(d), "compiled": lambda: full_step(d, "compiled"), "floor": lambda: floor_pass(d),
-           "naive": lambda: naive_step(d)}
+    # the floor reads each whole tensor once: on a GPU, CPU-sized blocks would make it a count of kernel launches
+    fns = {"full": lambda: full_step(d), "compiled": lambda: full_step(d, "compiled"),
+           "floor": lambda: floor_pass(d, chunk=d["mask"].numel()), "naive": lambda: naive_step(d)}
     timed = time_interleaved(fns, repeats, measure=lambda fn: (_event_ms(fn),), clocks=("ms",))
     times, errors = {name: t["ms"] for name, t in timed["times"].items()}, timed["errors"]
     out = {f"{name}_ms": min(v) if v else None for name, v in times.items()}
@@ -52,17 +60,50 @@ def time_paths(d: dict, repeats: int) -> dict:
     return out
 
 
+def chunk_sweep(d: dict, repeats: int) -> dict:
+    """ms per step (best of ``repeats``) of both engines with each of ``SWEEP_CHUNKS`` tokens per chunk, up to the
+    batch's size: what the GPU chunk size (``rl_guard.stats.chunks.chunk_size``) trades against memory."""
+    n = d["mask"].numel()
+    fns = {f"{engine}_{c >> 20}M": (lambda e=engine, c=c: full_step(d, e, chunk=c))
+           for engine in ("eager", "compiled") for c in SWEEP_CHUNKS if c <= n}
+    timed = time_interleaved(fns, repeats, measure=lambda fn: (_event_ms(fn),), clocks=("ms",))
+    return {name: min(t["ms"]) for name, t in timed["times"].items() if t["ms"]}
+
+
+def profile_step(d: dict, engine: str, rows: int = 12) -> dict:
+    """One warm step under torch's profiler: kernels launched, and the ops that take the most GPU and host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    full_step(d, engine)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        full_step(d, engine)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"kernels": kernels,
+            "by_gpu_time": events.table(sort_by="self_device_time_total", row_limit=rows),
+            "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=rows)}
+
+
 class _SyncCounter:
-    """Counts the warnings of ``set_sync_debug_mode("warn")`` raised inside the block (on CUDA; elsewhere it only
-    runs the block, which lets the cycle be exercised without a GPU)."""
+    """Counts the warnings of ``set_sync_debug_mode("warn")`` raised inside the block, each as the innermost
+    rl_guard line that made it (``syncs``; on CUDA only: elsewhere it only runs the block, which lets the cycle be
+    exercised without a GPU)."""
 
     def __init__(self, device: str):
         self.cuda = device == "cuda"
+        self.syncs: list[str] = []
+
+    def _show(self, message, *args, **kwargs):
+        if str(message).startswith("called a synchronizing"):  # not the mode's own "prototype feature" notice
+            self.syncs.append(_innermost_rl_guard_line())
 
     def __enter__(self):
-        self._catch = warnings.catch_warnings(record=True)
-        self.records = self._catch.__enter__()
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
         warnings.simplefilter("always")
+        warnings.showwarning = self._show  # called where the warning is raised: the stack still holds the caller
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
@@ -72,7 +113,14 @@ class _SyncCounter:
         if self.cuda:
             torch.cuda.set_sync_debug_mode("default")
         self._catch.__exit__(*exc)
-        self.syncs = [str(w.message).splitlines()[0] for w in self.records if "synchroniz" in str(w.message).lower()]
+
+
+def _innermost_rl_guard_line() -> str:
+    frames = [f for f in traceback.extract_stack() if f"{os.sep}rl_guard{os.sep}" in f.filename]
+    if not frames:
+        return "outside rl_guard"
+    f = frames[-1]
+    return f"{f.filename[f.filename.rindex(os.sep + 'rl_guard' + os.sep) + 1:]}:{f.lineno} {f.line}"
 
 
 def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, device: str = "cuda",
@@ -131,8 +179,19 @@ def main(args) -> dict:
         del d
         torch.cuda.empty_cache()
         naive = "fails" if row["naive_ms"] is None else f"{row['naive_ms']:.2f}"
-        print(f"{label}: full {row['full_ms']:.2f} ms/step, floor {row['floor_ms']:.2f}, naive {naive} "
-              f"(CUDA events, best of {repeats})")
+        print(f"{label}: full {row['full_ms']:.2f} ms/step (compiled {row['compiled_ms']:.2f}), floor "
+              f"{row['floor_ms']:.3f}, naive {naive} (CUDA events, best of {repeats})")
+    largest = SIZES_GPU[names[-1]]
+    d = make_inputs(largest, device="cuda")
+    result["chunk_sweep"] = {"size": names[-1], **chunk_sweep(d, repeats)}
+    print(f"{names[-1]}, ms per step by tokens per chunk: {result['chunk_sweep']}")
+    for label in dict.fromkeys((names[0], names[-1])):
+        small = make_inputs(SIZES_GPU[label], device="cuda")
+        for engine in ("eager", "compiled"):
+            prof = result.setdefault("profile", {})[f"{label}_{engine}"] = profile_step(small, engine)
+            print(f"{label} {engine}: {prof['kernels']} kernels per step\n{prof['by_gpu_time']}\n{prof['by_host_time']}")
+    del d, small
+    torch.cuda.empty_cache()
     for engine, suffix in (("eager", ""), ("compiled", "_compiled")):
         sync = guard_cycle_syncs(SIZES_GPU[names[0]], stats_engine=engine)
         result[f"syncs{suffix}"] = sync

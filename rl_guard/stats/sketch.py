@@ -126,10 +126,37 @@ def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = N
     if index.device.type == "cpu":
         counts = torch.bincount(index, weights=weights, minlength=size)
         return counts if weights is None else counts.to(torch.float64)
-    if weights is None:
-        ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())
-        return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
-    return torch.zeros(size, dtype=torch.float64, device=index.device).index_add_(0, index, weights.to(torch.float64))
+    return count_cells_atomic(index, size, weights)
+
+
+SPREAD_MIN_VALUES = 1 << 17  # below, not worth three more kernels: a 64K-token step counts in 63 us of GPU time
+SPREAD_MAX_CELLS = 1 << 20  # cells of all the copies together (8 MiB of int64 or float64)
+SPREAD_MAX_COPIES = 1024
+
+
+def count_cells_atomic(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``count_cells`` by atomic adds (``index_add_``), as on a GPU. Millions of values landing in a few thousand
+    cells (or a few dozen: the lag buckets' k3 sums) make the atomics on one cell wait on each other, so a large
+    input is spread over ``copies`` private copies of the cells (value ``i`` goes to copy ``i % copies``),
+    which are summed after: integer counts exactly, float sums in another order."""
+    dtype = torch.int64 if weights is None else torch.float64
+    n = index.numel()
+    copies = _copies(n, size)
+    if copies > 1:
+        lane = torch.arange(n, device=index.device).bitwise_and_(copies - 1)
+        index = index.add(lane, alpha=size)
+    out = torch.zeros(copies * size, dtype=dtype, device=index.device)
+    values = torch.ones((), dtype=dtype, device=index.device).expand(n) if weights is None else weights.to(dtype)
+    out.index_add_(0, index, values)
+    return out if copies == 1 else out.view(copies, size).sum(0)
+
+
+def _copies(n: int, size: int) -> int:
+    """A power of two (``lane`` is a bit mask): 1 for small inputs, else as many as the cell budget allows."""
+    if n < SPREAD_MIN_VALUES:
+        return 1
+    most = max(1, min(SPREAD_MAX_COPIES, SPREAD_MAX_CELLS // max(size, 1)))
+    return 1 << (most.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from rl_guard.stats import sketch
 from rl_guard.stats.sketch import ENTROPY, LOG_RATIO, QUANTILES, SketchSpec, cell_index, count_cells, quantiles_from_counts
 
 FLOAT32_SLACK = 2e-3
@@ -163,3 +166,24 @@ def test_every_value_lies_in_its_cell_and_cells_are_at_most_w_wide(spec):
     x64 = x.astype(np.float64)
     slack = (np.abs(x64) + spec.scale) * 2.0 ** -23  # float32 rounding of |x| + scale
     assert np.all(edges[cells] <= x64 + slack) and np.all(x64 - slack <= edges[cells + 1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3000), size=st.integers(1, 700), weighted=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_atomic_counting_spread_over_copies_equals_bincount(n, size, weighted, seed):
+    """The GPU's counter (``index_add_``, spread over private copies of the cells for large inputs), run here on
+    CPU tensors with the spreading threshold lowered: integer counts exact, weighted sums to float64 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, size, (n,), generator=g)
+    weights = torch.randn(n, generator=g, dtype=torch.float32) if weighted else None
+    want = np.bincount(index.numpy(), weights=None if weights is None else weights.double().numpy(), minlength=size)
+    for threshold in (sketch.SPREAD_MIN_VALUES, 1):  # as shipped (no spreading at these sizes), and spread
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sketch, "SPREAD_MIN_VALUES", threshold)
+            got = sketch.count_cells_atomic(index, size, weights)
+            assert sketch._copies(n, size) == (1 if threshold > n else 1 << (min(1024, (1 << 20) // size).bit_length() - 1))
+        assert got.shape == (size,) and got.dtype == (torch.float64 if weighted else torch.int64)
+        if weighted:
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-9)
+        else:
+            np.testing.assert_array_equal(got.numpy(), want)
