@@ -5,12 +5,15 @@ On CPU nothing synchronises, so the detector models what a GPU would do. Two int
 * a ``TorchFunctionMode`` for reads made from Python: ``.cpu()``, ``.numpy()``, ``.tolist()``, ``__array__``,
   ``.item()``, ``bool/float/int/complex(t)``, ``__index__`` (``range(t)``, ``lst[t]``), ``format(t)``,
   ``repr/str(t)``, and ``.to("cpu")`` (named by the string: on a CPU run ``torch.device("cpu")`` is the device);
+  the other way, ``.to(device)``, ``torch.tensor(..., device=device)`` and ``torch.as_tensor(..., device=device)``
+  of host data (a device object is the device; ``non_blocking`` copies are queued, not waited for);
 * a ``TorchDispatchMode`` for what reaches the kernels: ``_local_scalar_dense`` (every scalar read, including
   ones made inside torch), ``equal`` / ``is_nonzero``, ops whose output shape depends on the data (``nonzero``,
   ``torch.where(cond)``, ``masked_select``, ``unique*``, ``repeat_interleave`` with tensor repeats and no
   ``output_size``, ``bincount``, indexing with a boolean mask), device->host copies (``_to_copy`` / ``copy_`` /
   ``_foreach_copy_`` from a non-CPU tensor or from a tensor marked device-side into a CPU one), blocking
-  host->device copies (CUDA synchronises the stream for those too), and collectives (``c10d.*``).
+  host->device copies into a device-side tensor (CUDA synchronises the stream for those too; ``t[i] = 3`` is one),
+  and collectives (``c10d.*``).
 
 A call counted at the Python level hides the kernels it runs (``.item()`` is one event, not two).
 
@@ -138,6 +141,10 @@ def _target_device(args, kwargs):
     return torch.device(target), isinstance(target, str)
 
 
+def _non_blocking(args, kwargs) -> bool:
+    return bool(kwargs.get("non_blocking")) or any(a is True for a in args)  # to(device, dtype, non_blocking)
+
+
 class _Functions(TorchFunctionMode):
     def __init__(self, detector: "SyncDetector"):
         super().__init__()
@@ -155,6 +162,14 @@ class _Functions(TorchFunctionMode):
             if target is not None and target.type == "cpu" and (named or src.device.type != "cpu"):
                 found = ("device_to_host" if src.device.type != "cpu" or d.is_device(src) else "host_read",
                          "Tensor.to(cpu)")
+            # ... and a device object is the device: a blocking copy of host memory there waits for the stream
+            elif target is not None and not named and d._marked and not d.is_device(src) and \
+                    not _non_blocking(args[1:], kwargs):
+                found = ("host_to_device", "Tensor.to(device)")
+        elif found is None and func in (torch.tensor, torch.as_tensor) and d._marked:
+            device = kwargs.get("device")
+            if device is not None and not isinstance(device, str) and not any(map(d.is_device, _tensors(args))):
+                found = ("host_to_device", f"torch.{func.__name__}(device=...)")
         if found is None or d._inside:
             out = func(*args, **kwargs)
             device = kwargs.get("device")
@@ -226,10 +241,10 @@ class _Kernels(TorchDispatchMode):
             dst, src = args[0], args[1]
             if dst.device.type == "cpu" and not d.is_device(dst) and d.is_device(src):
                 return "device_to_host", name
-            # A blocking copy from host memory waits for the stream too (CUDA's memcpy_and_sync). A 0-dim source is
-            # a Python scalar written into a tensor (t[i] = 3): torch makes it on the CPU here but on the device
-            # for a CUDA tensor, so only copies of host arrays count.
-            if d.is_device(dst) and src.device.type == "cpu" and not d.is_device(src) and src.dim():
+            # A blocking copy from host memory waits for the stream too (CUDA's memcpy_and_sync), a 0-dim one as
+            # well: a Python number written into a GPU tensor (t[i] = 3) synchronised under torch's sync-debug mode
+            # on an H200 (torch 2.11).
+            if d.is_device(dst) and src.device.type == "cpu" and not d.is_device(src):
                 return "host_to_device", name
         if func.namespace == "c10d":
             return "collective", name

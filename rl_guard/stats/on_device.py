@@ -28,4 +28,6 @@ def host_to_device(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
     device = torch.device(device)
     if t.device.type == "cpu" and device.type == "cuda":
         t = t.pin_memory().to(device, non_blocking=True)
-    return t.to(device=device, dtype=dtype)
+    elif t.device != device:
+        t = t.to(device)
+    return t if dtype is None else t.to(dtype)

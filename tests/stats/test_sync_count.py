@@ -20,6 +20,7 @@ from rl_guard import Guard
 from rl_guard.control.state import TrainState
 from rl_guard.stats import accumulate, host_engine, kernels, sketch
 from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.on_device import device_vector, host_to_device
 from rl_guard.stats.probe_batch import probe_batch
 from sync_detector import SyncDetector
 
@@ -192,6 +193,32 @@ def test_a_copy_to_host_from_a_device_tensor_is_caught():
         stats.cpu()
     assert [(e.kind, e.op) for e in det.events] == [
         ("device_to_host", "aten.copy_.default"), ("device_to_host", "Tensor.to(cpu)"), ("host_read", "Tensor.cpu")]
+
+
+def test_a_blocking_copy_from_host_to_a_device_tensor_is_caught():
+    """What synchronised on an H200 (torch 2.11) and a CPU run cannot see by itself: a Python number written into a
+    device tensor, and host data copied to the device (a device object names the device on a CPU run) without
+    pinned memory; ``host_to_device`` is the sanctioned way and is not counted, nor is filling on the device."""
+    det = SyncDetector()
+    on_device = torch.zeros(4)
+    device = on_device.device
+    with det:
+        det.mark_device(on_device)
+        made_there = torch.arange(4, device=device)  # made on the device: device-side
+        made_there[-1] = 7
+        made_there[-1:].fill_(7)
+        on_device.copy_(torch.ones(4))
+        torch.ones(4).to(device)
+        torch.ones(4).to(device, non_blocking=True)
+        torch.tensor([1.0, 2.0], device=device)
+        torch.as_tensor(3.0, dtype=torch.float64, device=device)
+        host_to_device(torch.ones(4), device, torch.float64)
+        device_vector([1.0, 1.0, 2.0], device)
+        on_device.to(device)  # already there
+    assert [(e.kind, e.op) for e in det.events] == [
+        ("host_to_device", "aten.copy_.default"), ("host_to_device", "aten.copy_.default"),
+        ("host_to_device", "Tensor.to(device)"), ("host_to_device", "torch.tensor(device=...)"),
+        ("host_to_device", "torch.as_tensor(device=...)")]
 
 
 def test_the_step_transfer_is_recognised_only_inside_to_host():
