@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_stats import (assert_engines_agree, check, make_padded, np_dict, packed_from, reference,
-                             with_per_sequence_fields)
+from reference_stats import (FLOAT_SUMS, assert_engines_agree, check, compiled_calls, make_padded, np_dict,
+                             packed_from, reference, with_per_sequence_fields)
 
 from rl_guard import Guard
 from rl_guard.glossary import comparable
@@ -23,7 +23,6 @@ from rl_guard.stats.summarize import summarize
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CV = 12
-FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "cells_k3", "seq_ratio.")
 ALL_FIELDS = ("old", "ref", "entropy", "adv", "versions")
 
 
@@ -33,19 +32,14 @@ def _cpu_side_eager(monkeypatch):
     monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
 
 
-def _calls() -> int:
-    info = fused._kernel.cache_info()
-    return info.hits + info.misses
-
-
 def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, **kw) -> dict:
     on = {k: v.to(device) for k, v in d.items()}
     b = TokenBatch(**on, current_version=CV if "versions" in d else None, **kw)
     acc = StepAccumulator()
-    before = _calls()
+    before = compiled_calls()
     acc.add(probe_batch(b, chunk_tokens=chunk, engine=engine))
     if engine == "compiled" and device == "cuda":  # it compiled and ran: no fallback hides behind the comparison
-        assert not fused._failure and _calls() > before
+        assert not fused._failure and compiled_calls() > before
     return acc.finish()
 
 
@@ -112,9 +106,9 @@ def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[lis
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
 def test_a_guard_on_cuda_reports_and_decides_what_it_does_on_cpu(tmp_path, engine):
-    before = _calls()
+    before = compiled_calls()
     cuda_actions, cuda_metrics, cuda_model = _guarded_run(tmp_path, "cuda", engine, nan_step=2)
-    assert not fused._failure and (_calls() > before) == (engine == "compiled")
+    assert not fused._failure and (compiled_calls() > before) == (engine == "compiled")
     cpu_actions, cpu_metrics, cpu_model = _guarded_run(tmp_path, "cpu", "eager", nan_step=2)
     assert cuda_actions == cpu_actions == [None, None, "skip_step", None]
     for step, (c, e) in enumerate(zip(cuda_metrics, cpu_metrics)):

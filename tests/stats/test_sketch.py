@@ -181,7 +181,13 @@ def test_atomic_counting_spread_over_copies_equals_bincount(n, size, weighted, s
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(sketch, "SPREAD_MIN_VALUES", threshold)
             got = sketch.count_cells_atomic(index, size, weights)
-            assert sketch._copies(n, size) == (1 if threshold > n else 1 << (min(1024, (1 << 20) // size).bit_length() - 1))
+            copies = sketch._copies(n, size)
+        if threshold > n:
+            assert copies == 1
+        else:  # a power of two (the lane is a bit mask), within both budgets, and the largest such
+            assert copies & (copies - 1) == 0 and copies <= sketch.SPREAD_MAX_COPIES
+            assert copies * size <= sketch.SPREAD_MAX_CELLS or copies == 1
+            assert 2 * copies > sketch.SPREAD_MAX_COPIES or 2 * copies * size > sketch.SPREAD_MAX_CELLS
         assert got.shape == (size,) and got.dtype == (torch.float64 if weighted else torch.int64)
         if weighted:
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-9)
