@@ -50,6 +50,9 @@ class Actions:
         return min(self.snapshots.steps(), default=horizon) < horizon
 
     def apply(self, decision: Decision, params, defer_restore: bool) -> None:
+        if decision.firings:  # the samples that led here are worth reading, even after a crash
+            with self.guard.protect("audit"):
+                self.guard.diagnostics.flush()
         if self.plan is not None:
             return self._shadow(decision)
         if decision.skip_step and params is not None:

@@ -32,22 +32,22 @@ class RunDiagnostics:
 
     ``quadrant_threshold``: reward at or above which a sample is "high reward" (None: batch median rule).
     ``window``: updates in the trend fits. Audit files: ``audit_updates_per_file`` updates per file, the newest
-    ``audit_max_files`` files kept (see ``audit.py``). Cumulative budgets, the trend window and the audit
+    ``audit_max_files`` files kept, written ``audit_flush_every`` updates at a time and on ``flush`` (see
+    ``audit.py``). Cumulative budgets, the trend window and the audit
     sampler's RNG state are in ``state_dict`` so they continue across a resume.
     """
 
     def __init__(self, run_dir=None, audit_k: int = 3, audit_max_files: int = 10, seed: int = 0, *,
                  window: int = 20, audit_max_chars: int = 2000, audit_updates_per_file: int = 20,
-                 quadrant_threshold: float | None = None):
+                 audit_flush_every: int = 10, quadrant_threshold: float | None = None):
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.audit = (AuditWriter(self.run_dir, audit_k, audit_max_files, audit_max_chars, audit_updates_per_file)
-                      if self.run_dir else None)
+        self.audit = (AuditWriter(self.run_dir, audit_k, audit_max_files, audit_max_chars, audit_updates_per_file,
+                                  audit_flush_every) if self.run_dir else None)
         self.quadrant_threshold = quadrant_threshold
         # Private generator: audit sampling must not shift the training run's global RNG streams.
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.budget = Budget()
         self.trend = Trend(window)
-        self.last_audit_file: Path | None = None
         self.batch_has_signal: bool | None = None  # did the latest batch with groups have one with reward spread?
         self.steps_without_signal = 0
 
@@ -67,11 +67,20 @@ class RunDiagnostics:
         self.budget.update(this, out)
         self.trend.update(p, step, out)
         if self.audit is not None and p.n:
-            self.last_audit_file = self.audit.write(step, p, cells, self.rng)
+            self.audit.write(step, p, cells, self.rng)
         return dict(out)
 
+    @property
+    def last_audit_file(self) -> Path | None:
+        """The audit file of the latest update (written out first if it is still queued); None without one."""
+        return self.flush()
+
+    def flush(self) -> Path | None:
+        """Write the queued audit lines now (the guard calls it when a rule fires); returns the latest file."""
+        return self.audit.flush() if self.audit is not None else None
+
     def close(self) -> None:
-        """Close the open audit file (everything written is already flushed)."""
+        """Write the queued audit lines and close the audit file."""
         if self.audit is not None:
             self.audit.close()
 
@@ -84,12 +93,14 @@ class RunDiagnostics:
         return {PREFIX + "group/no_signal_steps": float(self.steps_without_signal)}
 
     def state_dict(self) -> dict:
+        self.flush()  # the queued updates draw their samples first: the saved generator state follows them
         return {"version": STATE_VERSION, "budget": self.budget.state_dict(), "trend": self.trend.state_dict(),
                 "rng": self.rng.bit_generator.state, "signal": [self.batch_has_signal, self.steps_without_signal]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"RunDiagnostics state version {state.get('version')!r}, expected {STATE_VERSION}")
+        self.flush()  # queued updates are written with the generator state they were queued under
         self.budget.load_state_dict(state["budget"])
         self.trend.load_state_dict(state["trend"])
         self.rng.bit_generator.state = state["rng"]

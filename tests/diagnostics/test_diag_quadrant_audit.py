@@ -2,6 +2,9 @@
 
 import json
 import math
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -100,6 +103,7 @@ def test_audit_file_count_and_size_are_bounded(tmp_path):
                         prompts=["z" * 10_000] * 40, outcome=[i % 2 for i in range(40)])
     for step in range(8, 15):
         d.update(batch, step)
+    d.flush()
     files = sorted(p.name for p in (tmp_path / "audit").iterdir())
     # Two updates per file, named by the first; the oldest steps go first, by number (a string sort would wrongly
     # keep steps_8 over steps_10).
@@ -116,23 +120,72 @@ def test_audit_file_count_and_size_are_bounded(tmp_path):
         assert all(len(r.get("text", "")) <= 50 and len(str(r.get("id", ""))) <= 50 for r in lines)
 
 
-def test_each_update_is_on_disk_before_the_next_and_the_file_stays_open(tmp_path, monkeypatch):
-    """A crash of the process loses no written update: each is flushed at once. And one file is opened per
-    ``updates_per_file`` updates, not one per update (that open was the audit's main cost)."""
+def test_updates_are_written_flush_every_at_a_time_and_the_file_stays_open(tmp_path, monkeypatch):
+    """Updates are queued and written ``flush_every`` at a time, each write flushed (readable by a second handle
+    while the writer's stays open, as after a crash), with the lines an immediate write gives. One file is opened
+    per ``updates_per_file`` updates, not one per update (that open was the audit's main cost)."""
     import builtins
 
     opened = []
     real_open = builtins.open
     monkeypatch.setattr(builtins, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
-    d = RunDiagnostics(tmp_path, audit_k=1, audit_updates_per_file=20)
-    batch = SampleBatch(rewards=[float(i % 5) for i in range(8)], texts=["t"] * 8)
+    d = RunDiagnostics(tmp_path / "a", audit_k=1, audit_updates_per_file=20, audit_flush_every=4, seed=3)
+    now = RunDiagnostics(tmp_path / "b", audit_k=1, audit_updates_per_file=20, audit_flush_every=1, seed=3)
+    batch = SampleBatch(rewards=[float(i % 5) for i in range(8)], texts=[f"t{i}" for i in range(8)])
     for step in range(1, 31):
         d.update(batch, step)
-        # read by a second handle while the writer's stays open, as after a crash
-        assert max(rec["step"] for rec in _lines(d.last_audit_file)) == step
-    assert [p.name for p in map(type(tmp_path), opened)] == ["steps_1.jsonl", "steps_21.jsonl"]
+        now.update(batch, step)
+        files = (tmp_path / "a" / "audit").glob("*.jsonl")
+        written = max((rec["step"] for f in files for rec in _lines(f)), default=0)
+        assert written == step - step % 4  # the 4th, 8th, ... update writes the four queued
+    assert [p.name for p in map(type(tmp_path), opened)] == ["steps_1.jsonl", "steps_1.jsonl", "steps_21.jsonl",
+                                                             "steps_21.jsonl"]  # a's and b's
     d.close()
-    assert {rec["step"] for rec in _lines(tmp_path / "audit" / "steps_1.jsonl")} == set(range(1, 21))
+    now.close()
+    for name in ("steps_1.jsonl", "steps_21.jsonl"):  # the random picks too: drawn in update order at the flush
+        assert (tmp_path / "a" / "audit" / name).read_text() == (tmp_path / "b" / "audit" / name).read_text()
+    assert {rec["step"] for rec in _lines(tmp_path / "a" / "audit" / "steps_1.jsonl")} == set(range(1, 21))
+
+
+def test_a_killed_process_loses_at_most_flush_every_minus_one_updates(tmp_path):
+    """SIGKILL after 7 updates with flush_every=3: the first 6 are on disk, complete lines."""
+    script = f"""
+import os, signal
+from rl_guard.diagnostics import RunDiagnostics, SampleBatch
+d = RunDiagnostics({str(tmp_path)!r}, audit_k=1, audit_flush_every=3)
+for step in range(1, 8):
+    d.update(SampleBatch(rewards=[0.0, 1.0, 0.5], texts=["a", "b", "c"]), step)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert sorted({rec["step"] for rec in _lines(tmp_path / "audit" / "steps_1.jsonl")}) == [1, 2, 3, 4, 5, 6]
+
+
+def test_queued_updates_are_written_at_exit_and_when_a_rule_fires(tmp_path):
+    """A script that ends without close() still writes what was queued; a guard flushes the audit before it acts
+    on a firing rule."""
+    script = f"""
+from rl_guard.diagnostics import RunDiagnostics, SampleBatch
+d = RunDiagnostics({str(tmp_path)!r}, audit_k=1)
+for step in range(1, 4):
+    d.update(SampleBatch(rewards=[0.0, 1.0], texts=["a", "b"]), step)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert {rec["step"] for rec in _lines(tmp_path / "audit" / "steps_1.jsonl")} == {1, 2, 3}
+
+    from rl_guard.guard import Guard
+
+    yaml = "rules:\n  - {name: lost_reward, metric: rl_guard/reward/n_valid, op: '<', threshold: 2, action: warn}\n"
+    guard = Guard.from_yaml(yaml, run_dir=tmp_path / "run")
+    for step, reward in enumerate((1.0, 1.0, math.nan)):
+        guard.observe_samples(SampleBatch(rewards=[reward, reward], texts=["a", "b"]))
+        fired = guard.check().firings
+        guard.step_done()
+        audit = tmp_path / "run" / "audit" / "steps_0.jsonl"
+        assert bool(fired) == (step == 2) and audit.exists() == (step == 2)
+    assert {rec["step"] for rec in _lines(audit)} == {0, 1, 2}
+    guard.close()
 
 
 def test_audit_bound_counts_files_of_an_earlier_run(tmp_path):
@@ -146,11 +199,13 @@ def test_audit_bound_counts_files_of_an_earlier_run(tmp_path):
     resumed = RunDiagnostics(tmp_path, audit_k=1, audit_max_files=3, audit_updates_per_file=2)
     for step in (3, 4, 20):  # step 3 written again after the resume, then new steps
         resumed.update(batch, step)
+    resumed.flush()
     names = sorted((p.name for p in (tmp_path / "audit").iterdir()), key=lambda n: int(n[6:-6]))
     assert names == ["steps_1.jsonl", "steps_3.jsonl", "steps_20.jsonl"]
     assert {rec["step"] for rec in _lines(tmp_path / "audit" / "steps_3.jsonl")} == {3, 4}  # rewritten, not appended
     resumed.update(batch, 21)
     resumed.update(batch, 22)  # a fourth file: the oldest (the first run's steps 1-2) goes
+    resumed.flush()
     names = sorted((p.name for p in (tmp_path / "audit").iterdir()), key=lambda n: int(n[6:-6]))
     assert names == ["steps_3.jsonl", "steps_20.jsonl", "steps_22.jsonl"]
 

@@ -207,3 +207,29 @@ def test_sequence_statistics_on_the_host_equal_eager(fields):
         eager = sequence_stats(**fields)
     assert calls == [1] and host.packed[0] == eager.packed[0]
     assert_engines_agree(_finish(host), _finish(eager), (".sum", ".sumsq"), atol=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=_batches())
+def test_old_log_probs_that_are_the_log_probs_give_the_same_bits_as_a_copy(batch):
+    """TRL's default passes the log-probs themselves as the old ones (the ratio is exactly 1): the shortcut for it
+    must give the bits the general path gives a copy of them (signed zeros included), and agree with eager."""
+    d, kw = batch
+    for name in ("old_logprobs", "prox_logprobs", "ref_logprobs"):
+        d.pop(name, None)
+    lp = d["logprobs"].clone().requires_grad_()  # as TRL's: the loss's log-probs, detached for the old ones
+    shared = TokenBatch(**{**d, "logprobs": lp, "old_logprobs": lp.detach()}, **kw)
+    copied = TokenBatch(**{**d, "logprobs": lp, "old_logprobs": lp.detach().clone()}, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        calls = _count_calls(m, "_on_policy_ratio")
+        fast, general = probe_batch(shared), probe_batch(copied)
+        assert len(calls) == (kw["importance_sampling_level"] == "token" or not kw["clipped_loss"])  # GSPO: general
+        assert not host_engine._failure
+    (layout, sums, maxes), (layout2, sums2, maxes2) = fast.packed, general.packed
+    assert layout == layout2
+    for a, b in ((sums, sums2), (maxes, maxes2)):
+        assert np.array_equal(a.numpy().view(np.int64), b.numpy().view(np.int64))  # bit for bit, NaN and -0.0 too
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
+        eager = probe_batch(shared)
+    assert_engines_agree(_finish(fast), _finish(eager), FLOAT_SUMS, atol=1e-5)
