@@ -66,7 +66,8 @@ class StepAccumulator:
     """Adds ``Partial`` statistics on the device until ``finish()`` is called once per optimizer step."""
 
     def __init__(self) -> None:
-        self._segments: dict[Layout, list[torch.Tensor]] = {}
+        # layout -> [running sums, running maxima, whether they are still the first Partial's own vectors]
+        self._segments: dict[Layout, list] = {}
         self.device: torch.device | None = None
 
     def add(self, partial: Partial) -> None:
@@ -86,8 +87,10 @@ class StepAccumulator:
         if self.device is None:
             self.device = device
         seg = self._segments.get(layout)
-        if seg is None:  # a packed Partial's entries are views of s and m: the running total must not alias them
-            self._segments[layout] = [s.clone(), m.clone()] if packed is not None else [s, m]
+        if seg is None:  # kept as given (most layouts come once a step): never written, so never the caller's
+            self._segments[layout] = [s, m, packed is not None]
+        elif seg[2]:  # the first vectors may be the caller's (a packed Partial's entries are views of them)
+            seg[:] = [seg[0] + s, torch.maximum(seg[1], m), False]
         else:
             seg[0].add_(s)
             torch.maximum(seg[1], m, out=seg[1])
