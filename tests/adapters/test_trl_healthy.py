@@ -130,14 +130,22 @@ def test_ratio_is_not_one_with_two_iterations(healthy):
     assert any(r["rl_guard/kl_old/k3_mean"] > 1e-6 for r in records)
 
 
-def test_ratio_exactly_one_on_policy(grpo_run, tmp_path):
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_ratio_exactly_one_on_policy(grpo_run, tmp_path, monkeypatch, beta):
+    """TRL passes the log-probs themselves as the old ones. Without a reference model (TRL's default, beta=0) the
+    host engine takes its on-policy shortcut for every micro-batch; with one, its general path."""
+    shortcut = []
+    real = host_engine._on_policy_ratio
+    monkeypatch.setattr(host_engine, "_on_policy_ratio", lambda *a: shortcut.append(1) or real(*a))
     run = grpo_run(tmp_path, 4, guard=demo_config("rollback", console_every=None), num_iterations=1,
-                   steps_per_generation=1)
+                   steps_per_generation=1, beta=beta)
     records = run.metrics()
-    assert len(records) == 4
+    microbatches = sum(r["rl_guard/tokens/microbatches"] for r in records)
+    assert len(records) == 4 and len(shortcut) == (microbatches if beta == 0 else 0) and microbatches >= 4
     for r in records:
-        ratio = {k: v for k, v in r.items() if k.startswith("rl_guard/ratio/")}
-        assert len(ratio) == 10  # mean, min, max and seven quantiles
+        ratio = {k: v for k, v in r.items() if k.startswith(("rl_guard/ratio/", "rl_guard/seq_ratio/"))}
+        assert len(ratio) == 20  # mean, min, max and seven quantiles, per token and per sequence
         assert all(v == 1.0 for v in ratio.values()), ratio
-        assert r["rl_guard/kl_old/k3_mean"] == 0.0 and r["rl_guard/clip/region_frac"] == 0.0
+        assert all(r[f"rl_guard/kl_old/k{i}_{red}"] == 0.0 for i in (1, 2, 3) for red in ("mean", "seq_mean"))
+        assert r["rl_guard/clip/region_frac"] == 0.0
     assert [i for i in run.incidents() if i["action"] != "warn"] == []
