@@ -8,6 +8,7 @@ Every name is documented in the glossary (``docs.py`` collects the families' ``D
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +94,11 @@ class RunDiagnostics:
         return {PREFIX + "group/no_signal_steps": float(self.steps_without_signal)}
 
     def state_dict(self) -> dict:
-        self.flush()  # the queued updates draw their samples first: the saved generator state follows them
+        try:  # the queued updates draw their samples first: the saved generator state follows them
+            self.flush()
+        except OSError as e:  # a side record: a full disk must not fail the checkpoint that carries this state
+            warnings.warn(f"rl_guard: the queued audit samples could not be written ({e})", RuntimeWarning,
+                          stacklevel=2)
         return {"version": STATE_VERSION, "budget": self.budget.state_dict(), "trend": self.trend.state_dict(),
                 "rng": self.rng.bit_generator.state, "signal": [self.batch_has_signal, self.steps_without_signal]}
 

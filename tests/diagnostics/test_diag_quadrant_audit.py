@@ -215,3 +215,13 @@ def test_no_run_dir_writes_nothing(tmp_path, monkeypatch):
     d = RunDiagnostics()
     d.update(SampleBatch(rewards=[1.0, 0.0], texts=["a", "b"]), 0)
     assert d.last_audit_file is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_audit_write_does_not_fail_saving_the_state(tmp_path, monkeypatch):
+    """The state goes into checkpoints: an audit file that cannot be written (a full disk) is a warning there."""
+    d = RunDiagnostics(tmp_path, audit_k=1)
+    d.update(SampleBatch(rewards=[0.0, 1.0], texts=["a", "b"]), 1)
+    monkeypatch.setattr(d.audit, "_open", lambda step: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.warns(RuntimeWarning, match="queued audit samples could not be written.*No space left"):
+        state = d.state_dict()
+    assert state["version"] == 1 and state["budget"]
