@@ -229,8 +229,7 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
     on_policy = _on_policy(b, plan, seq_clip)
     e = np.expm1(np.minimum(z[r0:], F32(EXP_CLAMP))) if r0 < nrows and not on_policy else None
     nr = len(plan.ratio_families)
-    if on_policy:  # every valid log-ratio is +0.0: sum r = count
-        _rows(names["ratio_sum"], s, counts[r0 : r0 + nr])
+    if on_policy:
         _on_policy_ratio(s, mx, mn, plan, v, counts)
     elif nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
         _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
@@ -261,10 +260,11 @@ def _on_policy(b, plan, seq_clip: bool) -> bool:
 
 
 def _on_policy_ratio(s, mx, mn, plan, v, counts) -> None:
-    """``_kl`` and the sequence ratio's ``_ratio_stats`` when every valid log-ratio is +0.0 (``_on_policy``): the
-    same values, signed zeros included (a sum reduction of -0.0 gives +0.0, a max keeps -0.0), from the valid
-    tokens per sequence alone, without their ~30 numpy calls."""
-    k0, names = plan.kl_first, plan.names
+    """The ratio sum, ``_kl`` and the sequence ratio's ``_ratio_stats`` when every valid log-ratio is +0.0
+    (``_on_policy``): the same values, signed zeros included (a sum reduction of -0.0 gives +0.0, a max keeps
+    -0.0), from the valid tokens per sequence alone, without their ~30 numpy calls."""
+    k0, names = plan.kl_first, plan.names  # the ratio row, the only log-ratio row
+    _rows(names["ratio_sum"], s, counts[k0 : k0 + 1])  # sum r = count
     s[keys.KL_OLD.count] = counts[k0]
     tokens = v[k0].sum(1, dtype=F64)  # valid tokens per sequence
     n_seqs = float(np.count_nonzero(tokens))
