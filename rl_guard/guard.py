@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from .control.actions import Actions
+from .control.announce import Announcer
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
 from .control.state import TrainState
@@ -91,7 +92,7 @@ class _Clock:
 
 
 class Guard:
-    def __init__(self, config: GuardConfig, run_dir: str | Path | None = None, sinks=None):
+    def __init__(self, config: GuardConfig, run_dir: str | Path | None = None, sinks=None, open_run_dir: bool = True):
         self.config = config
         self.rank, self.world_size = ranks.rank_and_world()
         self.run_dir = Path(run_dir or config.run_dir or "runs/rl_guard")
@@ -99,6 +100,7 @@ class Guard:
         self._acc = StepAccumulator()
         self.state: TrainState | None = None
         self.actions = Actions(self)
+        self.announcer = Announcer()  # one console line per action, and the end-of-run summary
         self.last_metrics: dict[str, float] = {}
         self.last_histograms: dict = {}
         self.last_decision: Decision | None = None
@@ -116,14 +118,29 @@ class Guard:
         self._sinks = None
         self._sink_spec = sinks if sinks is not None else config.sinks
         self._clock = _Clock()  # the guard's own cost, logged every step
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(config.source_text or "# defaults\n", encoding="utf-8")
+        if open_run_dir:
+            self.open_run_dir()
 
     @classmethod
-    def from_yaml(cls, source, run_dir=None, sinks=None) -> "Guard":
-        """Build from a YAML path or YAML text (validated at once; raises ``ConfigError``)."""
-        return cls(load_config(source), run_dir=run_dir, sinks=sinks)
+    def from_yaml(cls, source, run_dir=None, sinks=None, open_run_dir: bool = True) -> "Guard":
+        """Build from a YAML path or YAML text (validated at once; raises ``ConfigError``). ``open_run_dir=False``:
+        nothing is written until ``use_run_dir`` / ``open_run_dir`` (an adapter that learns the directory later)."""
+        return cls(load_config(source), run_dir=run_dir, sinks=sinks, open_run_dir=open_run_dir)
+
+    def open_run_dir(self) -> None:
+        """Create the run directory and write the config the run uses (rank 0)."""
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.config.source_text or "# defaults\n", encoding="utf-8")
+
+    def use_run_dir(self, run_dir: str | Path) -> "Guard":
+        """Point the guard at another run directory before anything was recorded (sinks not started)."""
+        if self._sinks is not None:
+            raise RuntimeError(f"the run directory is already in use ({self.run_dir}); set it before the first step")
+        self.run_dir = Path(run_dir)
+        self.actions = Actions(self)
+        self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
+        return self
 
     # -- wiring ----------------------------------------------------------------------------------------------------
     def attach(self, model, optimizer=None, scheduler=None, **extra) -> "Guard":
@@ -174,6 +191,32 @@ class Guard:
     @property
     def step(self) -> int:
         return self.controller.step
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.controller.skipped_steps
+
+    @property
+    def rollbacks(self) -> int:
+        return self.controller.rollbacks
+
+    def start_at(self, step: int) -> None:
+        """Number the next step ``step`` (a trainer resuming or starting at its own count); only before the first."""
+        if self.controller.step == 0:
+            self.controller.step = step
+
+    def mark_reported_absent(self, metrics) -> None:
+        """Metrics already reported as absent (e.g. by an adapter's coverage report): no later missing warning."""
+        self.controller.missing_warned.update(metrics)
+
+    def take_restored(self) -> int | None:
+        """Carry out a deferred rollback (``check(defer_restore=True)``); the restored snapshot's step, or None."""
+        return self.actions.restore_pending()
+
+    @property
+    def stopped(self) -> dict | None:
+        """The incident record of the rule that stopped or halted the run (None while it runs on)."""
+        return self.announcer.stop_record
 
     # -- per micro-batch ---------------------------------------------------------------------------------------------
     def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
@@ -367,7 +410,7 @@ class Guard:
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(),
                 "diagnostics": self.diagnostics.state_dict(), "update": self.update_probe.state_dict(),
-                "time": time.time()}
+                "announcer": self.announcer.state_dict(), "run_dir": str(self.run_dir), "time": time.time()}
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
@@ -376,6 +419,8 @@ class Guard:
             self.diagnostics.load_state_dict(state["diagnostics"])
         if "update" in state:
             self.update_probe.load_state_dict(state["update"])
+        if "announcer" in state:
+            self.announcer.load_state_dict(state["announcer"])
 
 
 class _Protected:
