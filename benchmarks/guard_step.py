@@ -17,6 +17,10 @@ numpy operation and one 64-iteration Python loop, warm and right after the distu
 machine its own price (a virtual machine's nested page tables add to it), so ``machine`` is what to compare before
 comparing two machines' ``cold`` figures: the guard's ~100 small operations per step pay it on every call.
 
+``host_ms_over_outside`` (warm and cold): what the guard itself logs as ``rl_guard/guard/host_ms`` over the same
+calls timed from outside, median per step cycle: at most 1 (the outside timer adds a little around each call), and
+0.9 or more unless the guard's clock misses part of the time spent in its calls (a note says so).
+
 Setups, as in ``trl_overhead.py``: ``demo`` (the demo's guard; old and reference log-probs; a generation batch every
 4 steps), ``trl-short`` (the shipped preset unmodified; TRL's loss defaults: no reference model, the ratio is exactly
 1, a generation batch every step) and ``trl-defaults`` (the same with TRL's longer completions and groups of 8).
@@ -53,6 +57,8 @@ B = 8  # completions per micro-batch, as in trl_overhead.py
 # setups give them: the demo's and trl-short's 8-token completions; under TRL's defaults (up to 512 tokens) the tiny
 # model ends each completion with EOS at random: a batch's longest is mostly 20-40 tokens (up to ~75)
 SETUPS = {"demo": (8, 4, 4), "trl-short": (8, 4, 1), "trl-defaults": (40, 8, 1)}
+# the guard's own host_ms over its calls timed from outside: below this, its clock misses part of its calls' time
+HOST_MS_FLOOR = 0.9
 
 
 class _Disturbance:
@@ -145,13 +151,18 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
     gen = torch.Generator().manual_seed(0)
     every = SETUPS[setup][2]  # optimizer steps per generation batch: steps_per_generation x num_iterations
     times = {c: [] for c in CALLS}
+    outside = 0.0  # the timed calls since the last check began: the cycle the guard's next host_ms covers
+    host_over_outside = []  # per cycle: the guard's own rl_guard/guard/host_ms over those calls timed from outside
 
     def timed(call, fn, *args, **kwargs):
+        nonlocal outside
         if disturb is not None:
             disturb()
         start = time.perf_counter()
         out = fn(*args, **kwargs)
-        times[call].append(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        times[call].append(took)
+        outside += took
         return out
 
     def generation(rewards, samples):
@@ -165,7 +176,12 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
         if step % every == 0:
             timed("generation", generation, rewards, samples)
         timed("observe", guard.observe, batch, loss=torch.tensor(0.5))
+        cycle = outside
         decision = timed("check", guard.check, params=optimizer, pre_clip_norm=torch.tensor(1.0))
+        host_ms = guard.last_metrics.get("rl_guard/guard/host_ms")
+        if host_ms is not None and cycle > 0:
+            host_over_outside.append(host_ms / (1e3 * cycle))
+        outside -= cycle  # the next cycle begins with this check
         if decision.apply_step:
             optimizer.step()
         optimizer.zero_grad()
@@ -175,7 +191,13 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
     for call, values in times.items():
         kept = values[len(values) // 4:]
         per_call[call] = 1e3 * statistics.median(kept) * len(values) / steps if kept else 0.0
-    return {"per_call": per_call, "total": sum(per_call.values()), "steps": steps, "run_dir": str(guard.run_dir)}
+    kept = host_over_outside[len(host_over_outside) // 4:]
+    return {"per_call": per_call, "total": sum(per_call.values()), "steps": steps, "run_dir": str(guard.run_dir),
+            "host_ms_over_outside": statistics.median(kept) if kept else None}
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def main(argv=None) -> dict:
@@ -200,6 +222,8 @@ def main(argv=None) -> dict:
         "cold_over_warm": round(cold["total"] / warm["total"], 2),
         "per_call_ms_warm": {k: round(v, 3) for k, v in warm["per_call"].items()},
         "per_call_ms_cold": {k: round(v, 3) for k, v in cold["per_call"].items()},
+        "host_ms_over_outside": {name: _round(r["host_ms_over_outside"], 3) for name, r in (("warm", warm),
+                                                                                            ("cold", cold))},
         "machine": probe,
     }
     print(f"guard ms per step ({args.setup}, {args.steps} steps, median per call):")
@@ -210,6 +234,18 @@ def main(argv=None) -> dict:
     print("this machine, one operation in us (warm / cold): " + ", ".join(
         f"{name} {probe[name + '_us_warm']:.1f} / {probe[name + '_us_cold']:.1f}"
         for name in ("torch_op", "numpy_op", "python_loop")))
+    ratios = result["host_ms_over_outside"]
+    if None not in ratios.values():
+        print(f"the guard's own rl_guard/guard/host_ms over its calls timed from outside (median per cycle): "
+              f"warm {ratios['warm']:.3f}, cold {ratios['cold']:.3f} (at most 1: the outside timer adds a little "
+              "around each call)")
+        if min(ratios.values()) < HOST_MS_FLOOR:
+            print(f"note: below {HOST_MS_FLOOR}: the guard's clock misses part of the time spent in its calls, or "
+                  "the machine was loaded")
+    slower = [name for name in ("torch_op", "numpy_op") if probe[f"{name}_us_cold"] < probe[f"{name}_us_warm"]]
+    if slower:
+        print(f"note: {', '.join(slower)} ran faster cold than warm: the disturbance did not evict what it needs "
+              "here, or the machine was loaded")
     emit_json(args.json, result)
     return result
 

@@ -360,8 +360,22 @@ def main(argv=None) -> dict:
     out = results[0]
     if len(results) > 1:
         out["other_setups"] = {r["setup"]: r for r in results[1:]}
+        _compare_steps(results)
     emit_json(args.json, out)
     return out
+
+
+def _compare_steps(results: list[dict]) -> None:
+    """The setups' unguarded step times side by side; a note where shorter completions did not give the shorter
+    step (the guard's fixed cost is then not read against the step it was meant for)."""
+    print("unguarded step: " + ", ".join(f"{r['setup']} {r['step_ms']['unguarded']:.1f} ms "
+                                         f"({r['model']['completion']}-token completions)" for r in results))
+    for short in results:
+        for long in results:
+            if (short["model"]["completion"] < long["model"]["completion"]
+                    and short["step_ms"]["unguarded"] >= long["step_ms"]["unguarded"]):
+                print(f"note: {short['setup']}'s shorter completions did not give the shorter step "
+                      f"(against {long['setup']}): its completions ended early, or the load moved between the setups")
 
 
 def measure(setup: str, args) -> dict:

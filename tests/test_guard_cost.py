@@ -1,6 +1,8 @@
 """``rl_guard/guard/host_ms`` and ``host_frac``: the guard's own host time per step cycle, as a user sees it in their
-logs, agrees with the time spent inside its calls measured from outside; rules cannot watch it."""
+logs, is the time spent inside its calls, within what the calls took measured from outside; rules cannot watch
+it."""
 
+import math
 import time
 
 import pytest
@@ -50,14 +52,21 @@ def test_host_time_is_the_time_inside_the_guards_calls(tmp_path):
         opt.zero_grad(set_to_none=True)
         timed("step_done", guard.step_done)
     assert reported[0] == {"host_ms": None, "host_frac": None}  # no cycle before the first check
+    # Only what the clocks' nesting guarantees, however loaded the machine: how close the guard's figure comes to the
+    # outside timer is a timing claim, made by benchmarks/guard_step.py (host_ms_over_outside).
     for t in range(1, 6):
         # the cycle that ends at this check: the previous check and step_done, this step's observe
         outside_ms = 1e3 * (took[t - 1]["check"] + took[t - 1]["step_done"] + took[t]["observe"])
         host_ms, frac = reported[t]["host_ms"], reported[t]["host_frac"]
-        assert 1e3 * SINK_S <= host_ms <= outside_ms  # the sink's log runs inside step_done
-        assert host_ms >= 0.9 * outside_ms  # the outside timer adds a little around each call (more under load)
-        assert frac == pytest.approx(host_ms / (1e3 * (cycle[t] - cycle[t - 1])), rel=0.05)
-        assert 0.5 < frac < 1.0  # the sink's 30 ms against the loop's own 10 ms
+        assert math.isfinite(host_ms) and math.isfinite(frac) and frac > 0
+        # the sink's log (a sleep of at least SINK_S) runs inside step_done; the guard's clock runs inside each call
+        assert 1e3 * SINK_S - 1e-6 <= host_ms <= outside_ms + 1e-6
+        # the cycle host_frac divides by runs from inside one check to inside the next: between the outside marks
+        # taken just before each check and the ends of those checks, and it holds both sleeps
+        lap_ms = host_ms / frac
+        cycle_ms = 1e3 * (cycle[t] - cycle[t - 1])
+        assert cycle_ms - 1e3 * took[t - 1]["check"] - 1e-6 <= lap_ms <= cycle_ms + 1e3 * took[t]["check"] + 1e-6
+        assert lap_ms >= 1e3 * (SINK_S + WORK_S) - 1e-6
 
 
 def test_a_rule_on_host_time_is_refused_with_the_reason():

@@ -36,6 +36,7 @@ def test_setups_feed_their_fields_and_run_healthy(bench, tmp_path, setup):
     assert not (run_dir / "incidents.jsonl").read_text()  # the steady state is timed, not incident handling
     assert set(out["per_call"]) == set(bench.CALLS) and all(v > 0 for v in out["per_call"].values())
     assert out["total"] == pytest.approx(sum(out["per_call"].values()))
+    assert 0 < out["host_ms_over_outside"] <= 1 + 1e-9
 
 
 def test_main_writes_warm_and_cold_figures(bench, tmp_path):
@@ -50,6 +51,7 @@ def test_main_writes_warm_and_cold_figures(bench, tmp_path):
     probe = result["machine"]
     assert set(probe) == {f"{op}_us_{state}" for op in ("torch_op", "numpy_op", "python_loop")
                           for state in ("warm", "cold")}
-    assert all(v > 0 for v in probe.values())
-    # the disturbance evicts what the operation needs: cold is never the cheaper (medians of 60 calls)
-    assert all(probe[f"{op}_us_cold"] >= probe[f"{op}_us_warm"] for op in ("torch_op", "numpy_op"))
+    assert all(v > 0 for v in probe.values())  # whether cold costs more than warm is the benchmark's to say
+    # the guard's own host_ms never exceeds its calls timed from outside: its clock runs inside each of them
+    assert set(result["host_ms_over_outside"]) == {"warm", "cold"}
+    assert all(0 < r <= 1 for r in result["host_ms_over_outside"].values())

@@ -63,7 +63,7 @@ def test_default_run_measures_trl_defaults_first_and_the_demo_beside_it(tmp_path
     demo = out["other_setups"]["demo"]
     assert demo["setup"] == "demo" and demo["model"]["completion"] == 8 and "other_setups" not in demo
     assert demo["guard_acted"] == 0 and demo["same_rollouts"] is True and demo["guard_ms_per_step"]["total"] > 0
-    assert demo["step_ms"]["unguarded"] < out["step_ms"]["unguarded"]  # 8-token rollouts: the shorter step
+    assert all(demo["step_ms"][arm] > 0 for arm in ("unguarded", "guarded"))  # which step is shorter: the benchmark's
     assert torch.get_num_threads() == threads_before  # --threads 1 holds for the run only
     assert "other_setups" not in bench.main(["--runs", "1", "--steps", "1", "--setup", "trl-short"])
 

@@ -23,12 +23,11 @@ def _lockstep(ranks: list) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_processes_exit_cleanly_in_bounded_time(launched, world):
-    run = launched(world)
+def test_processes_exit_cleanly(launched, world):
+    run = launched(world)  # within LAUNCH_TIMEOUT: a rank still running then is killed and reads "timeout"
     assert run.returncodes == [0] * world, run.logs
     for res in run.results:
         assert "error" not in res
-        assert all(t < 60 for t in res["times"].values()), res["times"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
