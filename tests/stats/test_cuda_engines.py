@@ -20,7 +20,7 @@ from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 CV = 12
 ALL_FIELDS = ("old", "ref", "entropy", "adv", "versions")

@@ -246,7 +246,7 @@ def test_a_documented_site_allows_only_its_own_ops():
         ("aten.bincount.default", "cpu-only bincount"), ("Tensor.item", None), ("aten.bincount.default", None)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_no_sync_on_cuda_under_sync_debug_mode(tmp_path, monkeypatch):
     """observe -> check -> step_done on CUDA with every synchronisation an error, except in the step's transfer
     (``to_host``) and the healthy snapshot's copy to host memory (``TrainState.capture``)."""
