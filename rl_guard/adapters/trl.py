@@ -32,12 +32,17 @@ import functools
 import inspect
 import logging
 import re
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
 from .. import Guard, TokenBatch
+from ..control.announce import console_logger
+from ..run_dirs import fresh_run_dir
+from ..sinks.printed import for_printing, printed_keys
 from ..stats.on_device import host_to_device
+from .trl_checkpoints import checkpoints_before, load_guard_state, resume_checkpoint, save_guard_state
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import samples_from_rewards
@@ -64,16 +69,36 @@ def check_versions() -> None:
 
 
 class RLGuardCallback(TrainerCallback):
-    """Guard a transformers / TRL trainer. ``guard``: a YAML path, YAML text, or a ``Guard``."""
+    """Guard a transformers / TRL trainer.
 
-    def __init__(self, guard="configs/grpo.yaml", run_dir: str | None = None):
+    ``guard``: a preset name (``"grpo"``), a YAML path, YAML text, or a ``Guard``. ``run_dir``: where the guard's
+    records go; default the YAML's ``run_dir``, else ``<output_dir>/rl_guard``. A fresh run never writes into another
+    run's records (it takes ``<run_dir>-2`` and says so); a run resumed with ``resume_from_checkpoint`` continues
+    them. ``printed_metrics``: the guard keys in the line the trainer prints, ``"core"`` (default, ~14 keys),
+    ``"all"``, ``"none"`` or a list; every report_to backend receives all of them.
+
+    After training, ``stopped`` is the incident that stopped or halted the run (None if it ran to its end), and
+    ``summary`` the lines printed at the end."""
+
+    def __init__(self, guard="grpo", run_dir: str | None = None, printed_metrics="core"):
         check_versions()
-        self.guard = guard if isinstance(guard, Guard) else Guard.from_yaml(guard, run_dir=run_dir)
+        self._printed = printed_keys(printed_metrics)
+        self._run_dir_given = run_dir is not None
+        if isinstance(guard, Guard):
+            self.guard, self._run_dir_given = guard, True
+        else:
+            self.guard = Guard.from_yaml(guard, run_dir=run_dir, open_run_dir=False)
+            self._run_dir_given = self._run_dir_given or self.guard.config.run_dir is not None
+        self.summary: list[str] = []
+        self.resumed_from: str | None = None
+        self._told: set = set()
         self.trainer, self._originals = None, {}
         self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
         self._engine_gate = None  # DeepSpeed: the decision is taken inside engine.step (adapters/deepspeed.py)
         self.coverage: list[dict] = []
         self._eos_cache: tuple | None = None
+        self._printers: list = []
+        self._first_step: int | None = None
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
     def _find_trainer(self):
@@ -92,11 +117,17 @@ class RLGuardCallback(TrainerCallback):
             self._originals[name] = original
             setattr(self.trainer, name, functools.wraps(original)(make(original)))
 
+    @property
+    def stopped(self) -> dict | None:
+        return self.guard.stopped
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         self.trainer = self._find_trainer()
+        self._start_records(args, state)
         self.guard.attach(model, optimizer, lr_scheduler)
         self._align_steps(state)
         self._report_coverage()
+        self._quiet_printers()
         self._wrap("_get_per_token_logps_and_entropies", self._wrap_logps)
         self._wrap("compute_loss", self._wrap_loss)
         self._wrap("_calculate_rewards", self._wrap_rewards)
@@ -113,11 +144,70 @@ class RLGuardCallback(TrainerCallback):
             # The trainer logs the metrics to its wandb run; the guard adds alerts and the incident table.
             self.guard.sinks.add(WandbSink(metrics=False))
 
+    def _start_records(self, args, state) -> None:
+        """Resume the guard from the trainer's checkpoint, or start a fresh run in a directory of its own."""
+        checkpoint = resume_checkpoint(args, state)
+        default = Path(args.output_dir) / "rl_guard"
+        saved = None
+        if checkpoint is not None:
+            self.resumed_from = checkpoint
+            saved = load_guard_state(self.guard, checkpoint)
+        if saved is not None:
+            if not self._run_dir_given and Path(saved.get("run_dir") or default) != self.guard.run_dir:
+                self.guard.use_run_dir(saved.get("run_dir") or default)
+            self._announce_resume(checkpoint, saved, args)
+        else:
+            wanted = self.guard.run_dir if self._run_dir_given else default
+            fresh = fresh_run_dir(wanted) if self.guard.rank == 0 else Path(wanted)
+            if fresh != Path(wanted):
+                console_logger().warning(f"rl_guard: {wanted} holds another run's records; this run writes to {fresh} "
+                                         "(resume_from_checkpoint continues a run's own records)")
+            if fresh != self.guard.run_dir:
+                self.guard.use_run_dir(fresh)
+            if checkpoint is not None:
+                console_logger().warning(
+                    f"rl_guard: {checkpoint} carries no guard state: the guard starts unarmed at step "
+                    f"{state.global_step + 1} (empty rule histories and counters; spike rules arm after their "
+                    "min_history)")
+        self.guard.open_run_dir()
+
+    def _announce_resume(self, checkpoint: str, saved: dict, args) -> None:
+        line = (f"rl_guard: resumed from {checkpoint}: step {self.guard.step}, {self.guard.skipped_steps} skipped, "
+                f"{self.guard.rollbacks} rollbacks, rule histories restored; records continue in {self.guard.run_dir}")
+        stop = saved.get("stopped")
+        if stop is not None:
+            earlier = checkpoints_before(args.output_dir, stop["step"])
+            healthy = f"the newest checkpoint from before it is {earlier[-1]}" if earlier else                 "no checkpoint from before it is in output_dir"
+            line += (f"\n  WARNING: this checkpoint was saved when rule {stop['rule']} stopped the run at step "
+                     f"{stop['step']} ({stop['message']}): it holds "
+                     f"the state the fault left; {healthy}. A fault still present is acted on at the first resumed "
+                     "step.")
+        console_logger().warning(line)
+
     def _align_steps(self, state) -> None:
         """Number guard steps as the trainer does: the step that ends with global_step = n is guard step n."""
-        _ = self.guard.sinks  # started first, so a fresh run is not mistaken for a resumed one
         if self.guard.step == 0:
+            _ = self.guard.sinks  # started first, so a fresh run is not mistaken for a resumed one
+        self.guard.start_at(state.global_step + 1)
+        if self.guard.step != state.global_step + 1:
+            console_logger().warning(f"rl_guard: the saved guard state is at step {self.guard.step}, the trainer at "
+                                     f"global_step {state.global_step}: the guard follows the trainer")
             self.guard.controller.step = state.global_step + 1
+        _ = self.guard.sinks  # a resumed run: records after the resume step are dropped, none duplicated
+
+    def _quiet_printers(self) -> None:
+        """The trainer's printed log line carries the core guard keys only; backends still receive every key."""
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        for cb in self.trainer.callback_handler.callbacks:
+            if isinstance(cb, (PrinterCallback, ProgressCallback)) and "on_log" not in cb.__dict__:
+                original = cb.on_log
+
+                def on_log(args, state, control, logs=None, _original=original, **kw):
+                    return _original(args, state, control, logs=for_printing(logs or {}, self._printed), **kw)
+
+                cb.on_log = on_log
+                self._printers.append(cb)
 
     def _report_coverage(self) -> None:
         with self.guard.protect("coverage report"):
@@ -127,9 +217,17 @@ class RLGuardCallback(TrainerCallback):
         cfg = trainer_configuration(self.trainer)
         self.coverage = rule_coverage(self.guard.controller.rules, cfg)
         for row in self.coverage:  # reported now: no 'metric not reported' warning 20 steps later
-            self.guard.controller.missing_warned.update(row["absent_metrics"])
+            self.guard.mark_reported_absent(row["absent_metrics"])
         if self.guard.rank == 0:
             print(write_coverage(self.guard.run_dir, cfg, self.coverage), flush=True)
+
+    def on_save(self, args, state, control, **kw):
+        """Every checkpoint the trainer writes carries the guard's state (restored by resume_from_checkpoint)."""
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if checkpoint.is_dir():
+            with self.guard.protect("save guard state"):
+                save_guard_state(self.guard, checkpoint, self._told)
+        return control
 
     def on_train_end(self, args, state, control, **kw):
         if self._engine_gate is not None:
@@ -137,9 +235,34 @@ class RLGuardCallback(TrainerCallback):
         for name in self._originals:
             self.trainer.__dict__.pop(name, None)
         self._originals.clear()
+        for cb in self._printers:
+            cb.__dict__.pop("on_log", None)
+        self._printers.clear()
         if self._nones is not None:
             self._nones.remove()
         self.guard.close()
+        if self.guard.rank == 0:
+            with self.guard.protect("summary"):
+                self._print_summary(args, state)
+
+    def _print_summary(self, args, state) -> None:
+        first = self._first_step if self._first_step is not None else state.global_step
+        lines = self.guard.announcer.summary(first, state.global_step, self.guard.run_dir)
+        records = lines.pop()  # last, after what this trainer adds
+        stop = self.guard.stopped
+        if stop is not None:
+            saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            earlier = checkpoints_before(args.output_dir, stop["step"])
+            if saved.is_dir():
+                lines.append(f"  trainer checkpoint: {saved} (holds the state the fault left; the guard's state is in "
+                             "it, so a fault still present is acted on at the first resumed step)")
+            lines.append(f"  newest healthy checkpoint (before step {stop['step']}, not written at a stop): "
+                         + (str(earlier[-1]) if earlier else "none in output_dir"))
+            target = saved if saved.is_dir() else (earlier[-1] if earlier else None)
+            if target is not None:
+                lines.append(f'  to resume: trainer.train(resume_from_checkpoint="{target}")')
+        self.summary = [*lines, records]
+        console_logger().warning("\n".join(self.summary))
 
     def _wrap_logps(self, original):
         def wrapper(*args, **kwargs):
@@ -258,13 +381,12 @@ class RLGuardCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
-        restored = self.guard.actions.restore_pending()
-        if restored is not None:
+        if self._first_step is None:
+            self._first_step = state.global_step
+        restored = self.guard.take_restored()  # the console line was printed when the rule fired
+        if restored is not None and hasattr(self.trainer, "_buffered_inputs"):
             # Rollouts buffered from the diverged policy must not be trained on: TRL regenerates when this is None.
-            if hasattr(self.trainer, "_buffered_inputs"):
-                self.trainer._buffered_inputs = None
-            logger.warning(f"rl_guard: rolled back to the healthy state from before step {restored}; "
-                           f"trainer global_step keeps counting ({state.global_step})")
+            self.trainer._buffered_inputs = None
         self.guard.step_done()
         return control
 

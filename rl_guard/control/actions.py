@@ -150,6 +150,9 @@ class Actions:
                           would_restore_to_step=restored_to)
         with g.protect("incident"):
             g.sinks.incident(record)
+        lr_scale = g.config.rollback["lr_scale"] ** (g.controller.rollbacks + 1) if decision.rollback else None
+        with g.protect("announce"):
+            g.announcer.incident(record, lr_scale)
 
     def guard_incident(self, rule: str, message: str, action: str | None) -> None:
         """An incident about the guard itself (e.g. it is failing internally and the run is unguarded)."""

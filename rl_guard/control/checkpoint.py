@@ -51,6 +51,10 @@ def load(path: str | os.PathLike):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _step_of(item) -> int:
+    return int(item.stem.removeprefix("snapshot_step")) if isinstance(item, Path) else item["step"]
+
+
 class SnapshotRing:
     """The last ``keep`` healthy snapshots, in host memory or on disk (``where='disk'`` needs ``directory``).
 
@@ -100,7 +104,7 @@ class SnapshotRing:
         self._items = deque(i for i, _ in keep)
 
     def steps(self) -> list[int]:
-        return [int(i.stem.removeprefix("snapshot_step")) if isinstance(i, Path) else i["step"] for i in self._items]
+        return [_step_of(i) for i in self._items]
 
     def state_dict(self) -> dict:
         """Disk snapshots survive a restart (their paths are kept); memory snapshots do not."""
@@ -108,3 +112,13 @@ class SnapshotRing:
 
     def load_state_dict(self, state: dict) -> None:
         self._items = deque(Path(p) for p in state.get("paths", []) if Path(p).exists())
+
+    def memory_items(self) -> list[dict]:
+        """The snapshots held in memory (for a checkpoint that carries them)."""
+        return [i for i in self._items if not isinstance(i, Path)]
+
+    def restore_memory(self, items: list[dict]) -> None:
+        """Put saved memory snapshots back, oldest first, with any disk snapshots in step order."""
+        if items:
+            merged = sorted([*self._items, *items], key=_step_of)
+            self._items = deque(merged[-self.keep:])
