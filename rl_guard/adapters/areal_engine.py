@@ -140,5 +140,5 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
     def rl_guard_summary(self) -> dict:
         """For the controller (``_custom_function_call``): the guard's last logged metrics on this rank."""
         g = self.rl_guard
-        return {} if g is None else {"step": g.step, "skipped": g.controller.skipped_steps,
-                                     "rollbacks": g.controller.rollbacks, **g.last_logged}
+        return {} if g is None else {"step": g.step, "skipped": g.skipped_steps, "rollbacks": g.rollbacks,
+                                     **g.last_logged}

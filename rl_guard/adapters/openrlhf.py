@@ -141,7 +141,7 @@ def gate_optimizer_step(strategy, actor, guard) -> None:
             return original(optimizer, model, scheduler, *args, **kwargs)
         decision, out = gated_step(guard, engine, functools.partial(original, optimizer, model, scheduler, *args,
                                                                     **kwargs))
-        guard.actions.restore_pending()
+        guard.take_restored()
         guard.step_done()
         if decision.stop:
             raise GuardHalted.of(decision)
