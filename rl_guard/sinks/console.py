@@ -1,4 +1,4 @@
-"""Console sink: a compact health table every `every` steps and one line per incident.
+"""Console sink: a compact health table every `every` steps (incidents are printed by the guard itself).
 
 Uses `rich` when importable (and `rich=True`), else plain text. Only metrics present in the
 record are shown, so the table shrinks to what the trainer actually provides.
@@ -99,13 +99,8 @@ class ConsoleSink(Sink):
             print("\n".join(lines), file=self._out(), flush=True)
 
     def incident(self, record: dict) -> None:
-        message = str(record.get("message", record))
-        if self._console is not None:
-            # markup=False: messages start with "[rule ...]", which rich would eat as a tag;
-            # soft_wrap: keep one incident on one line so logs stay grep-able.
-            self._console.print(message, style="bold red", markup=False, soft_wrap=True)
-        else:
-            print(message, file=self._out(), flush=True)
+        """Nothing: the guard itself prints every action (and each warning's first firing) on the console, whatever
+        the sinks (``rl_guard/control/announce.py``); a second copy here would only repeat it."""
 
     def finish(self) -> None:
         if self._console is not None:
