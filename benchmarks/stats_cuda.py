@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from stats import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step, time_interleaved
+from stats_common import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step, time_interleaved
 
 SIZES_GPU = {"64K": 1 << 16, **SIZES, "8M": 1 << 23}
 SWEEP_CHUNKS = (1 << 20, 1 << 21, 1 << 22, 1 << 23)

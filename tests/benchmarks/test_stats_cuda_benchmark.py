@@ -14,8 +14,9 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _modules():
-    # stats_cuda imports its sibling stats.py, and stats.main imports stats_cuda, both from benchmarks/ on sys.path
-    # (where stats.py itself puts it when it is run as a script): it stays there, as it would
+    # stats.py and stats_cuda.py import their sibling stats_common.py, and stats.main imports stats_cuda (for
+    # --device cuda), all from benchmarks/ on sys.path (where stats.py itself puts it when it is run as a script):
+    # it stays there, as it would
     if str(BENCH_DIR) not in sys.path:
         sys.path.insert(0, str(BENCH_DIR))
     return load_module("rl_guard_benchmark_stats", BENCH_DIR / "stats.py"), load_module(
