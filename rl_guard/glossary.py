@@ -35,11 +35,11 @@ GLOSSARY: dict[str, str] = {
     "entropy/<stat>": "Per-token entropy of pi_theta in nats; mean/min/max/<q>. Down toward 0 is collapse.",
     "clip/low_frac": "Share of tokens with r < 1 - eps_low and A < 0 (PPO lower clip active). 0-0.3 typical.",
     "clip/high_frac": "Share of tokens with r > 1 + eps_high and A > 0 (upper clip active).",
-    "clip/region_frac": "low_frac + high_frac; > 0.4 means updates too aggressive (seed 001). The clipped ratio is "
-    "importance_weight under decoupled PPO and the sequence ratio under GSPO.",
+    "clip/region_frac": "low_frac + high_frac; > 0.4 means updates too aggressive (docs/sources.md#debugging-guide). "
+    "The clipped ratio is importance_weight under decoupled PPO and the sequence ratio under GSPO.",
     "adv/<stat>": "Advantages over loss tokens: mean, std (sample), min, max, zero_frac (exactly 0: no signal).",
     "length/<stat>": "Response length per sequence (given, else mask sum): mean/min/max; truncated_frac = no-EOS share "
-    "(> 0.05 is trouble, seed 003).",
+    "(> 0.05 is trouble: AReaL docs, Diagnosing RL Performance).",
     "reward/<stat>": "Per-sequence scalar reward: mean, std, min, max (finite values).",
     "lag/mean": "Policy lag = current_version - sample version, token mean. 0 on synchronous runs.",
     "lag/max": "Largest policy lag among loss tokens; compare with max_head_offpolicyness.",
@@ -87,7 +87,7 @@ GLOSSARY: dict[str, str] = {
     "guard/skipped_steps": "Cumulative optimizer steps skipped by the guard.",
     "guard/rollbacks": "Cumulative rollbacks performed.",
     "guard/fired": "Rules that fired this step.",
-    "guard/internal_failures": "Cumulative internal failures of the guard itself (see the failure policy in the README).",
+    "guard/internal_failures": "Cumulative internal failures of the guard itself (see docs/failure-policy.md).",
     "guard/unguarded": "1 while the guard has failed internally on max_internal_failures consecutive steps (its checks "
     "are not running), else 0. Anything but 0 needs attention.",
     "guard/host_ms": "The guard's own host time over the last step cycle (ms): its observe, check and step_done calls "

@@ -1,4 +1,5 @@
-"""quadrant/: training reward against an independent outcome (seed 000's four quadrants).
+"""quadrant/: training reward against an independent outcome (the four quadrants of
+docs/sources.md#experiments-and-diagnostics).
 
 Samples: finite reward, finite outcome, not a system error. success = outcome >= 0.5.
 high reward = r >= t with t = the configured ``quadrant_threshold``; without one, t is the batch median and

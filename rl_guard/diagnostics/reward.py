@@ -1,4 +1,5 @@
-"""reward/: what the reward is made of and what its histogram looks like (seed 001's table of shapes).
+"""reward/: what the reward is made of and what its histogram looks like (the table of shapes in
+docs/sources.md#debugging-guide).
 
 Statistics use valid rewards only: finite and not a system error (see ``samples``).
 

@@ -1,4 +1,4 @@
-"""length/ and trend/: response-length drift and seed 001's reward-hacking triad.
+"""length/ and trend/: response-length drift and the reward-hacking triad (docs/sources.md#debugging-guide).
 
 - ``length/no_eos_frac`` = share of samples with ``truncated`` (no EOS) this batch; up is trouble.
 - ``trend/<x>_mean`` this batch's mean of x, and ``trend/<x>_slope``: least-squares slope of that mean against the
@@ -7,8 +7,8 @@
   A resume or rollback to an earlier step drops the points at or after it, so a replayed stretch is not
   counted twice. The window survives ``state_dict``.
 
-The triad "reward up, length up, independent outcome flat" (seed 001: reward hacking, typically a length
-preference in the reward) as a composite rule; thresholds are per step, tune them to the run's scale::
+The triad "reward up, length up, independent outcome flat" (reward hacking, typically a length preference in the
+reward; Singhal et al. 2023) as a composite rule; thresholds are per step, tune them to the run's scale::
 
   - name: reward_hacking_triad
     all:
@@ -41,7 +41,8 @@ DOCS = {
     **{f"trend/{x}_slope": f"Least-squares slope of the batch mean {x} per training step over the last `window` "
        "updates (>= 3 points)." for x in SERIES},
 }
-DOCS["trend/length_slope"] += " Up together with reward_slope while outcome_slope is flat: reward hacking (seed 001)."
+DOCS["trend/length_slope"] += (" Up together with reward_slope while outcome_slope is flat: reward hacking "
+                               "(docs/sources.md#debugging-guide).")
 
 
 class Trend:

@@ -1,4 +1,5 @@
-"""Seed regression checks for user-supplied RL loss / advantage / returns code.
+"""Minimal regression checks for user-supplied RL loss / advantage / returns code (the minimal regression tests of
+docs/sources.md#experiments-and-diagnostics).
 
 Each ``check_*`` runs the user's callable(s) on small, exactly-known inputs, raises
 ``RegressionCheckFailed`` (an ``AssertionError``) with a precise message on a contract violation,
