@@ -19,32 +19,58 @@ from transformers.trainer_callback import PrinterCallback
 from bitwise import assert_same
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
 
-# verl pins transformers below the main environment's: its tests run in their own environment (.venv-verl, which the
-# README's test command builds), and the main run does not collect them. (Installed distributions, not find_spec: the
-# folder tests/adapters/verl itself is importable as a namespace package "verl" here.)
-try:
-    importlib.metadata.distribution("verl")
-    collect_ignore = []
-except importlib.metadata.PackageNotFoundError:
-    collect_ignore = ["verl"]
-
-
-def _own_environment(framework: str, transformers_ok) -> bool:
-    """AReaL (transformers <= 5.3) and OpenRLHF (== 5.15.0) pin transformers apart from the main environment's and
-    from each other: their real-engine tests run in .venv-areal / .venv-openrlhf (the README's test command)."""
-    try:
-        importlib.metadata.distribution(framework)
-        version = tuple(int(x) for x in importlib.metadata.version("transformers").split(".")[:2])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return False
-    return transformers_ok(version)
+# -- the framework suites: tests/adapters/verl, areal and openrlhf ---------------------------------------------------
+# Each framework pins transformers apart from the main environment's and from the others': each folder runs in its
+# own nox session (nox -s verl | areal | openrlhf), and the main session leaves the three folders out (--ignore).
+# Collected anywhere else, each of their test files stands for one module-level skip that says so: a skip outside CI,
+# a failing test under CI=true (tests/conftest.py).
+FRAMEWORK_SUITES = {  # folder -> (distribution, whether a transformers (major, minor) suits it)
+    "verl": ("verl", None),
+    "areal": ("areal", lambda v: (5, 0) <= v <= (5, 3)),
+    "openrlhf": ("openrlhf", lambda v: v == (5, 15)),
+}
 
 
-if not _own_environment("areal", lambda v: (5, 0) <= v <= (5, 3)):
-    collect_ignore.append("areal")
-if not _own_environment("openrlhf", lambda v: v == (5, 15)):
-    collect_ignore.append("openrlhf")
+def framework_missing(folder: str) -> str | None:
+    """Why this environment cannot run the folder's suite, or None when it can."""
+    dist, transformers_ok = FRAMEWORK_SUITES[folder]
+    elsewhere = f"tests/adapters/{folder} runs in its own environment (nox -s {folder})"
+    try:  # installed distributions, not find_spec: the folder tests/adapters/verl itself imports as a package "verl"
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{dist} is not installed: {elsewhere}"
+    if transformers_ok is not None:
+        version = importlib.metadata.version("transformers")
+        try:
+            suits = transformers_ok(tuple(int(x) for x in version.split(".")[:2]))
+        except ValueError:
+            suits = False
+        if not suits:
+            return f"{dist} pins another transformers than {version}: {elsewhere}"
+    return None
+
+
+class _FrameworkMissing(pytest.Module):
+    """A framework suite's test file in an environment without its framework: one module-level skip, not imported."""
+
+    reason = ""
+
+    def collect(self):
+        pytest.skip(self.reason)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path, parent):
+    parts = Path(module_path).resolve().relative_to(HERE).parts
+    if len(parts) > 1 and parts[0] in FRAMEWORK_SUITES:
+        reason = framework_missing(parts[0])
+        if reason is not None:
+            module = _FrameworkMissing.from_parent(parent, path=Path(module_path))
+            module.reason = reason
+            return module
+    return None
 
 # Settings that run on CPU in well under a second per step; beta > 0 so the reference KL exists.
 GRPO_BASE = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
