@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 # -- honest CI: a skipped test fails unless it is marked gpu and no GPU is present -------------------------------------
-# In CI (CI=true, as .ci/run sets) or with RL_GUARD_STRICT_SKIPS=1, every framework the README's test command installs
-# must be importable and every test must run: a skip hides a broken install or a test that no longer runs. The one
-# allowed skip is a test marked ``@pytest.mark.gpu`` on a machine without a CUDA device; what its skip reason says
-# does not matter.
+# In CI (CI=true, as .ci/run sets) or with RL_GUARD_STRICT_SKIPS=1, every framework the session's nox environment
+# installs (noxfile.py, docs/contributing.md) must be importable and every test must run: a skip hides a broken
+# install or a test that no longer runs. The one allowed skip is a test marked ``@pytest.mark.gpu`` on a machine
+# without a CUDA device; what its skip reason says does not matter.
 STRICT_SKIPS = os.environ.get("CI", "").lower() == "true" or os.environ.get("RL_GUARD_STRICT_SKIPS") == "1"
 GPU_MARKER = "gpu: needs a CUDA device; skipped without one (the only skip allowed under CI=true)"
 
@@ -51,8 +51,8 @@ def _skip_reason(longrepr) -> str:
 
 def _strict_message(what: str, reason: str) -> str:
     return (f"{what} was skipped ({reason!r}), and skips fail under CI=true / RL_GUARD_STRICT_SKIPS=1: the only "
-            "allowed skip is a test marked gpu on a machine without a CUDA device. Install what the README's test "
-            "command installs, or fix the test.")
+            "allowed skip is a test marked gpu on a machine without a CUDA device. Install what the nox session "
+            "installs (noxfile.py, docs/contributing.md), or fix the test.")
 
 
 class SkippedModule(pytest.Item):

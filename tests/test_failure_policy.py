@@ -1,4 +1,4 @@
-"""The failure policy (README, "When the guard itself fails"): caller errors raise, internal errors follow
+"""The failure policy (docs/failure-policy.md): caller errors raise, internal errors follow
 ``fail_mode``, persistent internal failures are announced and, in closed mode, halt the run."""
 
 import pytest

@@ -1,5 +1,6 @@
-"""The lines the README tells a verl user to add are valid verl 0.9.1 config: ``integrations/verl/run_grpo.sh``
-(which carries them) composes with verl's own Hydra config, and the README's verl block is in it word for word."""
+"""The lines docs/adapters/verl.md tells a verl user to add are valid verl 0.9.1 config:
+``integrations/verl/run_grpo.sh`` (which carries them) composes with verl's own Hydra config, and the page's block of
+three lines is in it word for word."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "integrations" / "verl" / "run_grpo.sh"
+DOC = REPO / "docs" / "adapters" / "verl.md"
 
 
-def readme_lines() -> list[str]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    block = text[text.index("## verl\n"):].split("```bash\n", 1)[1].split("```", 1)[0]
+def doc_lines() -> list[str]:
+    text = DOC.read_text(encoding="utf-8")
+    block = text[text.index("## Three lines to add\n"):].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.strip().rstrip("\\").strip() for line in block.strip().splitlines()]
 
 
@@ -29,9 +31,9 @@ def script_overrides() -> list[str]:
     return shlex.split(cmd)[3:]
 
 
-def test_readme_lines_are_in_the_recipe_command():
+def test_doc_lines_are_in_the_recipe_command():
     overrides = script_overrides()
-    lines = readme_lines()
+    lines = doc_lines()
     assert len(lines) == 3
     for line in lines:
         key = line.split("=", 1)[0]
