@@ -54,6 +54,7 @@ WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole: exact, fo
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 F64 = torch.float64
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # what numpy reads in place
+Sampled = torch.Tensor | np.ndarray  # the sampled weights: a numpy array on the host (``_Layout.host``)
 
 
 def stride_for(n: int, sample: int) -> int | None:
@@ -77,9 +78,11 @@ class _Layout:
     ``s`` (1 for a whole tensor) times the merge weight; None when all are 1."""
 
     def __init__(self, pairs, structure: tuple, sample: int, seed: int, device):
-        self.structure, self.storage, self.device = structure, None, device
+        self.structure, self.device = structure, device
+        self.storage: tuple | None = None
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
-        self.plan, self.spans, big_w, big_counts, elem_w = [], [], [], [], []
+        self.plan, self.spans, big_counts, elem_w = [], [], [], []
+        big_w: list[float] = []
         pos = first = 0
         for group in pairs:
             indexed = list(enumerate(group, first))
@@ -107,7 +110,7 @@ class _Layout:
         # tensors are handled as a GPU's); the figures are then host floats
         self.host = device is not None and device.type == "cpu" and host_engine.CPU_MAX_TOKENS > 0 and \
             all(dtype in HOST_DTYPES for group in structure for _, dtype, _ in group)
-        self.weights = None
+        self.weights: torch.Tensor | np.ndarray | None = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
             if self.host:
@@ -118,6 +121,7 @@ class _Layout:
             self.big_spans.append((start, start + n))
             start += n
         self.views: list[torch.Tensor] = []
+        self.host_views: list[np.ndarray] = []  # with ``host``: numpy views of the same memory
         self.big: list[torch.Tensor] = []
 
     def bind(self, pairs, storage: tuple | None) -> None:
@@ -133,7 +137,7 @@ class _Layout:
             if s > 1:
                 self.big.append(tensors[i])
         if self.host:  # numpy views of the same memory (detached: parameters require grad)
-            self.views = [v.detach().numpy() for v in self.views]
+            self.host_views, self.views = [v.detach().numpy() for v in self.views], []
         self.storage = storage
 
     def take(self):
@@ -141,7 +145,7 @@ class _Layout:
         host, else a device tensor concatenated in the weights' dtype, then converted (on CPU a ``cat`` that
         converts as it copies is several times slower)."""
         if self.host:
-            return np.concatenate(self.views, dtype=np.float64) if self.views else np.zeros(0)
+            return np.concatenate(self.host_views, dtype=np.float64) if self.host_views else np.zeros(0)
         if not self.views:
             return torch.zeros(0, dtype=F64, device=self.device)
         return torch.cat(self.views).to(F64)
@@ -184,8 +188,8 @@ class _Layout:
         if self.big_weights is not None:
             sq = sq * self.big_weights
         if self.host:
-            sq = sq.numpy()
-            return [float(sq[a:b].sum()) for a, b in self.big_spans]
+            host_sq = sq.numpy()
+            return [float(host_sq[a:b].sum()) for a, b in self.big_spans]
         if len(self.big_spans) == 1:
             return [sq.sum()]
         return [sq[a:b].sum() if b > a else self._zero() for a, b in self.big_spans]
@@ -196,7 +200,7 @@ def _keys(pairs) -> tuple[tuple, tuple | None]:
     grouping), and what the cached views depend on (addresses and strides; None when a tensor is not contiguous:
     its flat view is a copy, made again every call)."""
     structure = tuple(tuple((t.shape, t.dtype, w) for t, w in group) for group in pairs)
-    storage = tuple((t.data_ptr(), t.stride()) for group in pairs for t, _ in group)
+    storage: tuple | None = tuple((t.data_ptr(), t.stride()) for group in pairs for t, _ in group)
     if not all(t.is_contiguous() for group in pairs for t, _ in group):
         storage = None
     return structure, storage
@@ -210,15 +214,16 @@ class UpdateProbe:
         self.sample, self.seed, self.sharded = sample, seed, sharded
         self._layout: _Layout | None = None
         self._seen: tuple | None = None  # the tensors (and addresses) the layout's views were made from
-        self._before: torch.Tensor | None = None   # sampled weights (float64) right before the last optimizer step
-        self._after: torch.Tensor | None = None    # sampled weights right after it
+        self._before: Sampled | None = None        # sampled weights (float64) right before the last optimizer step
+        self._after: Sampled | None = None         # sampled weights right after it
         self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
-        self._base_sq: list[torch.Tensor] | None = None  # exact ||theta_g||^2 before the last step, then the total
+        self._base_sq: list | None = None  # exact ||theta_g||^2 before the last step, then the total
         self._pending: Scalars | None = None             # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
         self._merge_sum = bool(sharded)  # ranks hold shards (FSDP2 DTensors, or sharded: true): merge by sum
+        self._restored: tuple | None = None  # (layout structure, sample) loaded from a checkpoint, adopted once
 
     # -- sampling ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -226,7 +231,7 @@ class UpdateProbe:
         # Empty groups get their zeros on the parameters' device: stacking a CPU zero with device tensors would fail.
         return next((p.device for group in groups for p in group), None)
 
-    def _take(self, groups) -> torch.Tensor:
+    def _take(self, groups) -> Sampled:
         """The sampled weights of every group in one float64 vector (``self._layout`` made current)."""
         # This rank's part of every parameter with its merge weight (``grads.local_shards``: DTensor shards,
         # replicas counted once); callers run under no_grad, so no detach is needed.
@@ -242,12 +247,14 @@ class UpdateProbe:
             self._layout.bind(pairs, storage)
             self._seen = None if storage is None else (tensors, [t.data_ptr() for t in tensors],
                                                        [len(g) for g in pairs])
+        assert self._layout is not None  # made above at the first call
         return self._layout.take()
 
     def _param_sq(self, now) -> list:
         """Exact ||theta_g||^2 per group (merge weights applied): whole tensors from their copy in ``now``, the
         larger ones from one multi-tensor norm."""
         layout = self._layout
+        assert layout is not None  # ``_take`` made it
         sq = layout.group_sq(now, None, part=1)
         big = layout.big_sq()
         return sq if big is None else [a + b for a, b in zip(sq, big)]
@@ -260,6 +267,9 @@ class UpdateProbe:
         self._pending = None
         now = self._take(groups)  # first: it finds whether the parameters are shards
         layout = self._layout
+        if self._restored is not None:
+            self._adopt_restored(layout)
+        assert layout is not None
         entries = report.sum if self._merge_sum else report.max
         if self._after is not None and self._after_layout is layout:
             entries.append((keys.UPDATE.drift_sq, layout.total_sq(now, self._after)))
@@ -277,6 +287,7 @@ class UpdateProbe:
         if self._before is None:
             return
         layout = self._layout
+        assert layout is not None and self._base_sq is not None  # set with ``_before`` by pre_step
         after = self._take(groups)
         report = Scalars()
         entries = report.sum if self._merge_sum else report.max
@@ -334,11 +345,27 @@ class UpdateProbe:
             self._lr_max[i] = max(self._lr_max[i], lr)
 
     def state_dict(self) -> dict:
-        return {"lr_max": list(self._lr_max), "lr_recent": [list(r) for r in self._lr_recent]}
+        """The learning-rate history and the weight sample after the last step: a resumed run then measures whether
+        the weights it loaded are the ones the saving run left (``update/external_rel`` at the first resumed step)."""
+        state: dict = {"lr_max": list(self._lr_max), "lr_recent": [list(r) for r in self._lr_recent]}
+        if self._after is not None and self._after_layout is not None:
+            state["after"] = torch.as_tensor(self._after).detach().to("cpu", copy=True)
+            state["after_structure"] = repr(self._after_layout.structure)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._lr_max = list(state.get("lr_max", []))
         self._lr_recent = [list(r) for r in state.get("lr_recent", [])]
+        after = state.get("after")
+        self._restored = (state["after_structure"], after) if after is not None else None
+
+    def _adopt_restored(self, layout) -> None:
+        """Take the saved sample as the reference when the parameters have the layout it was taken with."""
+        structure, after = self._restored
+        self._restored = None
+        if self._after is None and repr(layout.structure) == structure:
+            self._after = after.numpy() if layout.host else after.to(layout.device)
+            self._after_layout = layout
 
 
 def learning_rates(optimizer) -> list[float]:

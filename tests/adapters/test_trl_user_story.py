@@ -132,6 +132,9 @@ def test_fault_halt_resume_and_a_second_run(tmp_path):
     assert resumed["global_step"] == 18  # acted on at the first resumed step
     steps = [json.loads(x)["step"] for x in (out / "rl_guard" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 19))  # the same records, continued, no duplicate
+    # the update probe's weight reference came back too: the loaded weights are compared with the saved run's
+    resumed_step = json.loads((out / "rl_guard" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert resumed_step["step"] == 18 and resumed_step["rl_guard/update/external_rel"] == 0.0
     after_resume = digest(out / "rl_guard")
 
     # -- a second fresh run in the same output_dir: its own records, the first run's unchanged -------------------
