@@ -60,7 +60,7 @@ RANK_HEADER = {"rank header": (ranks.read_header.__code__, None)}
 # exact counter, and a fixed-size index_add_ elsewhere (that branch runs in the CUDA test).
 CPU_ONLY_BINCOUNT = {"cpu-only bincount": (sketch.count_cells.__code__, {"aten.bincount.default"})}
 # Healthy snapshots (rollback rules) and checkpoints copy the training state to host memory by design, only on
-# the steps they are due (README, "Decisions").
+# the steps they are due (docs/config.md, "Decisions").
 STATE_CAPTURE = {"state capture": (TrainState.capture.__code__,
                                    {"Tensor.to(cpu)", "Tensor.cpu", "aten._foreach_copy_.default"})}
 DEFAULT_SITES = {**STEP_TRANSFER, **CPU_ONLY_BINCOUNT, **STATE_CAPTURE}

@@ -1,6 +1,6 @@
 """AReaL 1.0.4's real ``FSDPPPOActor`` in SPMD mode on CPU (gloo), guarded (recipe and test worker).
 
-Usage (environment: .venv-areal from the README's test command):
+Usage (environment: the nox session areal, .nox/areal):
     python integrations/areal_async/tiny_qwen2.py /tmp/qwen2
     torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run
     torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run resume

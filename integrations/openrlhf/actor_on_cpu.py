@@ -1,6 +1,6 @@
 """OpenRLHF 0.11.2's own actor path on CPU, guarded through the launcher's hook (recipe and test worker).
 
-Usage (environment: .venv-openrlhf from the README's test command; a model from rl_guard.demo.tiny):
+Usage (environment: the nox session openrlhf, .nox/openrlhf; a model from rl_guard.demo.tiny):
     torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> train
     torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> resume
     torchrun --nproc-per-node 2 integrations/openrlhf/actor_on_cpu.py <model dir> <out dir> rollback_twice

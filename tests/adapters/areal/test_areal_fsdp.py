@@ -1,6 +1,6 @@
 """The guard on AReaL's real ``FSDPPPOActor`` (areal 1.0.4, SPMD mode, CPU, gloo), one and two processes.
 
-Runs in the environment the README's test command builds for AReaL (``.venv-areal``: transformers 5.3.0 as areal
+Runs in the nox session ``areal`` (noxfile.py, constraints/areal.txt: transformers 5.3.0 as areal
 pins; torch 2.13.0 CPU instead of areal's ``torch<2.11``, whose Linux wheels are CUDA builds). Each rank runs
 the recipe ``integrations/areal_async/fsdp_actor_on_cpu.py``: ``GuardedFSDPPPOActor`` (the class a single-controller run's workers import by dotted path)
 through ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` for five steps; see the worker's docstring.

@@ -1,7 +1,7 @@
 """The guard on OpenRLHF's real actor path (openrlhf 0.11.2, deepspeed 0.19.6 ZeRO-2 bf16 on CPU, gloo), attached
 by the launcher's Ray worker hook, one and two processes; then a resume from OpenRLHF's own checkpoint.
 
-Runs in the environment the README's test command builds for OpenRLHF (``.venv-openrlhf``: transformers 5.15.0,
+Runs in the nox session ``openrlhf`` (noxfile.py, constraints/openrlhf.txt: transformers 5.15.0,
 deepspeed 0.19.6 and ray 2.55.0 as openrlhf pins; torch 2.13.0 CPU; no flash-attn / vLLM, which are CUDA builds).
 Each rank runs the recipe ``integrations/openrlhf/actor_on_cpu.py``; its docstring lists what is OpenRLHF's own code and the named patches of
 hard-coded CUDA calls.
