@@ -31,14 +31,22 @@ class Launch:
             world, out, returncodes, elapsed, results, logs)
 
     def scenario(self, name: str) -> list:
-        """Every rank's record of one scenario (fails the test with the ranks' output if a rank crashed)."""
+        """Every rank's record of one scenario. Fails the test, naming the scenario, when it raised on a rank (with
+        each such rank's traceback; the other scenarios' tests are not concerned), or when a rank never got to its
+        end (with that rank's output)."""
+        failed = {r: res["failed"][name] for r, res in enumerate(self.results) if res and name in res["failed"]}
+        if failed:
+            pytest.fail(f"scenario {name} failed on rank(s) {sorted(failed)}:\n"
+                        + "\n".join(f"-- rank {r}:\n{text}" for r, text in failed.items()), pytrace=False)
         for r, res in enumerate(self.results):
-            assert res is not None and "error" not in res, f"rank {r} failed:\n{(res or {}).get('error')}\n{self.logs[r]}"
-            assert name in res, f"rank {r} did not reach scenario {name}"
+            if res is None or name not in res:
+                why = "wrote no results" if res is None else f"did not reach the end of scenario {name}"
+                error = (res or {}).get("error") or ""
+                pytest.fail(f"rank {r} {why} (exit {self.returncodes[r]}) {error}\n{self.logs[r]}", pytrace=False)
         return [res[name] for res in self.results]
 
 
-def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOUT) -> Launch:
+def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOUT, env: dict | None = None) -> Launch:
     out.mkdir(parents=True, exist_ok=True)
     init = out / "pg_init"
     procs = []
@@ -46,7 +54,7 @@ def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOU
     for r in range(world):
         log = open(out / f"rank{r}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(r), str(world), str(init),
-                                        str(out), scenarios], env=child_env(), cwd=REPO, stdout=log,
+                                        str(out), scenarios], env={**child_env(), **(env or {})}, cwd=REPO, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     codes = []
     for p, log in procs:
@@ -63,7 +71,9 @@ def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOU
         f = out / f"rank{r}.json"
         results.append(json.loads(f.read_text()) if f.exists() else None)
     logs = [(out / f"rank{r}.log").read_text()[-4000:] for r in range(world)]
-    return Launch(world, out, codes, elapsed, results, logs)
+    run = Launch(world, out, codes, elapsed, results, logs)
+    run.scenarios = scenarios.split(",")
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -77,3 +87,9 @@ def launched(tmp_path_factory):
         return cache[world]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def launch_bundle():
+    """``launch_bundle(world, scenarios, out, env=...)``: scenarios launched for one test (not cached)."""
+    return launch

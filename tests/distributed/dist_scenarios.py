@@ -279,3 +279,19 @@ def scenario_recipe(rank, world, out: Path, log: CollectiveLog) -> dict:
 
 
 RECIPE_STEPS = 12
+
+
+# -- the worker's scenarios kept apart (test_scenario_isolation.py) ---------------------------------------------------
+def scenario_fails_on_last_rank(rank, world, out: Path, log: CollectiveLog) -> dict:
+    """The last rank raises where the others enter a collective: they wait for it until the collective timeout."""
+    if rank == world - 1:
+        raise RuntimeError("this scenario fails on the last rank")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"sum": float(t)}
+
+
+def scenario_sum_of_ranks(rank, world, out: Path, log: CollectiveLog) -> dict:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"sum": float(t)}

@@ -24,10 +24,12 @@ def _lockstep(ranks: list) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_processes_exit_cleanly(launched, world):
+    """Every rank went through every scenario and exited: whether each scenario passed is its own tests' to say."""
     run = launched(world)  # within LAUNCH_TIMEOUT: a rank still running then is killed and reads "timeout"
     assert run.returncodes == [0] * world, run.logs
     for res in run.results:
-        assert "error" not in res
+        assert "error" not in res, res["error"]
+        assert set(run.scenarios) <= set(res) | set(res["failed"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
