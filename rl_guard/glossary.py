@@ -141,7 +141,7 @@ def example_names() -> list[str]:
     fills = {"<stat>": _RATIO_STATS + ("std", "zero_frac", "truncated_frac"), "<k>": ("k1", "k2", "k3"),
              "<bucket>": ("0", "1", "2", "3-4", "5-8", "9+"), "<i>": ("0", "1"),
              "<field>": ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages", "rewards"), "<q>": QUANTILE_NAMES}
-    names = []
+    names: list[str] = []
     for pattern in all_patterns():
         expanded = [pattern]
         for ph, values in fills.items():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from areal.api.io_struct import SaveLoadMeta
@@ -36,6 +37,9 @@ from ..control.ram_dir import ram_dir
 from . import CONFIG_ENV as CONFIG
 from . import RUN_DIR_ENV as RUN_DIR
 from . import areal as adapter
+
+if TYPE_CHECKING:
+    from ..guard import Guard
 
 BOUND = "RL_GUARD_MAX_HEAD_OFFPOLICYNESS"
 
@@ -107,7 +111,7 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
     """``FSDPPPOActor`` that guards itself once initialised (dotted path:
     ``rl_guard.adapters.areal_engine.GuardedFSDPPPOActor``)."""
 
-    rl_guard = None
+    rl_guard: Guard | None = None
 
     def initialize(self, *args, **kwargs):
         out = super().initialize(*args, **kwargs)
@@ -118,23 +122,29 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
         """AReaL's own save (``RecoverHandler`` recover checkpoints are DCP saves with the optimizer), plus the
         guard's state beside it, so that a recovered run resumes the guard's step, counters and windows."""
         super().save(meta)
-        if self.rl_guard is not None and meta.weight_format == "dcp" and not self._guard_snapshot(meta.path):
-            with self.rl_guard.protect("save guard state"):
-                torch.save(self.rl_guard.state_dict(), self._guard_state_path(meta.path))
+        guard = self.rl_guard
+        if guard is not None and meta.weight_format == "dcp" and not self._guard_snapshot(guard, meta.path):
+            with guard.protect("save guard state"):
+                torch.save(guard.state_dict(), self._guard_state_path(guard, meta.path))
 
     def load(self, meta: SaveLoadMeta):
         """AReaL's own load, plus the guard's state saved beside it (not on the guard's own rollback, which keeps
         its counters)."""
         super().load(meta)
-        path = None if self.rl_guard is None or self._guard_snapshot(meta.path) else self._guard_state_path(meta.path)
-        if path is not None and path.exists():
-            self.rl_guard.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        guard = self.rl_guard
+        if guard is None or self._guard_snapshot(guard, meta.path):
+            return
+        path = self._guard_state_path(guard, meta.path)
+        if path.exists():
+            guard.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
-    def _guard_state_path(self, path: str) -> Path:
-        return Path(path) / f"rl_guard_rank{self.rl_guard.rank}.pt"
+    @staticmethod
+    def _guard_state_path(guard: Guard, path: str) -> Path:
+        return Path(path) / f"rl_guard_rank{guard.rank}.pt"
 
-    def _guard_snapshot(self, path: str) -> bool:
-        snapshots = getattr(self.rl_guard.state, "snapshot_dir", None)
+    @staticmethod
+    def _guard_snapshot(guard: Guard, path: str) -> bool:
+        snapshots = getattr(guard.state, "snapshot_dir", None)
         return snapshots is not None and Path(path).resolve().is_relative_to(Path(snapshots).resolve())
 
     def rl_guard_summary(self) -> dict:

@@ -64,7 +64,7 @@ class ZeroGradients:
         opt = self.optimizer
         flat = getattr(opt, "fp32_partitioned_groups_flat", None)  # ZeRO 3
         if flat is None:
-            flat = getattr(opt, "single_partition_of_fp32_groups", None)  # ZeRO 1/2
+            flat = opt.single_partition_of_fp32_groups  # ZeRO 1/2
         offload = bool(getattr(opt, "offload_optimizer", False) or getattr(opt, "cpu_offload", False))
         out = []
         for i in range(len(flat)):
@@ -121,7 +121,7 @@ def gradient_source(engine):
 def suppressed_step(engine, step):
     """Run the engine's ``step`` without the update (see the module docstring)."""
     opt = getattr(engine, "optimizer", None)
-    if not (hasattr(opt, "overflow") and hasattr(opt, "check_overflow")):
+    if opt is None or not (hasattr(opt, "overflow") and hasattr(opt, "check_overflow")):
         return step()  # gradients in p.grad: the guard's skip already dropped them (``drop_grads``)
 
     def overflowed(*args, **kwargs):

@@ -102,7 +102,7 @@ def _method(wrapper, original):
     def method(self, *args, **kwargs):
         return wrapper(original, self, *args, **kwargs)
 
-    method._rl_guard = True
+    method._rl_guard = True  # type: ignore[attr-defined]  # a marker on the function object
     return method
 
 

@@ -17,12 +17,12 @@ def samples_from_rewards(trainer, per_func: torch.Tensor, total: torch.Tensor, p
                          completion_ids) -> SampleBatch:
     # Host numpy copies: the diagnostics work on the host, and numpy costs less than torch per op on arrays this
     # small (a batch of samples).
-    per_func, total = per_func.detach().float().cpu().numpy(), total.detach().float().cpu().numpy()
-    n, g = total.shape[0], trainer.num_generations
-    names = list(getattr(trainer, "reward_func_names", [f"func{i}" for i in range(per_func.shape[1])]))
-    finite = int(np.count_nonzero(np.isfinite(total)))
-    batch = dict(rewards=total, group_ids=np.arange(n) // g,
-                 reward_components={name: per_func[:, i] for i, name in enumerate(names)},
+    components, rewards = per_func.detach().float().cpu().numpy(), total.detach().float().cpu().numpy()
+    n, g = rewards.shape[0], trainer.num_generations
+    names = list(getattr(trainer, "reward_func_names", [f"func{i}" for i in range(components.shape[1])]))
+    finite = int(np.count_nonzero(np.isfinite(rewards)))
+    batch = dict(rewards=rewards, group_ids=np.arange(n) // g,
+                 reward_components={name: components[:, i] for i, name in enumerate(names)},
                  funnel={"sampled": n, "reward_available": finite}, episodes=n)
     if trainer.accelerator.num_processes == 1:
         eos = set(trainer.eos_token_ids)

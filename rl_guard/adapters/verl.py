@@ -230,7 +230,7 @@ def register(make_guard=guard_from_env) -> None:
                 self.loss_fn = observing(self.loss_fn, guard)
         return out
 
-    set_loss_fn.rl_guard = True
+    set_loss_fn.rl_guard = True  # type: ignore[attr-defined]  # a marker on the function object
     TrainingWorker.set_loss_fn = set_loss_fn
 
 

@@ -65,6 +65,8 @@ class SnapshotRing:
 
     def __init__(self, keep: int = 2, where: str = "memory", directory: str | os.PathLike | None = None,
                  on_drop=None):
+        if where == "disk" and directory is None:
+            raise ValueError("snapshots kept on disk need a directory")
         self.keep, self.where = keep, where
         self.directory = Path(directory) if directory is not None else None
         self._items: deque = deque()
@@ -74,7 +76,9 @@ class SnapshotRing:
         return len(self._items)
 
     def push(self, snap: dict) -> None:
+        item: Path | dict
         if self.where == "disk":
+            assert self.directory is not None  # checked in __init__
             item = atomic_save(snap, self.directory / f"snapshot_step{snap['step']:08d}.pt")
         else:
             item = snap

@@ -36,6 +36,7 @@ def _to_host(obj):
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # numpy's global generator is MT19937: its state is the legacy tuple
     state = {
         "python": random.getstate(),
         "numpy": {"key": np_state[0], "pos": torch.from_numpy(np_state[1].astype(np.int64)), "rest": list(np_state[2:])},
@@ -73,11 +74,13 @@ class TrainState:
 
     def capture(self, step: int) -> dict:
         model = self._copies.model_tensors(self.model)
-        optimizer, places, opt_live = None, [], []
+        optimizer: dict | None = None
+        places: list[tuple[dict, Any]] = []
+        opt_live: list[torch.Tensor] = []
         if self.optimizer is not None:
             optimizer, places, opt_live = _optimizer_host(self.optimizer.state_dict())
         copies = self._copies.copy(model[1] + opt_live) if model is not None else None
-        if copies is None:  # not plain tensors (e.g. FSDP2's DTensor): copied one by one
+        if copies is None or model is None:  # not plain tensors (e.g. FSDP2's DTensor): copied one by one
             snap = {"step": step, "model": _to_host(self.model.state_dict()), "rng": rng_state()}
             if self.optimizer is not None:
                 snap["optimizer"] = _to_host(self.optimizer.state_dict())
@@ -109,7 +112,9 @@ class TrainState:
 def _optimizer_host(sd: dict) -> tuple[dict, list[tuple[dict, Any]], list[torch.Tensor]]:
     """``optimizer.state_dict()`` with every non-tensor leaf copied as ``_to_host`` does, the places its state
     tensors go (filled in by the caller with their host copies), and those live tensors."""
-    places, live, state = [], [], {}
+    places: list[tuple[dict, Any]] = []
+    live: list[torch.Tensor] = []
+    state: dict = {}
     for i, per_param in sd["state"].items():
         out = state[i] = {}
         for k, v in per_param.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -26,7 +27,7 @@ def read_source(source) -> tuple[str, str]:
     return str(source), "<yaml text>"
 
 
-def load_with_lines(text: str, origin: str) -> tuple[object, dict[tuple, int], list[tuple[tuple, int]]]:
+def load_with_lines(text: str, origin: str) -> tuple[Any, dict[tuple, int], list[tuple[tuple, int]]]:
     """Parse with ``yaml.SafeLoader`` only (no arbitrary tags such as ``!!python/object``); return
     (data, {key path: 1-based line}, [(path, line) of every repeated key in a mapping])."""
     loader = yaml.SafeLoader(text)

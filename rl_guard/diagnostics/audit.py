@@ -29,7 +29,9 @@ import json
 import math
 import re
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -71,9 +73,9 @@ class AuditWriter:
         self.k, self.max_files, self.max_chars, self.updates_per_file = k, max_files, max_chars, updates_per_file
         self.flush_every = flush_every
         self._pending: list[tuple[int, Prepared, dict, np.random.Generator]] = []  # queued updates, in order
-        self._atexit = None
+        self._atexit: Callable[[], object] | None = None
         self._files: dict[int, Path] | None = None  # first step -> file on disk (the directory is listed once)
-        self._file = None  # the open file of the current updates
+        self._file: TextIO | None = None  # the open file of the current updates
         self._path: Path | None = None
         self._updates = 0  # updates in the open file
         self._last_step: int | None = None
@@ -127,12 +129,13 @@ class AuditWriter:
         pending, self._pending = self._pending, []
         for step, p, cells, rng in pending:
             text = self._text(step, p, cells, rng)  # a value JSON cannot hold fails before this update's write
-            if (self._file is None or self._updates >= self.updates_per_file
+            file = self._file
+            if (file is None or self._updates >= self.updates_per_file
                     or (self._last_step is not None and step <= self._last_step)):
-                self._open(step)
-            self._file.write(text)
+                file = self._open(step)
+            file.write(text)
             self._updates, self._last_step = self._updates + 1, step
-        if pending:
+        if pending and self._file is not None:
             self._file.flush()
         return self._path
 
@@ -144,11 +147,12 @@ class AuditWriter:
                           "ids": [_cut(c.ids[i], self.max_chars) for i in idx[:MAX_CELL_IDS]]})
             sign = -1.0 if cell == "hacking" else 1.0
             rewards = c.rewards
+            assert rewards is not None  # quadrant cells exist only with rewards
             ordered = sorted(idx, key=lambda i: (sign * rewards[i], i))
             lines += [self._record(c, i, cell, step) for i in ordered[:self.k]]
         return "".join(_JSON.encode(rec) + "\n" for rec in lines)
 
-    def _open(self, step: int) -> None:
+    def _open(self, step: int) -> TextIO:
         """Start the file of the updates from ``step`` on and keep the newest ``max_files``. The directory is
         listed once (files of an earlier run of the same run_dir count); later files are tracked in memory."""
         if self._file is not None:
@@ -157,12 +161,13 @@ class AuditWriter:
         if self._files is None:
             self._files = {int(m.group(1)): f for f in self.dir.iterdir() if (m := _FILE.match(f.name))}
         self._path = self.dir / f"steps_{step}.jsonl"
-        self._file = open(self._path, "w", encoding="utf-8")
+        self._file = file = open(self._path, "w", encoding="utf-8")  # noqa: SIM115 - kept open across updates
         self._updates = 0
         self._files[step] = self._path
         if len(self._files) > self.max_files:
             for old in sorted(self._files)[:len(self._files) - self.max_files]:
                 self._files.pop(old).unlink(missing_ok=True)
+        return file
 
     def close(self) -> None:
         """Write what is queued and close the file."""
@@ -171,8 +176,9 @@ class AuditWriter:
         f, self._file = getattr(self, "_file", None), None
         if f is not None:
             f.close()
-        if getattr(self, "_atexit", None) is not None:
-            atexit.unregister(self._atexit)
+        callback = getattr(self, "_atexit", None)
+        if callback is not None:
+            atexit.unregister(callback)
             self._atexit = None
 
     def __del__(self) -> None:

@@ -33,7 +33,7 @@ DOCS = {
 def spent(s: SampleBatch, p: Prepared, optimizer_updates: int | None) -> dict[str, float]:
     """This batch's counters (absent ones left out); validated before any state changes."""
     funnel = s.funnel or {}
-    this = {
+    given = {
         "episodes": s.episodes if s.episodes is not None else p.n,
         "rollout_tokens": s.rollout_tokens if s.rollout_tokens is not None
         else (p.lengths[np.isfinite(p.lengths)].sum() if p.lengths is not None else None),
@@ -41,7 +41,7 @@ def spent(s: SampleBatch, p: Prepared, optimizer_updates: int | None) -> dict[st
         "optimizer_updates": optimizer_updates if optimizer_updates is not None
         else funnel.get("optimizer_updates", 1),
     }
-    this = {k: float(v) for k, v in this.items() if v is not None}
+    this = {k: float(v) for k, v in given.items() if v is not None}
     seconds = {label(k): float(v) for k, v in (s.phase_seconds or {}).items()}
     for name, v in {**this, **seconds}.items():
         if not (v >= 0 and np.isfinite(v)):

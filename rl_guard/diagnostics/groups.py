@@ -107,6 +107,7 @@ def _correctness(p: Prepared, codes: np.ndarray, g: int, out: Out) -> None:
 
 def _reward_spread(p: Prepared, codes: np.ndarray, g: int, out: Out) -> None:
     ok, r = p.reward_ok, p.rewards
+    assert r is not None  # the caller checked
     m, _ = _per_group(codes, ok, r, g)
     hi = np.full(g, -np.inf)
     lo = np.full(g, np.inf)
@@ -123,9 +124,11 @@ def _reward_spread(p: Prepared, codes: np.ndarray, g: int, out: Out) -> None:
 
 
 def _len_adv_corr(p: Prepared, codes: np.ndarray, g: int) -> float | None:
+    assert p.lengths is not None and (p.advantages is not None or p.rewards is not None)  # the caller checked
     if p.advantages is not None:
         adv, keep = p.advantages, p.ok & np.isfinite(p.advantages)
     else:  # group-mean baseline, the common core of GRPO and RLOO advantages
+        assert p.rewards is not None
         m, total = _per_group(codes, p.reward_ok, p.rewards, g)
         adv = p.rewards - np.divide(total, m, out=np.zeros(g), where=m > 0)[codes]
         keep = p.reward_ok.copy()

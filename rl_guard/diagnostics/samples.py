@@ -144,6 +144,7 @@ class Prepared:
         self.system_error = np.array([t in SYSTEM_ERRORS for t in self.termination], dtype=bool) \
             if self.termination is not None else np.zeros(n, dtype=bool)
         self.ok = ~self.system_error  # samples that may enter reward / outcome / critic statistics
-        self.reward_ok = self.ok & np.isfinite(self.rewards) if self.rewards is not None else None
-        self.outcome_ok = self.ok & np.isfinite(self.outcome) if self.outcome is not None else None
-        self.success = self.outcome >= 0.5 if self.outcome is not None else None
+        # Masks are arrays even for an absent field (all False then); readers test the field, not the mask.
+        self.reward_ok = self.ok & np.isfinite(self.rewards) if self.rewards is not None else np.zeros(n, dtype=bool)
+        self.outcome_ok = self.ok & np.isfinite(self.outcome) if self.outcome is not None else np.zeros(n, dtype=bool)
+        self.success = self.outcome >= 0.5 if self.outcome is not None else np.zeros(n, dtype=bool)

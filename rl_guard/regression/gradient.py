@@ -11,7 +11,7 @@ from ._base import CheckResult, RegressionCheckFailed, max_abs
 
 def _named(params: Iterable) -> List[Tuple[str, torch.Tensor]]:
     """Accept ``model.parameters()``, ``model.named_parameters()`` or a dict name -> tensor."""
-    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    items: list[Any] = list(params.items()) if isinstance(params, Mapping) else list(params)
     if not items:
         raise ValueError("params is empty")
     if isinstance(items[0], tuple):

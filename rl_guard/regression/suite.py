@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._base import RegressionCheckFailed
@@ -41,22 +42,23 @@ def run_all(
     check could not run, e.g. the user's code raised) / "skipped". ``passed`` is True when nothing
     failed or errored. With ``raise_on_failure`` a failing report raises RegressionCheckFailed.
     """
-    plan: List[Tuple[str, bool, Callable[[], Any]]] = [
-        ("ratio_is_one", logprob_fn is not None and ratio_batch is not None,
-         lambda: check_ratio_is_one(logprob_fn, ratio_batch, mask=ratio_mask)),
-        ("zero_adv_zero_grad", None not in (loss_fn, params, loss_batch),
-         lambda: check_zero_advantage_zero_grad(loss_fn, params, loss_batch)),
-        ("advantage_fn_baseline_invariance", baseline_advantage_fn is not None,
-         lambda: check_advantage_fn_baseline_invariance(baseline_advantage_fn)),
-        ("bootstrap_contract", returns_fn is not None, lambda: check_bootstrap_contract(returns_fn)),
-        ("group_adv_zero_on_ties", group_advantage_fn is not None,
-         lambda: check_group_advantage_zero_on_ties(group_advantage_fn)),
-        ("empty_mask_raises", stats_fn is not None, lambda: check_empty_mask_raises(stats_fn)),
+    # name -> the check bound to its inputs, None (skipped) when they are not all given
+    plan: List[Tuple[str, Optional[Callable[[], Any]]]] = [
+        ("ratio_is_one", None if logprob_fn is None or ratio_batch is None
+         else functools.partial(check_ratio_is_one, logprob_fn, ratio_batch, mask=ratio_mask)),
+        ("zero_adv_zero_grad", None if loss_fn is None or params is None or loss_batch is None
+         else functools.partial(check_zero_advantage_zero_grad, loss_fn, params, loss_batch)),
+        ("advantage_fn_baseline_invariance", None if baseline_advantage_fn is None
+         else functools.partial(check_advantage_fn_baseline_invariance, baseline_advantage_fn)),
+        ("bootstrap_contract", None if returns_fn is None else functools.partial(check_bootstrap_contract, returns_fn)),
+        ("group_adv_zero_on_ties", None if group_advantage_fn is None
+         else functools.partial(check_group_advantage_zero_on_ties, group_advantage_fn)),
+        ("empty_mask_raises", None if stats_fn is None else functools.partial(check_empty_mask_raises, stats_fn)),
     ]
     checks: Dict[str, Dict[str, Any]] = {}
-    for name, enabled, run in plan:
+    for name, run in plan:
         entry = {"status": "skipped", "metric": None, "value": None, "tolerance": None, "message": ""}
-        if enabled:
+        if run is not None:
             try:
                 res = run()
                 entry.update(status="passed", metric=res.metric, value=res.value,

@@ -93,6 +93,8 @@ class SinkSet:
         if self.is_main_process or not sink.main_process_only:
             self.active.append(sink)
             try:
+                if self.run_dir is None:
+                    raise ValueError("SinkSet.add before start(): no run_dir to start the sink in")
                 sink.start(self.run_dir)
             except Exception as err:  # noqa: BLE001
                 self._disable(sink, "start", err)

@@ -16,13 +16,15 @@ round trip per write).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import math
 import os
 import weakref
 import pathlib
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -157,6 +159,12 @@ def _repair(path: pathlib.Path, max_step: int | None) -> set[int]:
     return steps
 
 
+def _flush_if_alive(ref: weakref.ref) -> None:
+    sink = ref()
+    if sink is not None:
+        sink.flush()
+
+
 class JsonlSink(Sink):
     """Append-only jsonl writer; resume-safe (no duplicated steps); metrics buffered for ``flush_every`` steps."""
 
@@ -169,15 +177,18 @@ class JsonlSink(Sink):
         # Incidents after the resume step are kept by default: they are the audit trail
         # of why the lost run was rolled back, not data that gets recomputed.
         self.keep_lost_incidents = keep_lost_incidents
-        self._metrics = self._incidents = None
+        self._metrics: TextIO | None = None
+        self._incidents: TextIO | None = None
+        self._atexit: Callable[[], None] | None = None
         self._steps: set[int] = set()
         self._pending: list[str] = []
         self._flush_next = False  # an incident was recorded: its step's line is written at once too
 
     def start(self, run_dir: pathlib.Path, resume_step: int | None = None) -> None:
         super().start(run_dir, resume_step)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        mpath, ipath = self.run_dir / METRICS_FILE, self.run_dir / INCIDENTS_FILE
+        run_dir = pathlib.Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mpath, ipath = run_dir / METRICS_FILE, run_dir / INCIDENTS_FILE
         steps = _repair(mpath, resume_step)
         _repair(ipath, None if self.keep_lost_incidents else resume_step)
         if resume_step is not None:
@@ -190,11 +201,10 @@ class JsonlSink(Sink):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._metrics = open(mpath, "a", encoding="utf-8")
-        self._incidents = open(ipath, "a", encoding="utf-8")
+        self._metrics = open(mpath, "a", encoding="utf-8")  # noqa: SIM115 - open until finish()
+        self._incidents = open(ipath, "a", encoding="utf-8")  # noqa: SIM115
         # A run that ends without finish() (a script that returns, an exception) still writes what it buffered.
-        ref = weakref.ref(self)
-        self._atexit = lambda: (lambda sink: sink and sink.flush())(ref())
+        self._atexit = functools.partial(_flush_if_alive, weakref.ref(self))
         atexit.register(self._atexit)
 
     def _write(self, f, text: str) -> None:
@@ -231,8 +241,9 @@ class JsonlSink(Sink):
             if f is not None and not f.closed:
                 f.close()
         self._metrics = self._incidents = None
-        if getattr(self, "_atexit", None) is not None:
-            atexit.unregister(self._atexit)
+        callback = getattr(self, "_atexit", None)  # getattr: __del__ after a failed __init__
+        if callback is not None:
+            atexit.unregister(callback)
             self._atexit = None
 
     def __del__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from typing import Any
 
 import numpy as np
 
@@ -56,13 +57,15 @@ class TensorBoardSink(Sink):
         self.log_dir = log_dir
         self.flush_secs = flush_secs
         self.histograms = histograms
-        self.writer = None
+        self.writer: Any = None  # torch.utils.tensorboard.SummaryWriter, made in start()
 
     def resolved_log_dir(self) -> pathlib.Path:
-        if self.log_dir is None:
-            return self.run_dir / TB_SUBDIR
-        path = pathlib.Path(self.log_dir)
-        return path if path.is_absolute() else self.run_dir / path
+        path = pathlib.Path(self.log_dir) if self.log_dir is not None else None
+        if path is not None and path.is_absolute():
+            return path
+        if self.run_dir is None:
+            raise RuntimeError("the tensorboard sink resolves a relative log_dir after start()")
+        return self.run_dir / (TB_SUBDIR if path is None else path)
 
     def start(self, run_dir: pathlib.Path, resume_step: int | None = None) -> None:
         super().start(run_dir, resume_step)

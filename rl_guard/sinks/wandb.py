@@ -60,7 +60,7 @@ class WandbSink(Sink):
         self.alert_every_s = float(alert_every_s)
         self.alerts = alerts
         self.histograms = histograms
-        self._wandb = None
+        self._wandb: Any = None  # the wandb module, imported in start()
         self._own_run = None
         self._defined_for = None  # run id for which define_metric was done
         self._warned_no_run = False
@@ -76,8 +76,8 @@ class WandbSink(Sink):
             kwargs = dict(self.init_kwargs)
             # Keep wandb files inside the run dir unless the user chose a location.
             if "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
-                kwargs["dir"] = str(self.run_dir)
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+                kwargs["dir"] = str(run_dir)
+                pathlib.Path(run_dir).mkdir(parents=True, exist_ok=True)
             self._own_run = wandb.init(**kwargs)
 
     def _run(self):

@@ -46,8 +46,9 @@ def _plan(layouts: tuple):
     ``single`` lists ``(name, start, stop)`` of names that appear once and ``merged`` ``(name, [(start, stop)],
     is_max)`` of names that several segments carry."""
     n_sum = sum(size for lay in layouts for _, size in lay[0])
-    offsets, spans = [0, n_sum], {}
-    negated = []
+    offsets = [0, n_sum]
+    spans: dict[tuple[str, bool], list[tuple[int, int]]] = {}  # (name, is_max) -> spans
+    negated: list[int] = []
     for lay in layouts:
         for part in (0, 1):
             for name, size in lay[part]:

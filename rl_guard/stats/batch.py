@@ -99,7 +99,7 @@ class TokenBatch:
 
     @property
     def num_seqs(self) -> int:
-        return self.cu_seqlens.numel() - 1 if self.packed else self.logprobs.shape[0]
+        return self.cu_seqlens.numel() - 1 if self.cu_seqlens is not None else self.logprobs.shape[0]
 
     @property
     def device(self) -> torch.device:

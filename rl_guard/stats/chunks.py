@@ -41,7 +41,7 @@ class Chunk:
     def __init__(self, b: TokenBatch, start: int, stop: int, rows: tuple[int, int] | None) -> None:
         self.b, self.start, self.stop, self.rows = b, start, stop, rows
         self.n = stop - start
-        self._ids = None
+        self._ids: torch.Tensor | None = None
 
     def token(self, t: torch.Tensor) -> torch.Tensor:
         """This chunk of a per-token tensor (or of a per-sequence one, broadcast) as flat fp32."""
@@ -68,6 +68,7 @@ class Chunk:
         """Sequence id of every token of the chunk (packed batches)."""
         if self._ids is None:
             b = self.b
+            assert b.cu_seqlens is not None  # packed
             pos = torch.arange(self.start, self.stop, device=b.device)
             ends = host_to_device(b.cu_seqlens[1:], b.device)
             self._ids = torch.searchsorted(ends, pos, right=True).clamp_(max=b.num_seqs - 1)
@@ -249,7 +250,8 @@ class ChunkStats:
         micro-batch a kernel per statistic would cost more than the statistics."""
         out = []
         for op in ("sum", "max", "min"):
-            vectors, scalars = [], {}
+            vectors: list = []
+            scalars: dict[torch.dtype, list] = {}
             for piece in self._pieces[op]:
                 if piece[1].dim():
                     vectors.append(piece)
@@ -258,7 +260,8 @@ class ChunkStats:
             for group in scalars.values():  # stacking mixed dtypes costs several times more than one dtype
                 vectors.append((tuple(e for lay, _ in group for e in lay), torch.stack([t for _, t in group])))
             out.append(vectors)
-        return pack(*out, self.device)
+        sums, maxes, mins = out
+        return pack(sums, maxes, mins, self.device)
 
 
 def row_layout(names) -> tuple:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from .cpu_squares import square_sums
 from .on_device import device_vector
 from .partial import Partial, Scalars
 from .ranks import rank_and_world
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @runtime_checkable
@@ -60,7 +63,7 @@ def _dtensor_class():
     return DTensor
 
 
-def _local(g: torch.Tensor, dtensor) -> tuple[torch.Tensor, float | None]:
+def _local(g: torch.Tensor, dtensor: type[DTensor] | None) -> tuple[torch.Tensor, float | None]:
     """The tensor this rank holds for ``g`` and, for a DTensor, the number of ranks holding the same values."""
     if dtensor is None or not isinstance(g, dtensor):
         return g, None
@@ -114,7 +117,9 @@ def local_grads(param_groups, sharded: bool | None = None) -> tuple[list[list[tu
 def flatten(pairs) -> tuple[list[torch.Tensor], list[float], list[tuple[int, int]]]:
     """Every group's ``(tensor, weight)`` pairs as one tensor list, one weight list and each group's span in them
     (multi-tensor kernels then run once over all groups)."""
-    tensors, weights, spans = [], [], []
+    tensors: list[torch.Tensor] = []
+    weights: list[float] = []
+    spans: list[tuple[int, int]] = []
     for group in pairs:
         start = len(tensors)
         for t, w in group:
@@ -137,7 +142,7 @@ class Segments:
 
     def sums(self, values: torch.Tensor, weighted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(per-group sums [groups], total [1])`` of ``values`` (float64), merge weights applied if asked."""
-        if weighted and not self.unit:
+        if weighted and self.weights is not None:  # None: unit weights
             values = values * self.weights
         if self.groups == 1:
             total = values.sum().reshape(1)
@@ -256,8 +261,8 @@ def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[np.ndarray, np.nda
     rest = [t for t, ok in zip(tensors, fits) if not ok]
     linf, per_group = [], np.zeros(len(ranges))
     if packed:
-        flat = _pack(packed)
-        flat = (flat.float() if flat.dtype == torch.bfloat16 else flat).numpy()  # bfloat16 -> float32 is exact
+        t = _pack(packed)
+        flat = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # bfloat16 -> float32 is exact
         linf.append(np.maximum.reduceat(np.abs(flat), offsets))  # NaN-propagating, |+-inf| = inf
         flat = flat.astype(np.float64)
     if rest:

@@ -134,7 +134,9 @@ def _np(t: torch.Tensor | None):
 
 def probe(b, plan, sig: tuple, seq_clip: bool, token_clip: bool) -> Partial:
     """The micro-batch's statistics, packed in the eager layout kept for ``sig``."""
-    s, mx, mn = {}, {}, {}
+    s: dict = {}
+    mx: dict = {}
+    mn: dict = {}
     with np.errstate(all="ignore"):  # NaN and inf are data here (counted as non-finite), not faults
         _token_stats(s, mx, mn, b, plan, seq_clip, token_clip)
     return _packed(sig, s, mx, mn)
@@ -147,7 +149,9 @@ def takes_sequences(fields: dict) -> bool:
 
 def sequence_probe(fields: dict, sig: tuple) -> Partial:
     """Per-sequence statistics (lengths, truncated, rewards), packed in the eager layout kept for ``sig``."""
-    s, mx, mn = {}, {}, {}
+    s: dict = {}
+    mx: dict = {}
+    mn: dict = {}
     lengths = fields.get("lengths")
     with np.errstate(all="ignore"):
         _sequence_fields(s, mx, mn, None if lengths is None else _np(lengths).reshape(-1).astype(F64),
@@ -232,6 +236,7 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
     if on_policy:
         _on_policy_ratio(s, mx, mn, plan, v, counts)
     elif nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
+        assert e is not None  # ratio rows are log-ratio rows
         _rows(names["ratio_sum"], s, e[:nr].sum((1, 2), dtype=F64) + counts[r0 : r0 + nr])
     seq = _kl(s, mx, plan, v, z, e, counts) if plan.kl_first < nrows and not on_policy else None
     nonfinite = device_constant("nonfinite", plan, CPU).numpy()  # float32 entries of 0 and +-1: exact in float64
@@ -239,6 +244,7 @@ def _token_stats(s, mx, mn, b, plan, seq_clip: bool, token_clip: bool) -> None:
     if plan.has("adv"):
         _advantages(s, b, plan, z, v, counts, token_clip)
     if old is not None and not on_policy:
+        assert seq is not None  # old log-probs give the ratio row, a KL row (kl_old)
         tokens = seq[0, 0]
         s_lr = seq[1, 0] / tokens  # 0 / 0 = NaN marks the sequences without a valid token
         _ratio_stats(s, mx, mn, "seq_ratio", s_lr, (tokens > 0).astype(F64))

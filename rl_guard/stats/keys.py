@@ -25,6 +25,39 @@ class Family:
     """The keys of one statistics family: ``Family("ratio").count == "ratio.count"``."""
 
     __slots__ = ("name", *_FIELDS)
+    # One annotation per field of _FIELDS (checked below), so that a type checker knows the attributes set in __init__.
+    name: str
+    count: str
+    sum: str
+    sumsq: str
+    min: str
+    max: str
+    logmin: str
+    logmax: str
+    hist: str
+    zero: str
+    truncated: str
+    seqs: str
+    tokens: str
+    lr: str
+    lr2: str
+    k3: str
+    low: str
+    high: str
+    clip: str
+    microbatches: str
+    empty_microbatches: str
+    ranks: str
+    nonfinite: str
+    sq: str
+    max_abs: str
+    preclip_sq: str
+    base_sq: str
+    param_sq: str
+    drift_sq: str
+    slots: str
+    cells: str
+    cells_k3: str
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -36,6 +69,10 @@ class Family:
         if k not in KL_ESTIMATORS or what not in ("sum", "seqsum", "seqmax"):
             raise KeyError(f"no KL estimator key {k}.{what}")
         return f"{self.name}.{k}.{what}"
+
+
+if set(Family.__annotations__) != {"name", *_FIELDS}:
+    raise AssertionError("Family's annotations and _FIELDS list different fields")
 
 
 RATIO_FAMILIES = ("ratio", "seq_ratio", "importance_weight", "behave_imp_weight")

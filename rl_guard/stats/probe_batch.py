@@ -11,6 +11,7 @@ log-ratio first, so it takes a second, lighter pass.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def _probe_on_host(b: TokenBatch, lag_edges) -> Partial:
 
 def _one_token_like(b: TokenBatch) -> TokenBatch:
     """A one-token batch with the fields (and dtypes) of ``b``: its statistics layout is ``b``'s."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for name in host_engine.LAYOUT_FIELDS:
         t = getattr(b, name)
         if t is not None:
@@ -95,13 +96,14 @@ def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool) -> Partial:
     static = fused.static_of(plan, b, token_clip, lag_edges) if compiled else None
     for ch in chunks(b, chunk_tokens):
         acc.next_chunk()
-        if compiled:
+        if static is not None:  # compiled
             fused.probe_chunk(acc, b, ch, plan, static, lag_edges)
             continue
+        assert ws is not None  # made above when not compiled
         ws.start(ch.n)
         _probe_chunk(acc, ws, b, ch, plan, lag_edges, token_clip=token_clip)
     acc.chunks_done()
-    if b.versions is not None:
+    if lut is not None:  # versions given
         lag_finish(acc, lut, len(lag_edges), ratio=b.old_logprobs is not None,
                    clipped=token_clip and b.advantages is not None)
     kl_finish(acc, plan)
@@ -139,17 +141,21 @@ def _probe_chunk(acc: ChunkStats, ws: Scratch, b: TokenBatch, ch: Chunk, plan, e
             j = plan.clip_row
             clipped = clip_into(acc, ws, z[j], v[j], sign, v[i], b.eps_low, b.eps_high)
     if b.versions is not None:
+        assert b.current_version is not None  # TokenBatch checks that it comes with versions
         versions = ch.token(b.versions)
         if not plan.has("ratio"):
             lag_counts_into(acc, lag_into(acc, ws, versions, b.current_version, gate, edges), edges)
         else:  # the slot and region as an offset into the per-slot cells of the log-ratio sketch
             j = plan.at("ratio")
             offset = lag_into(acc, ws, versions, b.current_version, gate, edges, v[j], clipped)
-            lag_cells_into(acc, offset, edges, *rows["ratio_cells"], ws("f64", torch.float64).copy_(rows["k3"][0]))
+            cells, start = rows["ratio_cells"]
+            lag_cells_into(acc, offset, edges, cells, start, ws("f64", torch.float64).copy_(rows["k3"][0]))
 
 
 def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut) -> None:
     """GSPO: every valid token of a sequence is clipped by the sequence ratio (token advantage sign)."""
+    # the mask is filled in by TokenBatch; the caller checked the others
+    assert b.mask is not None and b.old_logprobs is not None and b.advantages is not None
     m = ch.raw(b.mask)
     m = m if m.dtype == torch.bool else m != 0
     gate = m.view(torch.uint8).float().sub_(1.0).mul_(3e38).mul_(3e38)  # 0 where kept, (-1) * big * big = -inf
@@ -159,6 +165,7 @@ def _seq_clip_chunk(acc: ChunkStats, b: TokenBatch, ch: Chunk, s_lr, edges, lut)
     clip_lr = ch.seq_gather(s_lr).float().add_(lr * 0.0)  # NaN where the token (or its sequence) is invalid
     clipped = clip_stats(acc, clip_lr, adv, torch.dot(v, v_adv), b.eps_low, b.eps_high)
     if b.versions is not None:
+        assert b.current_version is not None  # TokenBatch checks that it comes with versions
         _, bucket = lag_buckets(ch.token(b.versions), b.current_version, gate, edges, lut)
         clip_by_lag(acc, bucket, clipped, len(edges))
 

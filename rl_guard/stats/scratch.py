@@ -46,14 +46,12 @@ class Scratch:
         return ws
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.n, self.cap = device, 0, None
+        self.device, self.n, self.cap = device, 0, 0
         self._bufs: dict = {}
         self._views: dict = {}  # the buffers cut to the current chunk length
 
     def start(self, n: int) -> None:
-        if self.cap is None:
-            self.cap = n
-        if n > self.cap:  # a kept Scratch meeting a larger batch (``chunks`` yields the largest chunk first)
+        if n > self.cap:  # the first chunk, or a kept Scratch meeting a larger batch (``chunks``: largest first)
             self._bufs.clear()
             self.cap = n
         if n != self.n:

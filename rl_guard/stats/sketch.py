@@ -172,7 +172,7 @@ def quantiles_from_counts(
     One numpy call (the running count), then plain Python: right after a training step numpy's code is out of the
     CPU caches and each distinct numpy call costs tens of microseconds. The counts are whole numbers, so the running
     count's last entry is their exact total; ``bisect_left`` on it is ``np.searchsorted``'s default side."""
-    cum = memoryview(np.asarray(counts, dtype=np.float64).cumsum())
+    cum = np.asarray(counts, dtype=np.float64).cumsum().data  # a memoryview
     n = float(cum[-1]) if len(cum) else 0.0
     if n <= 0:
         return [math.nan] * len(qs)

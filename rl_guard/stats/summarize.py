@@ -41,8 +41,13 @@ def _names(family: str, *stats: str) -> tuple[str, ...]:
     return tuple(f"{PREFIX}{family}/{s}" for s in stats)
 
 
+def _mean_min_max(family: str) -> tuple[str, str, str]:
+    mean, vmin, vmax = _names(family, "mean", "min", "max")
+    return mean, vmin, vmax
+
+
 # family -> (family keys, mean, min, max, quantile names)
-_RATIO = {name: (keys.of(name), *_names(name, "mean", "min", "max"), _names(name, *QUANTILE_NAMES))
+_RATIO = {name: (keys.of(name), *_mean_min_max(name), _names(name, *QUANTILE_NAMES))
           for name in keys.RATIO_FAMILIES}
 # family -> (count key, seqs key, [(sum key, seqsum key, seqmax key, mean, seq_mean, seq_max) per estimator])
 _KL = {name: (keys.of(name).count, keys.of(name).seqs,
@@ -51,7 +56,7 @@ _KL = {name: (keys.of(name).count, keys.of(name).seqs,
                for k in keys.KL_ESTIMATORS])
        for name in keys.KL_FAMILIES}
 # family -> (family keys, mean, min, max, std)
-_VALUES = {name: (keys.of(name), *_names(name, "mean", "min", "max", "std"))
+_VALUES = {name: (keys.of(name), *_mean_min_max(name), _names(name, "std")[0])
            for name in ("entropy", "adv", "length", "reward", "logp")}
 _ENTROPY_Q = _names("entropy", *QUANTILE_NAMES)
 _HIST_RATIO, _HIST_ENTROPY = PREFIX + "log_ratio", PREFIX + "entropy"

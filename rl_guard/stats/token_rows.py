@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,13 +145,14 @@ def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, version
 
 
 @functools.lru_cache(maxsize=64)
-def device_constant(kind: str, plan: RowPlan | int | None, device: torch.device):
+def device_constant(kind: str, plan: RowPlan | None, device: torch.device):
     """Small constants built once per device: the nonfinite matrix, the KL estimator scales (k1 = -sum log r,
     k2 = sum (log r)^2 / 2, k3 = sum k3), the histogram rows' sketch constants."""
-    if kind == "nonfinite":
-        return host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device)
     if kind == "estimators":
         return device_vector([-1.0, 0.5, 1.0], device).view(3, 1, 1)
+    assert plan is not None  # the other constants are the plan's
+    if kind == "nonfinite":
+        return host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device)
     specs, middles = plan.hist_specs, [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
     col = lambda values, dtype: device_vector(values, device, dtype).view(-1, 1)  # noqa: E731
     return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
@@ -212,7 +214,7 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
     acc.sum_rows(names["count"], counts)
     acc.sum_rows(names["sum"], z[slice(*plan.values)].sum(1))
     _extremes(acc, ws, y[: plan.n_extremes], names)
-    out = {"z": z, "v": v, "counts": counts}
+    out: dict[str, Any] = {"z": z, "v": v, "counts": counts}
     if plan.has("adv"):
         # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
         zd = ws("f64", F64).copy_(z[plan.at("adv")])
@@ -221,6 +223,7 @@ def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: t
     cells = _hists(acc, ws, plan, z, counts, n)
     if plan.has("ratio"):  # the ratio row's cells, offset by where they start: the lag probe reuses them
         j = plan.cell_rows.index("ratio")
+        assert cells is not None  # the ratio row has a histogram
         out["ratio_cells"] = (cells[j], plan.hist_starts[j])
     r0 = plan.log_ratios
     if r0 < nrows:
