@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from ..stats import ranks
+from .action_names import Action
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
 from .shadow import SnapshotPlan, snapshot_due
@@ -154,7 +155,7 @@ class Actions:
         with g.protect("announce"):
             g.announcer.incident(record, lr_scale)
 
-    def guard_incident(self, rule: str, message: str, action: str | None) -> None:
+    def guard_incident(self, rule: str, message: str, action: Action | None) -> None:
         """An incident about the guard itself (e.g. it is failing internally and the run is unguarded)."""
         g = self.guard
         if g.rank == 0:

@@ -13,9 +13,9 @@ from typing import Any
 from .. import glossary
 from ..errors import ConfigError
 from ..stats.constants import DEFAULT_LAG_EDGES, STATS_ENGINES
+from .action_names import ACTIONS, Action  # the action names, in precedence order
 from .yaml_nodes import load_with_lines, read_source
 
-ACTIONS = ("warn", "skip_step", "early_stop", "checkpoint_and_halt", "rollback")  # in precedence order
 OPS = (">", ">=", "<", "<=", "outside", "nonfinite")
 SEVERITIES = ("info", "warning", "error", "critical")
 SPIKE_METHODS = ("mad", "ema_z", "early_max")
@@ -31,24 +31,24 @@ RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
 SPIKE_KEYS = ("method", "window", "threshold", "factor", "direction", "min_history")
-SECTION_KEYS = {  # key -> (type or allowed values, minimum)
+SECTION_KEYS: dict[str, dict[str, tuple[Any, int | None]]] = {  # key -> (type or allowed values, minimum)
     "snapshots": {"healthy_steps": (int, 1), "every": (int, 1), "keep": (int, 1), "where": (("memory", "disk"), None)},
     "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "confirm_steps": (int, 1)},
     "checkpoint": {"dir": (str, None), "keep": (int, 1)},
 }
-DEFAULTS = {
+DEFAULTS: dict[str, dict[str, Any]] = {
     "snapshots": {"healthy_steps": 3, "every": 10, "keep": 2, "where": "memory"},
     "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "confirm_steps": 1},
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
-TOP_DEFAULTS = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
+TOP_DEFAULTS: dict[str, Any] = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
                 "sharded_grads": None, "log_every": 1, "stats_engine": "eager",
                 "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
 SPIKE_DEFAULTS = {"window": 100, "factor": 10.0, "min_history": 8, "threshold": 6.0, "direction": "up"}
-SEVERITY_BY_ACTION = {"warn": "warning", "skip_step": "error", "rollback": "error", "early_stop": "critical",
-                      "checkpoint_and_halt": "critical"}
+SEVERITY_BY_ACTION: dict[Action, str] = {"warn": "warning", "skip_step": "error", "rollback": "error",
+                                         "early_stop": "critical", "checkpoint_and_halt": "critical"}
 
 
 @dataclass
@@ -75,7 +75,8 @@ class GuardConfig:
 
 class _Checker:
     def __init__(self, lines: dict[tuple, int]):
-        self.lines, self.errors = lines, []
+        self.lines = lines
+        self.errors: list[tuple[tuple, int | None, str]] = []
 
     def err(self, path: tuple, msg: str) -> None:
         # A missing key has no line of its own: point at the mapping that lacks it.
@@ -272,7 +273,7 @@ def _check_sinks(sinks: Any, c: _Checker) -> None:
 def _builtins(given: Any, c: _Checker) -> dict[str, dict | None]:
     """Built-in non-finite rules: on (action skip_step) unless set to false; an action name or {action: ...}
     changes the action."""
-    out = {name: {"action": "skip_step"} for name in BUILTINS}
+    out: dict[str, dict | None] = {name: {"action": "skip_step"} for name in BUILTINS}
     if not c.keys(given, BUILTINS, ("builtin_rules",)):
         return out
     for name, value in given.items():

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .config import ACTIONS as PRECEDENCE  # listed in precedence order
+from .action_names import Action
 from .config import GuardConfig
 from .rules import History, Rule, Verdict, builtin_rules
 
@@ -25,7 +26,7 @@ MISSING_PATIENCE = 20  # steps a watched metric may be absent before the guard s
 class Firing:
     rule: Rule
     verdict: Verdict
-    action: str
+    action: Action
     message: str
     window: dict = field(default_factory=dict)  # metric -> values of the steps before the trigger
 
@@ -35,10 +36,10 @@ class Decision:
     """Flags for the adapter. ``apply_step`` is False whenever the update must not reach the weights."""
 
     step: int
-    action: str | None = None
+    action: Action | None = None
     firings: list[Firing] = field(default_factory=list)
-    escalated_from: str | None = None
-    would: str | None = None  # mode shadow: the action it would have taken (``action`` stays None: run untouched)
+    escalated_from: Action | None = None
+    would: Action | None = None  # mode shadow: the action it would have taken (``action`` stays None: run untouched)
 
     @property
     def skip_step(self) -> bool:
@@ -112,7 +113,8 @@ class Controller:
         persistent = self._persistent_fault(decision)
         shadow = self.config.mode == "shadow"
         for f in decision.firings:
-            f.action = decision.action if decision.escalated_from and f.action == decision.escalated_from else f.action
+            if decision.action is not None and decision.escalated_from and f.action == decision.escalated_from:
+                f.action = decision.action
             said = f"would {f.action} (shadow mode)" if shadow else f.action
             f.message = message(f.rule, f.verdict, self.step, self.rank, said) + persistent
         if shadow:  # only say what it would do; every flag the loop reads stays neutral

@@ -24,9 +24,11 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from .action_names import Action
 from .config import RULE_DEFAULTS, SEVERITY_BY_ACTION, SPIKE_DEFAULTS
 from .rule_history import History
 
@@ -94,22 +96,24 @@ class Condition:
 
     def __init__(self, spec: dict):
         self.metric = spec["metric"] if spec["metric"].startswith("rl_guard/") else "rl_guard/" + spec["metric"]
-        self.op = spec.get("op")
-        self.threshold = spec.get("threshold")
-        self.band = spec.get("band")
+        # Validated YAML (config.py): a comparison op comes with a threshold, "outside" with a band [lo, hi]; a spike
+        # condition has no op ("").
+        self.op: str = spec.get("op") or ""
+        self.threshold: Any = spec.get("threshold")
+        self.band: Any = spec.get("band")
         self._band_text = f"[{self.band[0]}, {self.band[1]}]" if self.band else ""
-        self._compare = _COMPARE.get(self.op)
-        self.spike = {**SPIKE_DEFAULTS, **spec["spike"]} if spec.get("spike") is not None else None
+        self._compare: Any = _COMPARE.get(self.op)
+        self.spike: dict[str, Any] | None = {**SPIKE_DEFAULTS, **spec["spike"]} if spec.get("spike") is not None else None
         # ``fires`` runs every step for every condition: its test is chosen once here.
         if self.spike is not None:
             self._fires = self._spike_fires
         elif self.op == "nonfinite":
             self._fires = _never
         elif self.op == "outside":
-            lo, hi = self.band
+            lo, hi = spec["band"]
             self._fires = lambda x, history: x < lo or x > hi
         else:
-            compare, t = self._compare, float(self.threshold)
+            compare, t = _COMPARE[self.op], float(spec["threshold"])
             self._fires = lambda x, history: compare(x, t)
 
     def fires(self, metrics: dict[str, float], history: History) -> bool:
@@ -139,6 +143,7 @@ class Condition:
     def _early_max(self, history: History) -> float | None:
         """The max of the run's first ``window`` values; None until they are known or when it is not positive
         (a multiple of a non-positive max means nothing)."""
+        assert self.spike is not None  # spike conditions only, as for the methods below
         window = self.spike["window"]
         first = history.first.get(self.metric)
         if first is None or len(first) < window:
@@ -149,6 +154,7 @@ class Condition:
     def _window_stats(self, history: History) -> tuple[float, float, str, int] | None:
         """(center, scale, label, values) of the spike window; None while it holds fewer than ``min_history``."""
         s = self.spike
+        assert s is not None
         mad = s["method"] == "mad"  # the median and MAD read the window sorted, kept so by the history
         past = (history.sorted_recent if mad else history.recent)(self.metric, s["window"])
         if len(past) < s["min_history"]:
@@ -162,6 +168,7 @@ class Condition:
 
     def _spike_fires(self, x: float, history: History) -> bool:
         s = self.spike
+        assert s is not None
         if s["method"] == "early_max":
             top = self._early_max(history)
             return top is not None and x >= float(s["factor"]) * top
@@ -175,6 +182,7 @@ class Condition:
 
     def _spike(self, x: float, history: History) -> Verdict:
         s = self.spike
+        assert s is not None
         method, window = s["method"], s["window"]
         if method == "early_max":
             top = self._early_max(history)
@@ -203,7 +211,7 @@ class Condition:
         return verdict(abs(z) > k, self.metric, x, "outside", f"[{_fmt(lo)}, {_fmt(hi)}]", detail)
 
 
-_ABSENT = object()
+_ABSENT: Any = object()  # Any: it stands for a missing value in ``metrics.get``
 
 
 def _never(x: float, history: History) -> bool:
@@ -272,7 +280,7 @@ class Rule:
     def __init__(self, spec: dict, builtin: bool = False):
         spec = {**RULE_DEFAULTS, **spec}
         self.name = spec["name"]
-        self.action = spec["action"]
+        self.action: Action = spec["action"]
         self.severity = spec["severity"] or SEVERITY_BY_ACTION[self.action]
         self.warmup_steps = spec["warmup_steps"]
         self.patience = spec["patience"]

@@ -9,8 +9,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:  # imports transformers
+    from .faults import FaultInjector
 
 PRESET = Path(__file__).resolve().parent.parent / "presets" / "grpo.yaml"
 
@@ -40,8 +44,8 @@ class DemoResult:
     steps: int
     weights_finite: bool
     incidents: list
-    trainer: object
-    injector: object
+    trainer: Any  # trl.GRPOTrainer
+    injector: FaultInjector
 
 
 def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30, fault_step: int = 12,
@@ -64,13 +68,13 @@ def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30
     work = Path(tempfile.mkdtemp(prefix="rl_guard_demo_"))
     model_path = build_tiny_model(work / "model", seed=seed)
     injector = FaultInjector(fault, at_step=fault_step)
-    settings = dict(output_dir=str(work / "trainer"), per_device_train_batch_size=8, num_generations=4,
+    settings: dict[str, Any] = dict(output_dir=str(work / "trainer"), per_device_train_batch_size=8, num_generations=4,
                     max_completion_length=8, max_steps=steps, logging_steps=5, use_cpu=True, bf16=False,
                     report_to=[], learning_rate=3e-3, save_strategy="no", seed=seed, beta=0.04,
                     num_iterations=2, steps_per_generation=2, disable_tqdm=quiet, max_grad_norm=1.0)
     settings.update(grpo_overrides)
     args = GRPOConfig(**settings)
-    guard_yaml = guard_yaml or demo_config(action, **({"mode": "shadow"} if shadow else {}))
+    guard_yaml = guard_yaml or (demo_config(action, mode="shadow") if shadow else demo_config(action))
     guard = RLGuardCallback(guard_yaml, run_dir=str(run_dir))
     trainer = GRPOTrainer(model=str(model_path),
                           reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],

@@ -67,11 +67,11 @@ def _threshold(spec: dict, cond: Condition, series, q: float, margin: float) -> 
     if op == "outside":
         lo, hi = float(np.quantile(values, 1 - q)), float(np.quantile(values, q))
         pad = (margin - 1) * ((hi - lo) or abs(hi) or 1e-6)
-        new = [round_away(lo - pad, False), round_away(hi + pad, True)]
-        inside = int(np.sum((values < new[0]) | (values > new[1])))
-        old, spec["band"] = spec["band"], new
+        band = [round_away(lo - pad, False), round_away(hi + pad, True)]
+        inside = int(np.sum((values < band[0]) | (values > band[1])))
+        old, spec["band"] = spec["band"], band
         return (f"{cond.metric}: {_healthy(values)}, p{100 * (1 - q):g}-p{100 * q:g} [{lo:.4g}, {hi:.4g}] widened by "
-                f"{margin:g}x its width -> {new} (was {old}); healthy steps outside: {inside}")
+                f"{margin:g}x its width -> {band} (was {old}); healthy steps outside: {inside}")
     up = op in (">", ">=")
     base = float(np.quantile(values, q if up else 1 - q))
     label = f"p{100 * (q if up else 1 - q):g}"
@@ -103,6 +103,7 @@ def _z_scores(values: np.ndarray, s: dict) -> list[float]:
 
 def _spike(spec: dict, cond: Condition, series, margin: float) -> str:
     # The detector's own settings, defaults filled in as the live rule fills them.
+    assert cond.spike is not None  # called for spike conditions
     s = {"window": 100, "min_history": 8, "threshold": 6.0, "factor": 10.0, "direction": "up", **cond.spike}
     n = sum(len(v) for v in series)
     if s["method"] == "early_max":
