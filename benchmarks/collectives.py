@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rl_guard import Guard, TokenBatch  # noqa: E402
-from rl_guard.stats import ranks as rg_dist  # noqa: E402
+from rl_guard import Guard, TokenBatch
+from rl_guard.stats import ranks as rg_dist
 
 CONFIG = "version: 1\nsinks: []\n"
 
@@ -63,7 +63,7 @@ def _worker(rank: int, args, init: str, out: str) -> None:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 256, generator=g)
     step_times = []
-    for step in range(args.steps + 3):
+    for _ in range(args.steps + 3):
         batch = _batch(g, args.batch, args.seq)
         model(x).square().mean().backward()
         dist.barrier()
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         mp.spawn(_worker, args=(args, f"file://{tmp}/pg", tmp), nprocs=args.world, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
     r0 = ranks[0]
-    print(f"{args.world} gloo processes, {r0['tokens_per_rank']} tokens per rank per step, median of {args.steps} steps")
+    print(f"{args.world} gloo processes, {r0['tokens_per_rank']} tokens per rank per step, "
+          f"median of {args.steps} steps")
     print(f"payload per step: MAX {r0['max_numel']} float64 = {r0['max_bytes']} B, "
           f"SUM {r0['sum_numel']} float64 = {r0['sum_bytes']} B")
     for r in ranks:

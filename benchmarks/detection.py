@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from json_output import add_json_argument, emit_json  # noqa: E402
+from json_output import add_json_argument, emit_json
 
 PRESET = Path(__file__).resolve().parents[1] / "rl_guard" / "presets" / "grpo.yaml"
 CONFIGS = {

@@ -47,7 +47,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from json_output import add_json_argument, emit_json  # noqa: E402
 from trl_overhead import guard_config  # noqa: E402  (the same guard per setup as the TRL benchmark)
 

@@ -48,7 +48,7 @@ class Lockstep:
             threads.append(thread)
             thread.start()
             with self._cv:
-                self._cv.wait_for(lambda: self._ready[arm])  # ready at its first step, or done (it failed)
+                self._cv.wait_for(lambda arm=arm: self._ready[arm])  # ready at its first step, or done (it failed)
         with self._cv:
             self._turn = first if not self._done[first] else self._next(first)
             self._cv.notify_all()
@@ -138,7 +138,7 @@ class _Turns(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._end_slice()
-        self.lockstep._hand_over(self.arm)  # noqa: SLF001
+        self.lockstep._hand_over(self.arm)
         set_rng_state(self._rng)
         self._start = (time.perf_counter(), time.thread_time())
 

@@ -50,13 +50,21 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from json_output import add_json_argument, emit_json  # noqa: E402
+from stats_common import (  # noqa: E402
+    CURRENT_VERSION,
+    SIZES,
+    floor_pass,
+    full_step,
+    make_inputs,
+    naive_step,
+    time_interleaved,
+)
+
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
-from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
 from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
+from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
 from rl_guard.stats.summarize import summarize  # noqa: E402
-from stats_common import (CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs,  # noqa: E402
-                          naive_step, time_interleaved)
 
 QUICK_SIZES = ("1M", "4M")
 DEFAULT_SIZES = ("1M", "4M", "16M")
@@ -84,7 +92,8 @@ def small_batches(repeats: int, calls: int = 100) -> dict:
         d.pop("versions")
         d["advantages"] = d["advantages"][:, 0].contiguous()
         b = TokenBatch(**d, lengths=d["mask"].sum(1), truncated=d["mask"][:, -1])
-        t = time_interleaved({"host": lambda: probe(b, True), "eager": lambda: probe(b, False)}, repeats)["times"]
+        fns = {"host": functools.partial(probe, b, True), "eager": functools.partial(probe, b, False)}
+        t = time_interleaved(fns, repeats)["times"]
         ms = {name: 1e3 * min(t[name]["cpu"]) / calls for name in t}
         out[label] = {**ms, "eager_over_host": ms["eager"] / ms["host"]}
     return out
@@ -97,7 +106,8 @@ def count_host_reads():
     from another device). On CPU nothing is really transferred, but the same calls would sync a GPU."""
     counts = {"transfers": 0, "other": 0}
     transferred: set = set()
-    orig = {n: getattr(torch.Tensor, n) for n in ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "to")}
+    orig = {n: getattr(torch.Tensor, n)
+            for n in ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "to")}
 
     def cpu(self, *a, **k):
         counts["transfers"] += 1
@@ -138,7 +148,8 @@ def transfers_per_step(tokens: int = 1 << 16) -> dict:
     with count_host_reads() as counts:
         acc = StepAccumulator()
         for r0 in range(0, 8, 2):
-            acc.add(probe_batch(TokenBatch(**{k: v[r0 : r0 + 2] for k, v in d.items()}, current_version=CURRENT_VERSION)))
+            rows = {k: v[r0 : r0 + 2] for k, v in d.items()}
+            acc.add(probe_batch(TokenBatch(**rows, current_version=CURRENT_VERSION)))
         raw = acc.finish()
     summarize(raw)
     return dict(counts)
@@ -175,7 +186,8 @@ def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True, engi
     for label, tokens in sizes.items():
         d = make_inputs(tokens)
         fns = {engine: functools.partial(full_step, d, engine) for engine in engines}
-        timed = time_interleaved({**fns, "floor": lambda: floor_pass(d), "naive": lambda: naive_step(d)}, repeats)
+        fns.update(floor=functools.partial(floor_pass, d), naive=functools.partial(naive_step, d))
+        timed = time_interleaved(fns, repeats)
         t = timed["times"]
         best = {name: _stat(t[name][clock], min) for name in t}
         median = {name: _stat(t[name][clock], statistics.median) for name in t}
@@ -200,7 +212,7 @@ def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True, engi
                     if engine == engines[0]:
                         result[f"{key}_{label}"] = row[key]
         result["max_tokens_ok"] = tokens
-        del d
+        del d, fns  # the partials hold the inputs too
     result["rows"] = rows
     counts = transfers_per_step()
     result["transfers_per_step"], result["other_host_reads_per_step"] = counts["transfers"], counts["other"]
@@ -217,13 +229,14 @@ def print_table(result: dict) -> None:
     load = result.get("load_average")
     print(f"{result['torch_threads']} intra-op thread(s), {result['clock']} time, best of {result['repeats']} "
           f"interleaved runs after one warm-up each" + (f"; load average {load[0]:.1f}" if load else ""))
-    print(f"{'tokens':>7} {'engine':>9} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} {'speedup_vs_naive':>17} "
-          f"{'(median)':>9} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
+    print(f"{'tokens':>7} {'engine':>9} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} "
+          f"{'speedup_vs_naive':>17} {'(median)':>9} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
     for r in result["rows"]:
         naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
-        print(f"{r['size']:>7} {r['engine']:>9} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} {r['floor_s'] * 1e3:>9.1f} "
-              f"{naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} {f(r['speedup_vs_naive_median'], '.1f'):>9} "
-              f"{r['floor_ratio']:>12.2f} {format(r['peak_extra_mem_ratio'], '.2f') if 'peak_extra_mem_ratio' in r else '-':>16}")
+        mem = format(r["peak_extra_mem_ratio"], ".2f") if "peak_extra_mem_ratio" in r else "-"
+        print(f"{r['size']:>7} {r['engine']:>9} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} "
+              f"{r['floor_s'] * 1e3:>9.1f} {naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} "
+              f"{f(r['speedup_vs_naive_median'], '.1f'):>9} {r['floor_ratio']:>12.2f} {mem:>16}")
     print(f"host transfers per step: {result['transfers_per_step']} (other host reads: "
           f"{result['other_host_reads_per_step']})")
 

@@ -27,7 +27,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from stats_common import CURRENT_VERSION, SIZES, floor_pass, full_step, make_inputs, naive_step, time_interleaved
 
 SIZES_GPU = {"64K": 1 << 16, **SIZES, "8M": 1 << 23}
@@ -189,7 +188,8 @@ def main(args) -> dict:
         small = make_inputs(SIZES_GPU[label], device="cuda")
         for engine in ("eager", "compiled"):
             prof = result.setdefault("profile", {})[f"{label}_{engine}"] = profile_step(small, engine)
-            print(f"{label} {engine}: {prof['kernels']} kernels per step\n{prof['by_gpu_time']}\n{prof['by_host_time']}")
+            print(f"{label} {engine}: {prof['kernels']} kernels per step\n{prof['by_gpu_time']}\n"
+                  f"{prof['by_host_time']}")
     del d, small
     torch.cuda.empty_cache()
     for engine, suffix in (("eager", ""), ("compiled", "_compiled")):

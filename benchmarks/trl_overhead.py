@@ -90,6 +90,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from json_output import add_json_argument, emit_json  # noqa: E402
+
 from rl_guard.demo.run import guard_cost  # noqa: E402
 from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
 

@@ -36,5 +36,5 @@ class GuardHalted(RuntimeError):
     """Raised by adapters that must stop a loop they do not own (the guard decided to halt)."""
 
     @classmethod
-    def of(cls, decision) -> "GuardHalted":
+    def of(cls, decision) -> GuardHalted:
         return cls("; ".join(decision.messages) or f"rl_guard halted at step {decision.step}")

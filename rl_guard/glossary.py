@@ -20,7 +20,8 @@ _RATIO_STATS = ("mean", "min", "max", *QUANTILE_NAMES)
 GLOSSARY: dict[str, str] = {
     "ratio/<stat>": "r = exp(logp - logp_old) per token (old = behaviour/rollout policy); stat in mean/min/max/<q>. "
     "Token-level. ~1 on-policy (exactly 1 before the first update of a synchronous step); trouble: far from 1.",
-    "seq_ratio/<stat>": "GSPO sequence ratio exp(mean over the sequence's tokens of logp - logp_old); over sequences. ~1.",
+    "seq_ratio/<stat>": "GSPO sequence ratio exp(mean over the sequence's tokens of logp - logp_old); over "
+    "sequences. ~1.",
     "importance_weight/<stat>": "Decoupled PPO pi_theta / pi_prox per token; ~1, exactly 1 with one minibatch.",
     "behave_imp_weight/<stat>": "Decoupled PPO pi_prox / pi_behave per token; ~1; drifts with staleness.",
     "kl_old/<k>_mean": "KL(pi_old || pi_theta) estimated from tokens sampled by pi_old, log r = logp - logp_old: "
@@ -44,7 +45,8 @@ GLOSSARY: dict[str, str] = {
     "lag/mean": "Policy lag = current_version - sample version, token mean. 0 on synchronous runs.",
     "lag/max": "Largest policy lag among loss tokens; compare with max_head_offpolicyness.",
     "lag/<bucket>/token_frac": "Share of loss tokens whose lag falls in the bucket.",
-    "lag/<bucket>/ratio_p50": "Median of r = exp(logp - logp_old) within the bucket (version distance is not the ratio).",
+    "lag/<bucket>/ratio_p50": "Median of r = exp(logp - logp_old) within the bucket (version distance is not the "
+    "ratio).",
     "lag/<bucket>/ratio_p99": "99th percentile of r within the bucket.",
     "lag/<bucket>/clip_frac": "Clip region fraction within the bucket.",
     "lag/<bucket>/k3_mean": "k3 KL(pi_old || pi_theta) token mean within the bucket.",
@@ -92,8 +94,8 @@ GLOSSARY: dict[str, str] = {
     "are not running), else 0. Anything but 0 needs attention.",
     "guard/host_ms": "The guard's own host time over the last step cycle (ms): its observe, check and step_done calls "
     "from the previous check to this one. Logged only: rules cannot read it (timings differ between ranks).",
-    "guard/host_frac": "guard/host_ms over the wall time of that cycle: the share of the step the guard's calls took on "
-    "this rank. Logged only, like guard/host_ms.",
+    "guard/host_frac": "guard/host_ms over the wall time of that cycle: the share of the step the guard's calls took "
+    "on this rank. Logged only, like guard/host_ms.",
 }
 
 # The guard's own timings: they differ between ranks and runs, so they are logged, never given to rules (every rank
@@ -140,18 +142,21 @@ def example_names() -> list[str]:
     """Concrete names (placeholders filled with common values) used for 'did you mean' suggestions."""
     fills = {"<stat>": _RATIO_STATS + ("std", "zero_frac", "truncated_frac"), "<k>": ("k1", "k2", "k3"),
              "<bucket>": ("0", "1", "2", "3-4", "5-8", "9+"), "<i>": ("0", "1"),
-             "<field>": ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages", "rewards"), "<q>": QUANTILE_NAMES}
+             "<field>": ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages", "rewards"),
+             "<q>": QUANTILE_NAMES}
     names: list[str] = []
     for pattern in all_patterns():
         expanded = [pattern]
         for ph, values in fills.items():
-            expanded = [e.replace(ph, v) for e in expanded for v in values] if any(ph in e for e in expanded) else expanded
+            if any(ph in e for e in expanded):
+                expanded = [e.replace(ph, v) for e in expanded for v in values]
         names.extend("rl_guard/" + e for e in expanded)
     return names
 
 
 def closest(name: str) -> str | None:
-    match = difflib.get_close_matches(name if name.startswith("rl_guard/") else "rl_guard/" + name, example_names(), n=1, cutoff=0.5)
+    full = name if name.startswith("rl_guard/") else "rl_guard/" + name
+    match = difflib.get_close_matches(full, example_names(), n=1, cutoff=0.5)
     return match[0] if match else None
 
 

@@ -4,10 +4,10 @@ Usage (environment: the nox session areal, .nox/areal):
     python integrations/areal_async/tiny_qwen2.py /tmp/qwen2
     torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run
     torchrun --nproc-per-node 2 integrations/areal_async/fsdp_actor_on_cpu.py /tmp/qwen2 /tmp/areal_run resume
-Prints one JSON line per rank (tests/adapters/areal/ runs it with one and two processes). The engine is ``GuardedFSDPPPOActor`` (the class a single-controller run's workers
-import by dotted path), built and initialised the way AReaL's SPMD ``PPOTrainer`` builds it, and trained through
-``compute_logp`` -> ``compute_advantages`` -> ``ppo_update``. No AReaL code is patched: AReaL picks its CPU
-platform itself (gloo) when no accelerator is present.
+Prints one JSON line per rank (tests/adapters/areal/ runs it with one and two processes). The engine is
+``GuardedFSDPPPOActor`` (the class a single-controller run's workers import by dotted path), built and initialised
+the way AReaL's SPMD ``PPOTrainer`` builds it, and trained through ``compute_logp`` -> ``compute_advantages`` ->
+``ppo_update``. No AReaL code is patched: AReaL picks its CPU platform itself (gloo) when no accelerator is present.
 
 Steps (one ``ppo_update`` each, one mini-batch = one optimizer step; a snapshot after healthy steps 1, 3, ...):
 1-2 healthy (behaviour = proximal: every weight 1); snapshot after step 1 only;
@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 
 torch.set_num_threads(1)
 from areal.api.alloc_mode import ModelAllocation  # noqa: E402
-from areal.api.cli_args import OptimizerConfig, PPOActorConfig, MicroBatchSpec  # noqa: E402
+from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, PPOActorConfig  # noqa: E402
 from areal.api.io_struct import FinetuneSpec, SaveLoadMeta  # noqa: E402
 from areal.infra.platforms import current_platform  # noqa: E402
 

@@ -17,7 +17,6 @@ Run:  python integrations/areal_async/train.py --staleness 6 --max-head-offpolic
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import math

@@ -242,7 +242,8 @@ def main() -> None:
     ckpt = os.path.join(OUT, "ckpt")
     extra = ["--actor.model_name_or_path", MODEL, "--ds.attn_implementation", "eager", "--ds.zero_stage", "2",
              "--vllm.sync_backend", "gloo", "--vllm.num_engines", "0", "--train.micro_batch_size", "2",
-             "--train.batch_size", str(4 * WORLD), "--rollout.batch_size", "4", "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0",
+             "--train.batch_size", str(4 * WORLD), "--rollout.batch_size", "4", "--actor.adam.lr", "1e-2",
+             "--actor.lr_warmup_ratio", "0",
              "--algo.advantage.estimator", "reinforce", "--actor.num_gpus_per_node", str(WORLD),
              "--ckpt.path", ckpt, "--ckpt.max_num", "3"]
     if PHASE == "resume":

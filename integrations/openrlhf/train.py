@@ -31,11 +31,11 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import openrlhf_files  # noqa: E402
+import openrlhf_files
 
-from rl_guard import Guard  # noqa: E402
-from rl_guard.adapters.openrlhf import attach_checkpoints, gate_optimizer_step, guard_policy_loss  # noqa: E402
-from rl_guard.errors import GuardHalted  # noqa: E402
+from rl_guard import Guard
+from rl_guard.adapters.openrlhf import attach_checkpoints, gate_optimizer_step, guard_policy_loss
+from rl_guard.errors import GuardHalted
 
 K, R = 8, 4                 # digits, response tokens
 BOS, V = K, K + 1

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default="runs/pytorch_grpo")
     args = ap.parse_args(argv)
     res = run(args.config, args.steps, args.fault, args.fault_step, args.seed, args.run_dir)
-    for step, action, messages in res.decisions:
+    for _step, _action, messages in res.decisions:
         for m in messages:
             print(m)
     print(f"steps run: {res.steps_run}; mean reward first/last 5: {sum(res.rewards[:5]) / 5:.3f} / "

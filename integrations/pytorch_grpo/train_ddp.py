@@ -27,9 +27,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import FAULTS, K, Policy, RunResult, completion_mask, optimizer_step, reward_fn  # noqa: E402
+from train import FAULTS, K, Policy, RunResult, completion_mask, optimizer_step, reward_fn
 
-from rl_guard import Guard, TokenBatch  # noqa: E402
+from rl_guard import Guard, TokenBatch
 
 
 class Forward(nn.Module):

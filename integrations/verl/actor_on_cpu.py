@@ -202,9 +202,11 @@ def launch(world: int, out: Path, timeout: float = 600) -> list[int]:
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])))
     env.setdefault("RL_GUARD_CONFIG", str(HERE / "guard.yaml"))
     env.setdefault("RL_GUARD_RUN_DIR", str(out / "run"))
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--out", str(out)],
-                              env=env, stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT)
-             for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(out / f"rank{r}.log", "w") as log:  # the rank writes to its own copy of the descriptor
+            procs.append(subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world),
+                                           "--out", str(out)], env=env, stdout=log, stderr=subprocess.STDOUT))
     codes = []
     for p in procs:
         try:
@@ -242,7 +244,7 @@ def main() -> None:
     if args.rank is not None:
         try:
             run_rank(args.rank, args.world, out)
-        except Exception:  # noqa: BLE001 - the launcher reads the error from the rank's file
+        except Exception:  # the launcher reads the error from the rank's file
             (out / f"rank{args.rank}.json").write_text(json.dumps({"error": traceback.format_exc()}))
             raise
         return

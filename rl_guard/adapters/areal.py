@@ -31,7 +31,8 @@ AReaL internals relied on:
   ``async_yaml(n)``, which sets the async preset's ``staleness_bound`` threshold to ``n``.
 - Skip: ``optimizer_zero_grad()`` and ``update_successful=0``, AReaL's own non-finite-norm path. Rollback restores
   the guard's snapshots of ``model`` / ``optimizer`` / ``lr_scheduler``; ``GuardedFSDPPPOActor`` takes them
-  through the engine's own ``save`` / ``load`` (DCP) instead (``areal_engine.EngineState``); the next ``update_weights`` ships them to inference. Halt raises ``GuardHalted`` (all ranks alike).
+  through the engine's own ``save`` / ``load`` (DCP) instead (``areal_engine.EngineState``); the next
+  ``update_weights`` ships them to inference. Halt raises ``GuardHalted`` (all ranks alike).
   ``FSDPPPOActor``'s FSDP2 gradients are ``DTensor`` shards: detected and merged by sum
   (``rl_guard/stats/grads.py``), the skip drops them before AReaL's own step. ``tests/adapters/areal/`` runs the real
   ``FSDPPPOActor`` on CPU (gloo) with one and two processes.
@@ -65,9 +66,9 @@ def align_versions(versions: torch.Tensor) -> torch.Tensor:
     return torch.roll(versions, shifts=-1, dims=-1)
 
 
-def token_batch(logprobs, input_data: dict, entropy=None, current_version: int | None = None, eps_clip: float = DEFAULT_CLIP_EPS,
-                eps_clip_higher: float | None = None, importance_sampling_level: str = "token",
-                shift_versions: bool = True) -> TokenBatch:
+def token_batch(logprobs, input_data: dict, entropy=None, current_version: int | None = None,
+                eps_clip: float = DEFAULT_CLIP_EPS, eps_clip_higher: float | None = None,
+                importance_sampling_level: str = "token", shift_versions: bool = True) -> TokenBatch:
     """One micro-batch's ``TokenBatch`` from ``loss_fn``'s arguments (packed ``[N]`` or padded ``[B, T]``)."""
     versions = input_data.get("versions")
     if versions is not None and current_version is not None:

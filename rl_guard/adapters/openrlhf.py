@@ -4,8 +4,9 @@ Supported: openrlhf >= 0.11, < 0.12 (matched against 0.11.2 and the DeepSpeed 0.
 Without editing OpenRLHF: ``python -m rl_guard.adapters.openrlhf_launch --rl_guard.config configs/ppo.yaml
 <train_ppo_ray arguments>`` (a Ray worker hook calls ``install`` on every ``ActorPPOTrainer`` and restores the
 guard's state on resume). By hand, in the actor process once the trainer exists:
-``install(self.trainer, Guard.from_yaml("configs/ppo.yaml"))``; in a hand-written step: ``guard_policy_loss`` at the PolicyLoss call, ``gate_optimizer_step`` on the strategy and
-``attach_checkpoints`` for save / rollback. OpenRLHF internals relied on:
+``install(self.trainer, Guard.from_yaml("configs/ppo.yaml"))``; in a hand-written step: ``guard_policy_loss`` at the
+PolicyLoss call, ``gate_optimizer_step`` on the strategy and ``attach_checkpoints`` for save / rollback. OpenRLHF
+internals relied on:
 
 - ``Experience``: ``action_log_probs`` = the trainer's recompute of the rollout policy (PPO's old),
   ``rollout_log_probs`` = vLLM's (only with ``is_correction_level != "off"``), ``base_action_log_probs`` = the
@@ -20,8 +21,9 @@ guard's state on resume). By hand, in the actor process once the trainer exists:
   schedule held; with fp16 the loss scale halves as on a real overflow). Elsewhere: gradients dropped.
 - Save / rollback: ``strategy.save_ckpt`` / ``load_ckpt`` with the guard's state in ``client_state["rl_guard"]``
   (``load_guard_state`` on resume); with ``snapshots: {where: memory}`` the snapshot tags go to ``/dev/shm``
-  (``memory_dir``), checkpoints for save-and-halt to ``ckpt_dir`` on disk; vLLM gets restored weights at the next ``broadcast_to_vllm``. ``ppo_train``'s
-  status (logged as ``train/<key>``) gets the last step's ``rl_guard/*``. A halt raises ``GuardHalted``.
+  (``memory_dir``), checkpoints for save-and-halt to ``ckpt_dir`` on disk; vLLM gets restored weights at the next
+  ``broadcast_to_vllm``. ``ppo_train``'s status (logged as ``train/<key>``) gets the last step's ``rl_guard/*``. A
+  halt raises ``GuardHalted``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import os
 import shutil
 
 from .. import TokenBatch
-from ..errors import GuardHalted
 from ..control.ram_dir import ram_dir
 from ..control.state import scale_lr
+from ..errors import GuardHalted
 from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import require
 from .deepspeed import MasterPartitions, gated_step, is_engine

@@ -98,7 +98,8 @@ def gather_response(output: torch.Tensor, index: torch.Tensor, valid: torch.Tens
 
 def token_batch(model_output, data, config=None) -> TokenBatch:
     """One micro-batch's ``TokenBatch`` from the arguments verl passes the actor's loss function."""
-    fields = ["response_mask", "old_log_probs", "advantages"] + [k for k in ROLLOUT_FIELDS if k in data.keys()]
+    # keys(): a TensorDict refuses `key in td`
+    fields = ["response_mask", "old_log_probs", "advantages"] + [k for k in ROLLOUT_FIELDS if k in data.keys()]  # noqa: SIM118
     # as ppo_loss pads them (torch's jagged padding reads the cached max length: no sync); plain tensors as they are
     td = {k: torch.nested.to_padded_tensor(data[k], 0.0) if data[k].is_nested else data[k] for k in fields}
     index, valid = response_positions(data, width=td["response_mask"].shape[-1])
@@ -106,15 +107,15 @@ def token_batch(model_output, data, config=None) -> TokenBatch:
     entropy = model_output.get("entropy", None)
     entropy = None if entropy is None else gather_response(entropy, index, valid).float()
     mask = td["response_mask"].bool()
-    old, rollout = td["old_log_probs"], td.get("rollout_log_probs", None)
+    old, rollout = td["old_log_probs"], td.get("rollout_log_probs")
     behaviour, prox = (old, None) if rollout is None else (rollout, old)
-    scores = td.get("token_level_scores", td.get("token_level_rewards", None))
+    scores = td.get("token_level_scores", td.get("token_level_rewards"))
     policy_loss = getattr(config, "policy_loss", None) or {}
     clip = getattr(config, "clip_ratio", DEFAULT_CLIP_EPS)
     return TokenBatch(
         logprobs=logp, mask=mask, old_logprobs=behaviour.detach(),
         prox_logprobs=None if prox is None else prox.detach(),
-        ref_logprobs=td.get("ref_log_prob", None), entropy=entropy, advantages=td["advantages"],
+        ref_logprobs=td.get("ref_log_prob"), entropy=entropy, advantages=td["advantages"],
         rewards=None if scores is None else torch.where(mask, scores, 0.0).sum(-1), lengths=mask.sum(-1),
         eps_low=float(getattr(config, "clip_ratio_low", None) or clip),
         eps_high=float(getattr(config, "clip_ratio_high", None) or clip),

@@ -41,9 +41,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "confirm_steps": 1},
     "checkpoint": {"dir": "checkpoints", "keep": 3},
 }
-TOP_DEFAULTS: dict[str, Any] = {"mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
-                "sharded_grads": None, "log_every": 1, "stats_engine": "eager",
-                "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
+TOP_DEFAULTS: dict[str, Any] = {
+    "mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
+    "sharded_grads": None, "log_every": 1, "stats_engine": "eager",
+    "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
 SPIKE_DEFAULTS = {"window": 100, "factor": 10.0, "min_history": 8, "threshold": 6.0, "direction": "up"}
@@ -100,7 +101,10 @@ class _Checker:
             if v not in kind:
                 self.err(p, f"{v!r} is not allowed; allowed values: {', '.join(map(str, kind))}")
             return v
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+        if kind is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, kind) and not (kind is int and isinstance(v, bool))
         if not ok:
             self.err(p, f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
         elif minimum is not None and v < minimum:
@@ -180,7 +184,8 @@ class _Checker:
         groups = [k for k in ("all", "any") if k in r]
         if groups:
             if len(groups) > 1 or any(k in r for k in COND_KEYS):
-                self.err(path, "a composite rule has either 'all' or 'any' (a list of conditions) and no metric of its own")
+                self.err(path, "a composite rule has either 'all' or 'any' (a list of conditions) and no metric of "
+                         "its own")
             subs = r[groups[0]]
             if not isinstance(subs, list) or len(subs) < 2:
                 self.err(path + (groups[0],), "needs a list of at least two conditions")
@@ -224,9 +229,11 @@ def load_config(source) -> GuardConfig:
         sections[sec] = {**DEFAULTS[sec], **(given if isinstance(given, dict) else {})}
     top = {**TOP_DEFAULTS, **{k: v for k, v in data.items() if k in TOP_DEFAULTS}}
     buckets = top["lag_buckets"]
-    if not (isinstance(buckets, list) and buckets and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
+    if not (isinstance(buckets, list) and buckets
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
             and buckets[0] == 0 and all(a < b for a, b in zip(buckets, buckets[1:]))):
-        c.err(("lag_buckets",), f"lag_buckets must be increasing integers starting at 0 (lower bucket edges), got {buckets!r}")
+        c.err(("lag_buckets",),
+              f"lag_buckets must be increasing integers starting at 0 (lower bucket edges), got {buckets!r}")
     builtins = _builtins(top["builtin_rules"], c)
     rules = top["rules"]
     if not isinstance(rules, list):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from .config import ACTIONS as PRECEDENCE  # listed in precedence order
 from .action_names import Action
+from .config import ACTIONS as PRECEDENCE  # listed in precedence order
 from .config import GuardConfig
 from .rules import History, Rule, Verdict, builtin_rules
 
@@ -108,7 +108,8 @@ class Controller:
             window = {m: history.recent(m, 32) for m in rule.metrics}
             decision.firings.append(Firing(rule, v, rule.action, "", window))
         decision.action = max((f.action for f in decision.firings), key=PRECEDENCE.index, default=None)
-        if decision.action == "rollback" and (not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
+        if decision.action == "rollback" and (
+                not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
             decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
         persistent = self._persistent_fault(decision)
         shadow = self.config.mode == "shadow"

@@ -103,7 +103,8 @@ class Condition:
         self.band: Any = spec.get("band")
         self._band_text = f"[{self.band[0]}, {self.band[1]}]" if self.band else ""
         self._compare: Any = _COMPARE.get(self.op)
-        self.spike: dict[str, Any] | None = {**SPIKE_DEFAULTS, **spec["spike"]} if spec.get("spike") is not None else None
+        spike = spec.get("spike")
+        self.spike: dict[str, Any] | None = {**SPIKE_DEFAULTS, **spike} if spike is not None else None
         # ``fires`` runs every step for every condition: its test is chosen once here.
         if self.spike is not None:
             self._fires = self._spike_fires

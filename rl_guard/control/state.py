@@ -18,7 +18,6 @@ import torch
 
 from .host_copy import HostCopies
 
-
 _IMMUTABLE = (int, float, bool, str, type(None))
 
 
@@ -39,7 +38,8 @@ def rng_state() -> dict:
     assert isinstance(np_state, tuple)  # numpy's global generator is MT19937: its state is the legacy tuple
     state = {
         "python": random.getstate(),
-        "numpy": {"key": np_state[0], "pos": torch.from_numpy(np_state[1].astype(np.int64)), "rest": list(np_state[2:])},
+        "numpy": {"key": np_state[0], "pos": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "rest": list(np_state[2:])},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

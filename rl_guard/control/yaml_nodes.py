@@ -9,14 +9,14 @@ import yaml
 
 from ..errors import ConfigError
 
-
 PRESETS = Path(__file__).resolve().parents[1] / "presets"
 
 
 def read_source(source) -> tuple[str, str]:
     """(yaml_text, origin) from a path, a shipped preset name (``grpo``, ``ppo``, ``async``) or YAML text.
     A one-line string naming neither an existing file nor a preset is a path error."""
-    if isinstance(source, Path) or (isinstance(source, str) and source.strip() and "\n" not in source and ":" not in source):
+    one_line = isinstance(source, str) and source.strip() and "\n" not in source and ":" not in source
+    if isinstance(source, Path) or one_line:
         path = Path(source)
         if not path.is_file() and (PRESETS / f"{source}.yaml").is_file():
             path = PRESETS / f"{source}.yaml"

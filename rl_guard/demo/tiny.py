@@ -32,8 +32,8 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, hidden: int = 32, l
     tok.save_pretrained(path)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions, pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"],
-                         eos_token_id=vocab["<eos>"], tie_word_embeddings=False)
+                         max_position_embeddings=max_positions, pad_token_id=vocab["<pad>"],
+                         bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .names import Out
-from .samples import SampleError, Prepared, SampleBatch, label
+from .samples import Prepared, SampleBatch, SampleError, label
 
 COUNTERS = ("episodes", "rollout_tokens", "train_tokens", "optimizer_updates")
 

@@ -18,7 +18,7 @@ Layers (``SampleBatch.funnel`` counts; unknown layer names are rejected so a typ
 from __future__ import annotations
 
 from .names import Out, frac
-from .samples import SampleError, SampleBatch, label
+from .samples import SampleBatch, SampleError, label
 
 LAYERS = ("sampled", "started", "completed", "truncated", "failed", "reward_available", "valid", "accepted",
           "action_tokens", "optimizer_updates")

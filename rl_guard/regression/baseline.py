@@ -6,7 +6,7 @@ float64, never by comparing two sampled minibatches (sampling noise would hide s
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import torch
 
@@ -90,7 +90,7 @@ def _compare(name, logits, adv0, advb, rtol) -> CheckResult:
 
 def check_baseline_invariance(
     policy_logits,
-    reward_fn_or_table: Union[Callable[[int, int], float], torch.Tensor, float],
+    reward_fn_or_table: Callable[[int, int], float] | torch.Tensor | float,
     baseline,
     *,
     rtol: float = 1e-12,

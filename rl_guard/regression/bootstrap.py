@@ -16,7 +16,7 @@ GAE(lambda=1) advantages + values give the same numbers):
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from collections.abc import Callable
 
 import torch
 
@@ -52,7 +52,7 @@ _GAMMA = 0.5
 _REWARDS = (1.0, 2.0, 4.0)
 _VALUES = (10.0, 20.0, 40.0, 80.0)
 _F, _T = False, True
-_CASES: List[Tuple[str, tuple, tuple, tuple]] = [
+_CASES: list[tuple[str, tuple, tuple, tuple]] = [
     # (clause, terminated, truncated, expected returns)
     ("segment end without a flag bootstraps values[T]", (_F, _F, _F), (_F, _F, _F),
      (1 + 0.5 * 24, 2 + 0.5 * 44, 4 + 0.5 * 80)),

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Mapping, Tuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from ._base import CheckResult, RegressionCheckFailed, max_abs
 
 
-def _named(params: Iterable) -> List[Tuple[str, torch.Tensor]]:
+def _named(params: Iterable) -> list[tuple[str, torch.Tensor]]:
     """Accept ``model.parameters()``, ``model.named_parameters()`` or a dict name -> tensor."""
     items: list[Any] = list(params.items()) if isinstance(params, Mapping) else list(params)
     if not items:
@@ -19,7 +20,7 @@ def _named(params: Iterable) -> List[Tuple[str, torch.Tensor]]:
     return [(f"param[{i}]", p) for i, p in enumerate(items)]
 
 
-def _grad_stats(loss_fn, named, batch) -> Tuple[float, str, bool]:
+def _grad_stats(loss_fn, named, batch) -> tuple[float, str, bool]:
     """Return (max |g| over all params, name of the worst param, any nonfinite)."""
     loss = loss_fn(batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

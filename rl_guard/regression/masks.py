@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ def _describe(value: Any) -> str:
 def check_empty_mask_raises(
     stats_fn: Callable[[torch.Tensor], Any],
     *,
-    shape: Tuple[int, ...] = (2, 5),
+    shape: tuple[int, ...] = (2, 5),
     dtype: torch.dtype = torch.bool,
 ) -> CheckResult:
     """Assert ``stats_fn(mask)`` raises ``ValueError`` (or a subclass) mentioning "mask" on an empty mask.
@@ -52,7 +53,7 @@ def check_empty_mask_raises(
             ) from exc
         return CheckResult(name="empty_mask_raises", metric="raised", value=1.0, tolerance=0.0,
                            detail=f"{type(exc).__name__}: {exc}")
-    except Exception as exc:  # noqa: BLE001 - any other error type is the failure being reported
+    except Exception as exc:  # any other error type is the failure being reported
         raise RegressionCheckFailed(
             f"[empty_mask_raises] empty mask raised {type(exc).__name__}: {exc!r}, which looks accidental; "
             f"raise ValueError mentioning the mask instead"

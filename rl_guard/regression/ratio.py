@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,9 +21,9 @@ def check_ratio_is_one(
     logprob_fn: LogprobFn,
     batch: Any,
     *,
-    old_logprob_fn: Optional[LogprobFn] = None,
-    ratio_fn: Optional[RatioFn] = None,
-    mask: Optional[torch.Tensor] = None,
+    old_logprob_fn: LogprobFn | None = None,
+    ratio_fn: RatioFn | None = None,
+    mask: torch.Tensor | None = None,
     atol: float = 0.0,
 ) -> CheckResult:
     """Assert r = exp(logp - old_logp) == 1 on every unmasked token when old and current policy coincide.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from ._base import RegressionCheckFailed
 from .baseline import check_advantage_fn_baseline_invariance
@@ -16,18 +17,18 @@ from .ratio import check_ratio_is_one
 
 def run_all(
     *,
-    logprob_fn: Optional[Callable] = None,
+    logprob_fn: Callable | None = None,
     ratio_batch: Any = None,
     ratio_mask: Any = None,
-    loss_fn: Optional[Callable] = None,
+    loss_fn: Callable | None = None,
     params: Any = None,
     loss_batch: Any = None,
-    baseline_advantage_fn: Optional[Callable] = None,
-    returns_fn: Optional[Callable] = None,
-    group_advantage_fn: Optional[Callable] = None,
-    stats_fn: Optional[Callable] = None,
+    baseline_advantage_fn: Callable | None = None,
+    returns_fn: Callable | None = None,
+    group_advantage_fn: Callable | None = None,
+    stats_fn: Callable | None = None,
     raise_on_failure: bool = False,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Run the checks whose callables are given; the rest are reported as ``"skipped"``.
 
     Arguments map onto the individual checks (see their docstrings for the contracts):
@@ -43,7 +44,7 @@ def run_all(
     failed or errored. With ``raise_on_failure`` a failing report raises RegressionCheckFailed.
     """
     # name -> the check bound to its inputs, None (skipped) when they are not all given
-    plan: List[Tuple[str, Optional[Callable[[], Any]]]] = [
+    plan: list[tuple[str, Callable[[], Any] | None]] = [
         ("ratio_is_one", None if logprob_fn is None or ratio_batch is None
          else functools.partial(check_ratio_is_one, logprob_fn, ratio_batch, mask=ratio_mask)),
         ("zero_adv_zero_grad", None if loss_fn is None or params is None or loss_batch is None
@@ -55,7 +56,7 @@ def run_all(
          else functools.partial(check_group_advantage_zero_on_ties, group_advantage_fn)),
         ("empty_mask_raises", None if stats_fn is None else functools.partial(check_empty_mask_raises, stats_fn)),
     ]
-    checks: Dict[str, Dict[str, Any]] = {}
+    checks: dict[str, dict[str, Any]] = {}
     for name, run in plan:
         entry = {"status": "skipped", "metric": None, "value": None, "tolerance": None, "message": ""}
         if run is not None:

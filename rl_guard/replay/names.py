@@ -8,7 +8,8 @@ are mapped (formulas: ``trl/trainer/grpo_trainer.py`` 1.16, ``_compute_loss`` an
 - ``entropy``: masked token mean of the policy entropy = ``entropy/mean``;
 - ``clip_ratio/{low,high,region}_mean``: token shares with the PPO clip active = ``clip/{low,high,region}_frac``;
 - ``completions/clipped_ratio``: share of completions without EOS = ``length/truncated_frac``;
-- ``completions/{mean,min,max}_length`` = ``length/{mean,min,max}``; ``reward``/``reward_std`` = ``reward/mean``/``std``;
+- ``completions/{mean,min,max}_length`` = ``length/{mean,min,max}``;
+- ``reward``/``reward_std`` = ``reward/mean``/``std``;
 - ``sampling/importance_sampling_ratio/{mean,min,max}``: trainer-vs-vLLM weight = ``behave_imp_weight/...``;
 - ``loss`` = ``loss/value``; ``grad_norm``: the Trainer's total norm before clipping = ``grad/norm`` (the guard's
   one meaning of it; the clipped norm the guard measures inside the Trainer is ``grad/norm_postclip``).

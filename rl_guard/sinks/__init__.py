@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import inspect
 import pathlib
-from typing import Any, Iterable, Union
+from collections.abc import Iterable
+from typing import Any
 
 from .base import Histograms, Sink, SinkOptionError, SinkSet
 from .console import ConsoleSink
@@ -30,7 +31,7 @@ _REGISTRY: dict[str, type[Sink]] = {
 }
 SINK_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
-SinkSpec = Union[str, dict, Sink]
+SinkSpec = str | dict | Sink
 
 
 def make_sink(name: str, options: dict | None = None) -> Sink:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pathlib
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -143,7 +144,7 @@ class SinkSet:
     def __len__(self) -> int:
         return len(self.active)
 
-    def __enter__(self) -> "SinkSet":
+    def __enter__(self) -> SinkSet:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -20,9 +20,9 @@ import functools
 import json
 import math
 import os
-import weakref
 import pathlib
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, TextIO
 

@@ -18,6 +18,7 @@ import torch
 from .on_device import device_vector, host_to_device
 from .partial import Layout, Partial
 
+
 class RankMismatch(RuntimeError):
     """Ranks fed different statistics layouts (e.g. one rank passed ref_logprobs, another did not)."""
 

@@ -72,7 +72,8 @@ class TokenBatch:
                 self.mask = torch.ones_like(lp, dtype=torch.bool)
         elif lp.dim() != 2:
             raise BatchError(
-                f"logprobs must be padded [B, T] (with mask) or packed [N] (with cu_seqlens), got shape {tuple(lp.shape)}"
+                "logprobs must be padded [B, T] (with mask) or packed [N] (with cu_seqlens), "
+                f"got shape {tuple(lp.shape)}"
             )
         elif self.mask is None:
             raise BatchError("mask is required for a padded [B, T] batch (which tokens reach the loss)")
@@ -90,7 +91,9 @@ class TokenBatch:
                 f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
             )
         if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
-            raise BatchError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got ({self.eps_low}, {self.eps_high})")
+            raise BatchError(
+                f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got ({self.eps_low}, {self.eps_high})"
+            )
 
     # -- shape helpers -------------------------------------------------------------------------------------------
     @property
@@ -127,7 +130,9 @@ class TokenBatch:
             return
         t = self._tensor(name, t)
         if tuple(t.shape) != tuple(self.logprobs.shape):
-            raise BatchError(f"{name} shape {tuple(t.shape)} does not match logprobs shape {tuple(self.logprobs.shape)}")
+            raise BatchError(
+                f"{name} shape {tuple(t.shape)} does not match logprobs shape {tuple(self.logprobs.shape)}"
+            )
         if not t.dtype.is_floating_point:
             raise BatchError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 

@@ -144,7 +144,7 @@ def chunks(b: TokenBatch, size: int | None = None):
             yield Chunk(b, s, min(s + size, n), None)
         return
     B, T = b.logprobs.shape
-    if T <= size:
+    if size >= T:
         step = max(1, size // max(T, 1))
         for r0 in range(0, B, step):
             r1 = min(B, r0 + step)

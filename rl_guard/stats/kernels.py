@@ -25,8 +25,8 @@ import math
 import torch
 
 from . import keys
-from .constants import EXP_CLAMP
 from .chunks import ChunkStats
+from .constants import EXP_CLAMP
 from .partial import Partial
 from .sketch import LOG_RATIO, SketchSpec, cell_index, count_cells
 

@@ -51,7 +51,7 @@ class Partial:
                 out.update(zip((n for n, _ in layout), vec.split([k for _, k in layout])))
 
     @classmethod
-    def of_packed(cls, layout: Layout, sums: torch.Tensor, maxes: torch.Tensor) -> "Partial":
+    def of_packed(cls, layout: Layout, sums: torch.Tensor, maxes: torch.Tensor) -> Partial:
         """A packed ``Partial`` from its layout and its float64 sum and max vectors (minima negated in the latter)."""
         p = cls()
         p._packed = (layout, sums, maxes)

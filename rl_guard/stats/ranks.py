@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from .accumulate import RankMismatch  # noqa: F401 - re-exported
+from .accumulate import RankMismatch  # raised below, and re-exported
 from .on_device import device_vector, host_to_device
 
 HEADER = 8  # +n_sums, -n_sums, +n_maxes, -n_maxes, failed, three spare slots (kept 0)

@@ -23,7 +23,6 @@ import threading
 
 import torch
 
-
 F32, I32 = torch.float32, torch.int32
 
 
@@ -36,7 +35,7 @@ class Scratch:
     _kept = threading.local()  # per thread: two guards probing at once in one process never share buffers
 
     @classmethod
-    def for_batch(cls, device: torch.device, tokens: int) -> "Scratch":
+    def for_batch(cls, device: torch.device, tokens: int) -> Scratch:
         if tokens > cls.KEEP_TOKENS:
             return cls(device)
         kept = cls._kept.__dict__.setdefault("by_device", {})

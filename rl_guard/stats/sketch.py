@@ -159,7 +159,7 @@ def _copies(n: int, size: int) -> int:
     return 1 << (most.bit_length() - 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _edges_u_list(spec: SketchSpec) -> list[float]:
     return spec.edges_u.tolist()
 

@@ -62,7 +62,7 @@ _ENTROPY_Q = _names("entropy", *QUANTILE_NAMES)
 _HIST_RATIO, _HIST_ENTROPY = PREFIX + "log_ratio", PREFIX + "entropy"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lag_names(edges: tuple) -> list[tuple[str, ...]]:
     """Per bucket: token_frac, ratio_p50, ratio_p99, clip_frac, k3_mean."""
     return [_names(f"lag/{b}", "token_frac", "ratio_p50", "ratio_p99", "clip_frac", "k3_mean")
