@@ -60,6 +60,7 @@ class Actions:
             drop_grads(params)
         ckpt = None
         if decision.save:
+            assert decision.action is not None  # a save comes with a stopping action
             try:
                 ckpt = self.save_checkpoint(reason=decision.action)
             except RuntimeError:
@@ -77,6 +78,7 @@ class Actions:
 
     def _shadow(self, decision: Decision) -> None:
         """Record what would happen; leave gradients, weights, optimizer, scheduler and RNG alone."""
+        assert self.plan is not None  # shadow mode
         if decision.action is not None:  # a decision from the failure policy, not the controller
             decision.would, decision.action = decision.action, None
         restored_to = self.plan.rollback(decision.step) if decision.would == "rollback" else None

@@ -25,7 +25,7 @@ class _ConsoleHandler(logging.StreamHandler):
         self.stream = sys.stderr  # the current one: a test or a notebook may have replaced it since
         tqdm = sys.modules.get("tqdm")
         bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
-        if bars:
+        if bars and tqdm is not None:
             try:
                 tqdm.tqdm.write(self.format(record), file=sys.stderr)
                 return

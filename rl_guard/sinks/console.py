@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import pathlib
 import sys
-from typing import IO
+from typing import IO, Any
 
 from .base import Histograms, Sink, whole_steps
 
@@ -32,7 +32,7 @@ KEY_METRICS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 )
 
 
-def _fmt(v: object) -> str:
+def _fmt(v: Any) -> str:
     try:
         x = float(v)
     except (TypeError, ValueError):

@@ -361,6 +361,7 @@ class UpdateProbe:
 
     def _adopt_restored(self, layout) -> None:
         """Take the saved sample as the reference when the parameters have the layout it was taken with."""
+        assert self._restored is not None  # the caller checked
         structure, after = self._restored
         self._restored = None
         if self._after is None and repr(layout.structure) == structure:
