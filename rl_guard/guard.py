@@ -38,6 +38,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +58,9 @@ from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.summarize import summarize
 from .stats.update import UpdateProbe, learning_rates
 
+if TYPE_CHECKING:
+    from .sinks import SinkSet
+
 
 class _Clock:
     """The guard's own host time: ``with guard._clock:`` around each public call's body (a context manager rather
@@ -66,18 +70,18 @@ class _Clock:
     __slots__ = ("seconds", "depth", "start", "lap_start")
 
     def __init__(self) -> None:
-        self.seconds, self.depth, self.start, self.lap_start = 0.0, 0, 0.0, None
+        self.seconds, self.depth, self.start = 0.0, 0, 0.0
+        self.lap_start: float | None = None
 
     def __enter__(self) -> None:
         self.depth += 1
         if self.depth == 1:
             self.start = time.perf_counter()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:  # None: exceptions propagate
         self.depth -= 1
         if self.depth == 0:
             self.seconds += time.perf_counter() - self.start
-        return False
 
     def lap(self) -> dict[str, float]:
         """Called at the start of ``check``: the host time inside the guard's calls since the previous lap (that
@@ -115,14 +119,14 @@ class Guard:
         self.update_probe = UpdateProbe(sharded=config.sharded_grads)
         self._probed_lrs: list[float] | None = None  # the step's learning rates, when the probe ran before it
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
-        self._sinks = None
+        self._sinks: SinkSet | None = None
         self._sink_spec = sinks if sinks is not None else config.sinks
         self._clock = _Clock()  # the guard's own cost, logged every step
         if open_run_dir:
             self.open_run_dir()
 
     @classmethod
-    def from_yaml(cls, source, run_dir=None, sinks=None, open_run_dir: bool = True) -> "Guard":
+    def from_yaml(cls, source, run_dir=None, sinks=None, open_run_dir: bool = True) -> Guard:
         """Build from a YAML path or YAML text (validated at once; raises ``ConfigError``). ``open_run_dir=False``:
         nothing is written until ``use_run_dir`` / ``open_run_dir`` (an adapter that learns the directory later)."""
         return cls(load_config(source), run_dir=run_dir, sinks=sinks, open_run_dir=open_run_dir)
@@ -133,7 +137,7 @@ class Guard:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(self.config.source_text or "# defaults\n", encoding="utf-8")
 
-    def use_run_dir(self, run_dir: str | Path) -> "Guard":
+    def use_run_dir(self, run_dir: str | Path) -> Guard:
         """Point the guard at another run directory before anything was recorded (sinks not started)."""
         if self._sinks is not None:
             raise RuntimeError(f"the run directory is already in use ({self.run_dir}); set it before the first step")
@@ -143,7 +147,7 @@ class Guard:
         return self
 
     # -- wiring ----------------------------------------------------------------------------------------------------
-    def attach(self, model, optimizer=None, scheduler=None, **extra) -> "Guard":
+    def attach(self, model, optimizer=None, scheduler=None, **extra) -> Guard:
         """Give the guard the state its actions work on (``extra``: objects with state_dict/load_state_dict)."""
         self.state = TrainState(model, optimizer, scheduler, extra)
         if ranks.rank_and_world() != (self.rank, self.world_size):
@@ -158,7 +162,7 @@ class Guard:
             self._acc.device = param.device
         return self
 
-    def attach_state(self, state) -> "Guard":
+    def attach_state(self, state) -> Guard:
         """Use a custom state object (``capture(step) -> dict`` and ``restore(snapshot, lr_scale)``), e.g. one that
         checkpoints through a framework's own save/load path. Optional: ``state.discard(snapshot)``, called for every
         snapshot the guard will no longer restore (pushed out of the ring, or abandoned by a rollback), to free
@@ -170,7 +174,7 @@ class Guard:
             self.mark_sharded()
         return self
 
-    def mark_sharded(self) -> "Guard":
+    def mark_sharded(self) -> Guard:
         """This rank holds shards of the gradients and of the weights the optimizer updates, as plain tensors that
         detection cannot tell from replicas (ZeRO partitions, FSDP1 flat parameters): ranks merge both by sum.
         An explicit ``sharded_grads`` in the config wins."""
@@ -346,8 +350,8 @@ class Guard:
         with self.protect("close"):
             self.diagnostics.close()
 
-    # -- failure policy -------------------------------------------------------------------------------------------------
-    def protect(self, where: str) -> "_Protected":
+    # -- failure policy ------------------------------------------------------------------------------------------------
+    def protect(self, where: str) -> _Protected:
         """Run guard or adapter code under the failure policy (module docstring): caller errors raise, anything
         else is recorded as an internal failure and swallowed."""
         return _Protected(self, where)
@@ -396,9 +400,10 @@ class Guard:
             if self.config.fail_mode == "open":
                 then = "training continues WITHOUT the guard's checks (set fail_mode: closed to halt instead)"
             else:
-                then = "would checkpoint and halt (shadow mode)" if self.config.mode == "shadow" else "checkpointed and halted"
-            message = (f"[rl_guard] UNGUARDED at step {self.step}: internal failure on {self.failing_steps} consecutive "
-                       f"steps (last: {self._last_failure}); {then}")
+                shadow = self.config.mode == "shadow"
+                then = "would checkpoint and halt (shadow mode)" if shadow else "checkpointed and halted"
+            message = (f"[rl_guard] UNGUARDED at step {self.step}: internal failure on {self.failing_steps} "
+                       f"consecutive steps (last: {self._last_failure}); {then}")
         else:
             message = f"[rl_guard] guarded again at step {self.step}: the step passed without internal failure"
         print(message, file=sys.stderr, flush=True)
@@ -406,7 +411,7 @@ class Guard:
             self.actions.guard_incident("guard_unguarded" if unguarded else "guard_recovered", message,
                                         action=self.last_decision.action if self.last_decision else None)
 
-    # -- persistence ------------------------------------------------------------------------------------------------------
+    # -- persistence ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(),
                 "diagnostics": self.diagnostics.state_dict(), "update": self.update_probe.state_dict(),
@@ -438,5 +443,5 @@ class _Protected:
     def __exit__(self, kind, exc, tb) -> bool:
         if not isinstance(exc, Exception) or isinstance(exc, (InputError, ranks.RankMismatch)):
             return False  # no exception, a caller error, or not an error at all (KeyboardInterrupt): it propagates
-        self.guard._internal_failure(self.where, exc)  # noqa: SLF001 - the guard must not take the run down
+        self.guard._internal_failure(self.where, exc)  # the guard must not take the run down
         return True
