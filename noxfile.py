@@ -132,3 +132,30 @@ def openrlhf(session: nox.Session) -> None:
     _install(session, "openrlhf", OPENRLHF, no_deps=True)
     _relock(session, "openrlhf")
     _pytest(session, "tests/adapters/openrlhf")
+
+
+# -- drift: the newest releases, outside CI's pass/fail (nox -s latest latest_verl) --------------------------------
+LATEST_ENV = {"RL_GUARD_ALLOW_UNTESTED": "1"}  # attach outside the tested ranges; every seam is still verified
+
+
+@nox.session(python=PYTHON, default=False)
+def latest(session: nox.Session) -> None:
+    """The newest trl, transformers, accelerate, deepspeed, openrlhf and areal against the adapters' tests."""
+    args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
+    session.install(*args, "--upgrade", "-e", ".[dev]", "setuptools", "wheel", "trl", "transformers", "accelerate")
+    session.install(*args, "--upgrade", "--no-deps", "openrlhf", "areal")
+    session.install(*args, "--upgrade", "--no-build-isolation", "deepspeed", env={"DS_BUILD_OPS": "0"})
+    session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/adapters", "tests/engines",
+                *(f"--ignore={suite}" for suite in FRAMEWORK_SUITES), *session.posargs,
+                env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV})
+
+
+@nox.session(python=PYTHON, default=False)
+def latest_verl(session: nox.Session) -> None:
+    """The newest verl against its adapter's tests."""
+    args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
+    session.install(*args, "--upgrade", "-e", ".", "verl", "uvicorn", "fastapi", *TEST_TOOLS)
+    session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/adapters/verl", *session.posargs,
+                env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV})

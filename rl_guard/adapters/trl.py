@@ -1,6 +1,7 @@
 """TRL / transformers adapter: ``GRPOTrainer(..., callbacks=[RLGuardCallback("configs/grpo.yaml")])``.
 
-Supported: trl >= 1.0, < 2 (matched against 1.16.0) and transformers >= 5.0, < 6 (matched against 5.24.0).
+Tested: trl >= 1.16, < 1.17 and transformers >= 5.25, < 5.26 (``trl_seams.TESTED``); every seam below is verified at
+attach (``trl_seams.check_seams``), so a release that changed one fails there with an error naming it.
 
 A ``TrainerCallback`` gets no trainer object, so ``on_train_begin`` finds the trainer calling it (the frame whose
 ``callback_handler`` holds this callback) and wraps methods of that instance only. Each wrapper calls the
@@ -21,9 +22,9 @@ events ``on_pre_optimizer_step`` / ``on_step_end``; ``state.global_step``. A pla
 ``rl_guard/grad/norm`` is the pre-clip norm the trainer computed (what TRL logs as ``grad_norm``); the gradients
 the guard reads are already clipped, and their norm is ``grad/norm_postclip``. The guard's update probe
 (``rl_guard/stats/update.py``) measures every optimizer step between ``on_pre_optimizer_step`` (``check``) and
-``on_step_end`` (``step_done``). Step numbers the guard writes (incidents, ``metrics.jsonl``, checkpoints, console) are the
-trainer's ``global_step`` after the step, the x-axis of every ``report_to`` backend. At attach the adapter reports
-which rules can fire in the trainer's configuration (``trl_coverage.py``).
+``on_step_end`` (``step_done``). Step numbers the guard writes (incidents, ``metrics.jsonl``, checkpoints, console)
+are the trainer's ``global_step`` after the step, the x-axis of every ``report_to`` backend. At attach the adapter
+reports which rules can fire in the trainer's configuration (``trl_coverage.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import inspect
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback
@@ -43,29 +45,15 @@ from ..run_dirs import fresh_run_dir
 from ..sinks.printed import for_printing, printed_keys
 from ..stats.on_device import host_to_device
 from .trl_checkpoints import checkpoints_before, load_guard_state, resume_checkpoint, save_guard_state
+from .trl_seams import TESTED, check_seams, check_versions, settings
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import samples_from_rewards
 
-SUPPORTED = {"trl": ((1, 0), (2, 0)), "transformers": ((5, 0), (6, 0))}
+if TYPE_CHECKING:
+    from .deepspeed import EngineGate
+
 logger = logging.getLogger("rl_guard")
-
-
-def check_versions() -> None:
-    """Fail clearly outside the supported range (trl may be absent: a plain transformers Trainer needs none)."""
-    import importlib.metadata as md
-
-    for pkg, (lo, hi) in SUPPORTED.items():
-        want = f"{pkg} >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}"
-        try:
-            version = md.version(pkg)
-        except md.PackageNotFoundError:
-            if pkg == "trl":
-                continue
-            raise md.PackageNotFoundError(f"rl_guard's TRL adapter needs {want}; {pkg} is not installed") from None
-        found = re.match(r"(\d+)\.(\d+)", version)
-        if found is None or not lo <= (int(found[1]), int(found[2])) < hi:
-            raise RuntimeError(f"rl_guard's TRL adapter supports {want}; found {pkg} {version}")
 
 
 class RLGuardCallback(TrainerCallback):
@@ -92,12 +80,16 @@ class RLGuardCallback(TrainerCallback):
         self.summary: list[str] = []
         self.resumed_from: str | None = None
         self._told: set = set()
-        self.trainer, self._originals = None, {}
+        self.trainer: Any = None  # the Trainer whose callback this is, found at train begin
+        self._originals: dict = {}
         self._in_loss, self._captured, self._preclip, self._on_policy_noted = False, None, None, False
-        self._engine_gate = None  # DeepSpeed: the decision is taken inside engine.step (adapters/deepspeed.py)
+        # DeepSpeed: the decision is taken inside engine.step (adapters/deepspeed.py)
+        self._engine_gate: EngineGate | None = None
         self.coverage: list[dict] = []
         self._eos_cache: tuple | None = None
         self._printers: list = []
+        self._seams: dict = {}
+        self._settings: dict = {}
         self._first_step: int | None = None
 
     # -- finding the trainer and wrapping its methods -----------------------------------------------------------
@@ -112,8 +104,8 @@ class RLGuardCallback(TrainerCallback):
         raise RuntimeError("RLGuardCallback could not find the Trainer calling it; pass it in `callbacks=[...]`")
 
     def _wrap(self, name: str, make) -> None:
-        original = getattr(self.trainer, name, None)
-        if original is not None:  # absent on a plain transformers Trainer
+        original = self._seams.get(name)
+        if original is not None:  # the RL seams are absent on a plain transformers Trainer (check_seams decides)
             self._originals[name] = original
             setattr(self.trainer, name, functools.wraps(original)(make(original)))
 
@@ -123,6 +115,8 @@ class RLGuardCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         self.trainer = self._find_trainer()
+        self._seams = check_seams(self.trainer)  # before anything is wrapped or written: a changed TRL fails here
+        self._settings = settings(self.trainer) if "_calculate_rewards" in self._seams else {}
         self._start_records(args, state)
         self.guard.attach(model, optimizer, lr_scheduler)
         self._align_steps(state)
@@ -152,7 +146,7 @@ class RLGuardCallback(TrainerCallback):
         if checkpoint is not None:
             self.resumed_from = checkpoint
             saved = load_guard_state(self.guard, checkpoint)
-        if saved is not None:
+        if checkpoint is not None and saved is not None:
             if not self._run_dir_given and Path(saved.get("run_dir") or default) != self.guard.run_dir:
                 self.guard.use_run_dir(saved.get("run_dir") or default)
             self._announce_resume(checkpoint, saved, args)
@@ -177,7 +171,8 @@ class RLGuardCallback(TrainerCallback):
         stop = saved.get("stopped")
         if stop is not None:
             earlier = checkpoints_before(args.output_dir, stop["step"])
-            healthy = f"the newest checkpoint from before it is {earlier[-1]}" if earlier else                 "no checkpoint from before it is in output_dir"
+            healthy = (f"the newest checkpoint from before it is {earlier[-1]}" if earlier
+                       else "no checkpoint from before it is in output_dir")
             line += (f"\n  WARNING: this checkpoint was saved when rule {stop['rule']} stopped the run at step "
                      f"{stop['step']} ({stop['message']}): it holds "
                      f"the state the fault left; {healthy}. A fault still present is acted on at the first resumed "
@@ -272,25 +267,32 @@ class RLGuardCallback(TrainerCallback):
         return wrapper
 
     def _wrap_loss(self, original):
-        def wrapper(model, inputs, *args, **kwargs):
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
             self._in_loss, self._captured = True, None
             try:
-                out = original(model, inputs, *args, **kwargs)
+                out = original(*args, **kwargs)
             finally:
                 self._in_loss = False
-            loss = out[0] if isinstance(out, tuple) else out
-            if model.training:
-                with self.guard.protect("observe (TRL inputs)"):  # a renamed TRL key must not kill training
-                    self.guard.observe(self._token_batch(inputs), loss=loss.detach())
+            with self.guard.protect("observe (TRL inputs)"):  # a renamed TRL key must not kill training
+                named = signature.bind(*args, **kwargs).arguments
+                if named["model"].training:
+                    loss = out[0] if isinstance(out, tuple) else out
+                    self.guard.observe(self._token_batch(named["inputs"]), loss=loss.detach())
             return out
         return wrapper
 
     def _wrap_rewards(self, original):
-        def wrapper(inputs, prompts, completions, completion_ids_list, *args, **kwargs):
-            per_func = original(inputs, prompts, completions, completion_ids_list, *args, **kwargs)
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            per_func = original(*args, **kwargs)
             if self.trainer.model.training:
                 with self.guard.protect("observe (TRL rewards)"):
-                    self._observe_rewards(per_func, prompts, completions, completion_ids_list)
+                    named = signature.bind(*args, **kwargs).arguments
+                    self._observe_rewards(per_func, named["prompts"], named["completions"],
+                                          named["completion_ids_list"])
             return per_func
         return wrapper
 
@@ -300,7 +302,8 @@ class RLGuardCallback(TrainerCallback):
         # function's None is known), the (host-side) diagnostics the whole batch, identically on every rank.
         start, n = self.trainer.accelerator.process_index * len(prompts), len(prompts)
         local = per_func[start:start + n]
-        none = self._nones.not_applicable(n, local.device) if self._nones is not None else torch.zeros_like(local).bool()
+        none = (self._nones.not_applicable(n, local.device) if self._nones is not None
+                else torch.zeros_like(local).bool())
         # As TRL, a None adds nothing; unlike TRL's nansum, a NaN a function really returned stays visible.
         self.guard.observe_sequences(rewards=applicable_total(local, weights, none))
         # On one process the whole batch is local and its Nones are known; across processes only this rank's are.
@@ -315,10 +318,14 @@ class RLGuardCallback(TrainerCallback):
         return wrapper
 
     def _wrap_log(self, original):
-        def wrapper(logs, *args, **kwargs):
-            if "loss" in logs:  # training logs only; every report_to backend then receives rl_guard/* too
-                logs.update(self.guard.last_logged)
-            return original(logs, *args, **kwargs)
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            with self.guard.protect("log"):
+                logs = signature.bind(*args, **kwargs).arguments["logs"]
+                if "loss" in logs:  # training logs only; every report_to backend then receives rl_guard/* too
+                    logs.update(self.guard.last_logged)
+            return original(*args, **kwargs)
         return wrapper
 
     # -- translating TRL tensors --------------------------------------------------------------------------------
@@ -354,9 +361,9 @@ class RLGuardCallback(TrainerCallback):
             ref_logprobs=inputs.get("ref_per_token_logps"), entropy=None if entropies is None else entropies.detach(),
             advantages=inputs["advantages"], lengths=inputs["completion_mask"].sum(1), truncated=truncated,
             eps_low=float(t.epsilon_low), eps_high=float(t.epsilon_high),
-            clipped_loss=getattr(t, "loss_type", "dapo") in PPO_CLIP_LOSSES,
-            importance_sampling_level=getattr(t, "importance_sampling_level", "token"),
-            allow_empty_mask=bool(getattr(t, "mask_truncated_completions", False)),
+            clipped_loss=self._settings["loss_type"] in PPO_CLIP_LOSSES,
+            importance_sampling_level=self._settings["importance_sampling_level"],
+            allow_empty_mask=bool(t.mask_truncated_completions),
         )
 
     def _eos_ids(self, ids, device) -> torch.Tensor:

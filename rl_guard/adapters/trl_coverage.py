@@ -32,11 +32,10 @@ def trainer_configuration(trainer) -> dict:
            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
            "max_grad_norm": float(args.max_grad_norm or 0.0)}
     if grpo:
+        from .trl_seams import settings  # verified at attach (check_seams): no default stands in for a value
+
         cfg.update(num_iterations=int(trainer.num_iterations), steps_per_generation=int(args.steps_per_generation),
-                   beta=float(trainer.beta), use_vllm=bool(getattr(trainer, "use_vllm", False)),
-                   vllm_importance_sampling_correction=bool(getattr(trainer, "vllm_importance_sampling_correction", False)),
-                   loss_type=str(getattr(trainer, "loss_type", "dapo")),
-                   importance_sampling_level=str(getattr(trainer, "importance_sampling_level", "token")))
+                   beta=float(trainer.beta), use_vllm=bool(trainer.use_vllm), **settings(trainer))
     return cfg
 
 
