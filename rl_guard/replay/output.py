@@ -25,7 +25,8 @@ def lines(result: Replay, config_name: str) -> list[str]:
         if not inp.has_input:
             status = "NO INPUT in this history (it cannot fire)"
         elif steps_fired:
-            status = f"fired {len(steps_fired)}x at step{'s' if len(steps_fired) > 1 else ''} {step_ranges(steps_fired)}"
+            plural = "s" if len(steps_fired) > 1 else ""
+            status = f"fired {len(steps_fired)}x at step{plural} {step_ranges(steps_fired)}"
             if escalated:  # no trusted snapshot yet, max_rollbacks or max_consecutive_skips spent
                 status += f" (escalated to checkpoint_and_halt at {step_ranges(escalated)})"
         else:
@@ -66,7 +67,6 @@ def write_report(result: Replay, out_dir, config_name: str, dpi: int = 110) -> d
     res = render_report(out, out, dpi=dpi)
     md = Path(res["markdown"])
     text = md.read_text(encoding="utf-8").split("\n")
-    text.insert(2, f"- replayed: every incident here is what `{config_name}` would have done on `{source}` "
-                   "(`rl-guard replay`); none of it happened live")
+    text.insert(2, f"- rules replayed: `{config_name}` (the incidents below are marked replayed)")
     md.write_text("\n".join(text), encoding="utf-8")
     return res

@@ -23,16 +23,20 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "kl": ("kl_old", "kl_ref"),
     "clip": ("clip",),
     "grad": ("grad",),
+    "optim": ("lr", "update"),
     "lag": ("lag",),
     "rollout": ("reward", "length", "truncated"),
 }
-OVERVIEW = ("ratio", "entropy", "kl_old", "kl_ref", "clip", "grad", "reward", "truncated", "lag")
+# Panels constant by design in a run (panels.BY_DESIGN) are left out of the overview; their own figure shows them
+# labelled "constant by design in this run (value X)", and report.md says which.
+OVERVIEW = ("ratio", "entropy", "kl_old", "kl_ref", "clip", "grad", "lr", "update", "reward", "truncated", "lag")
 FIGURE_TITLES = {
     "ratio": "Importance ratios: bands p01-p99 / p25-p75, line p50, dots max/min",
     "entropy": "Token entropy: bands p01-p99 / p25-p75, line p50, dots max/min",
     "kl": "KL divergence (k3 estimator)",
     "clip": "PPO clipping",
     "grad": "Gradient norm",
+    "optim": "Learning rate and update size",
     "lag": "Policy lag of training tokens",
     "rollout": "Rollouts: reward, length, truncation",
     "overview": "Overview",
@@ -66,8 +70,9 @@ def _x_range(run: RunData) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
-def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int = 1, width: float = 11.0):
-    names = [n for n in names if panels.available(n, run)]
+def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int = 1, width: float = 11.0,
+           left_out: tuple[str, ...] = ()):
+    names = [n for n in names if panels.available(n, run) and n not in left_out]
     if not names:
         return None
     ncols = min(ncols, len(names))
@@ -83,8 +88,8 @@ def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int 
     xlim = _x_range(run)
     drawn = []
     for ax, name in zip(axes, names):
-        if panels.draw_panel(ax, name, run):
-            ax.set_xlim(*xlim)  # same steps under each other in every panel (cheaper than sharex)
+        # The same x range in every panel, so steps line up (cheaper than sharex); set before the incident labels.
+        if panels.draw_panel(ax, name, run, xlim, compact=ncols > 1):
             drawn.append(ax)
         else:
             ax.set_visible(False)
@@ -99,9 +104,15 @@ def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int 
             ax.tick_params(labelbottom=False)
         else:
             ax.set_xlabel("step", fontsize=9)
+    if left_out:
+        title += " (left out, constant by design: " + ", ".join(
+            f"{n} = {panels.constant_value(n, run):g}" for n in left_out) + ")"
     fig.suptitle(f"{title} - {run.run_dir.name or run.run_dir}", fontsize=12, x=0.01, y=1 - 0.08 / height,
                  ha="left", va="top")
     style.action_legend(fig, run)
+    if any(getattr(ax, "rl_guard_hidden_labels", 0) for ax in drawn):
+        fig.text(0.995, 0.005, "some incident labels had no room in a panel; report.md lists every incident",
+                 ha="right", va="bottom", fontsize=7, color="#555555", gid="incident_labels_hidden")
     return fig
 
 
@@ -109,7 +120,8 @@ def render_report(run_dir, out_dir=None, *, keep_figures: bool = False, dpi: int
     """Write PNG plots and ``report.md`` for `run_dir` (default output: ``run_dir/report/``).
 
     Returns ``{"run_dir", "out_dir", "plots": {name: path}, "skipped": [figure names without data],
-    "markdown": path, "steps": n_steps, "incidents": n_incidents}``, plus ``"figures": {name: Figure}`` when
+    "panels": {panel: (status, value)} (``panels.status``), "markdown": path, "steps": n_steps,
+    "incidents": n_incidents}``, plus ``"figures": {name: Figure}`` when
     `keep_figures` (for inspection/tests; the figures are otherwise released after saving).
     Raises ``ReportDependencyError`` (an ImportError) naming the ``rl-guard[report]`` extra if matplotlib is
     missing, ``FileNotFoundError`` if `run_dir` holds neither metrics.jsonl nor incidents.jsonl.
@@ -121,11 +133,14 @@ def render_report(run_dir, out_dir=None, *, keep_figures: bool = False, dpi: int
     plots: dict[str, str] = {}
     figures = {}
     skipped = []
-    specs = [(name, FIGURES[name], FIGURE_TITLES[name], 1, 11.0) for name in FIGURES]
-    specs.append(("overview", OVERVIEW, FIGURE_TITLES["overview"], 2, 16.0))
-    for name, panel_names, title, ncols, width in specs:
+    status = {name: panels.status(name, run) for name in panels.PANELS}
+    flat = tuple(n for n in OVERVIEW if status[n][0] == "constant by design")
+    specs: list[tuple[str, tuple[str, ...], str, int, float, tuple[str, ...]]] = [
+        (name, FIGURES[name], FIGURE_TITLES[name], 1, 11.0, ()) for name in FIGURES]
+    specs.append(("overview", OVERVIEW, FIGURE_TITLES["overview"], 2, 16.0, flat))
+    for name, panel_names, title, ncols, width, left_out in specs:
         path = out / f"{name}.png"
-        fig = _build(Figure, FigureCanvasAgg, run, panel_names, title, ncols, width)
+        fig = _build(Figure, FigureCanvasAgg, run, panel_names, title, ncols, width, left_out)
         if fig is None:
             skipped.append(name)
             path.unlink(missing_ok=True)  # a stale plot from an earlier report would contradict report.md
@@ -134,8 +149,8 @@ def render_report(run_dir, out_dir=None, *, keep_figures: bool = False, dpi: int
         plots[name] = str(path)
         if keep_figures:
             figures[name] = fig
-    md = write_markdown(run, out / "report.md", plots)
-    result = {"run_dir": str(run.run_dir), "out_dir": str(out), "plots": plots, "skipped": skipped,
+    md = write_markdown(run, out / "report.md", plots, status)
+    result = {"run_dir": str(run.run_dir), "out_dir": str(out), "plots": plots, "skipped": skipped, "panels": status,
               "markdown": str(md), "steps": int(len(run.steps)), "incidents": len(run.incidents)}
     if keep_figures:
         result["figures"] = figures

@@ -36,33 +36,28 @@ def action_color(action: str) -> str:
     return ACTION_COLORS.get(action, OTHER_COLOR)
 
 
-def incidents_by_step(run: RunData) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = defaultdict(set)
-    for rec in run.incidents:
-        if isinstance(rec.get("step"), (int, float)) and np.isfinite(rec["step"]):
-            out[int(rec["step"])].add(str(rec.get("action")))
-    return dict(out)
-
-
 DENSE = 100  # more marked steps than this for one action: full-height lines would paint the panel over
 
 
 def mark_incidents(ax, run: RunData) -> None:
     """Vertical lines at the steps where rules fired, one collection per action (cheap to draw even with a
     warning on every step). Warnings are thin and dotted: they are often frequent and must not hide the data;
-    actions that changed the run are solid and drawn on top. An action with more than DENSE marked steps is drawn
-    as a rug of short ticks along the top edge instead, so the data under it stays visible."""
-    steps_of: dict[str, list[int]] = defaultdict(list)
-    for step, actions in sorted(incidents_by_step(run).items()):
-        for action in actions:
-            steps_of[action].append(step)
-    for action in sorted(steps_of, key=action_rank):
-        mild, dense = action == "warn", len(steps_of[action]) > DENSE
+    actions that changed the run are solid and drawn on top; replayed incidents (``rl-guard replay``: nothing
+    happened live) are dashed, gid ``incident:<action>:replayed``. An action with more than DENSE marked steps is
+    drawn as a rug of short ticks along the top edge instead, so the data under it stays visible."""
+    steps_of: dict[tuple[str, bool], set[int]] = defaultdict(set)
+    for rec in run.incidents:
+        if isinstance(rec.get("step"), (int, float)) and np.isfinite(rec["step"]):
+            steps_of[(str(rec.get("action")), bool(rec.get("replayed")))].add(int(rec["step"]))
+    for action, replayed in sorted(steps_of, key=lambda k: (action_rank(k[0]), k[1])):
+        steps = sorted(steps_of[(action, replayed)])
+        mild, dense = action == "warn", len(steps) > DENSE
+        style = "--" if replayed and not dense else ("-" if dense or not mild else ":")
         # y in axes coordinates: full height whatever the scale, and the y autoscaling is left alone.
-        ax.vlines(steps_of[action], 0.96 if dense else 0.0, 1.0, transform=ax.get_xaxis_transform(),
-                  colors=action_color(action), linewidths=1.0 if mild else 1.8,
-                  linestyles="-" if dense or not mild else ":", alpha=0.6 if mild else 0.9,
-                  zorder=1.5 + action_rank(action) * 0.1, gid=f"incident:{action}")
+        ax.vlines(steps, 0.96 if dense else 0.0, 1.0, transform=ax.get_xaxis_transform(),
+                  colors=action_color(action), linewidths=1.0 if mild else 1.8, linestyles=style,
+                  alpha=0.6 if mild else 0.9, zorder=1.5 + action_rank(action) * 0.1,
+                  gid=f"incident:{action}" + (":replayed" if replayed else ""))
 
 
 def mark_nonfinite(ax, steps: np.ndarray, values: np.ndarray) -> int:
@@ -191,16 +186,27 @@ def readable_log_ticks(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(minor))
 
 
-def _legend_counts(run: RunData) -> dict[str, int]:
-    counts: dict[str, int] = defaultdict(int)
+def _legend_counts(run: RunData) -> dict[tuple[str, str], int]:
+    """(action taken, "live" / "shadow" / "replayed") -> incidents."""
+    from .incidents import kind
+
+    counts: dict[tuple[str, str], int] = defaultdict(int)
     for rec in run.incidents:
-        counts[str(rec.get("action"))] += 1
+        counts[(str(rec.get("action")), kind(rec))] += 1
     return counts
+
+
+LEGEND_PREFIX = {"live": "rule fired", "shadow": "shadow mode, rule fired", "replayed": "replayed"}
+
+
+def _restores(run: RunData) -> bool:
+    return any(r.get("restored_to_step") is not None or r.get("would_restore_to_step") is not None
+               for r in run.incidents)
 
 
 def legend_rows(run: RunData, width: float) -> int:
     """Rows the figure legend will need (an upper bound: the non-finite entry is always counted)."""
-    entries = max(1, len(_legend_counts(run)) + (1 if run.nonfinite() else 0))
+    entries = max(1, len(_legend_counts(run)) + (1 if run.nonfinite() else 0) + (1 if _restores(run) else 0))
     return -(-entries // legend_cols(width))
 
 
@@ -213,12 +219,16 @@ def action_legend(fig, run: RunData) -> None:
     from matplotlib.lines import Line2D
 
     counts = _legend_counts(run)
-    handles = [Line2D([], [], color=action_color(a), lw=1.0 if a == "warn" else 1.8, ls=":" if a == "warn" else "-",
-                      label=f"rule fired -> {a} ({counts[a]})")
-               for a in sorted(counts, key=lambda a: (action_rank(a), a))]
+    handles = [Line2D([], [], color=action_color(a), lw=1.0 if a == "warn" else 1.8,
+                      ls="--" if k == "replayed" else (":" if a == "warn" else "-"),
+                      label=f"{LEGEND_PREFIX[k]} -> {a} ({counts[a, k]})")
+               for a, k in sorted(counts, key=lambda k: (action_rank(k[0]), k[0], k[1]))]
     if any(line.get_gid() == "nonfinite" for ax in fig.axes for line in ax.lines):
         handles.append(Line2D([], [], ls="none", marker="x", ms=8, mew=2, color=NONFINITE_COLOR,
                               label="non-finite value (drawn at the edge)"))
+    if _restores(run):  # labels.mark_rollbacks
+        handles.append(Line2D([], [], color=action_color("rollback"), lw=1.4, marker="<", ms=6,
+                              label="arrow: back to the step a rollback restored"))
     if not handles:
         handles.append(Line2D([], [], color="none", label="no rule fired"))
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pathlib
 from collections import Counter, defaultdict
 
+from . import incidents as describe
 from .data import RunData
+from .panels import BY_DESIGN, CAVEAT
 from .style import action_rank
 
 PLOT_TITLES = {
@@ -15,6 +17,7 @@ PLOT_TITLES = {
     "kl": "KL to rollout and reference policy",
     "clip": "Clip fractions",
     "grad": "Gradient norm and spikes",
+    "optim": "Learning rate and update size",
     "lag": "Policy-lag shares",
     "rollout": "Reward, length, truncation",
 }
@@ -45,7 +48,10 @@ def _step(rec: dict):
     return int(s) if isinstance(s, (int, float)) and s == s and abs(s) != float("inf") else None
 
 
-def summary_lines(run: RunData, plots: dict[str, str]) -> list[str]:
+MAX_ROWS = 500  # incident table rows; a run warning every step for days would make report.md unreadable
+
+
+def summary_lines(run: RunData, plots: dict[str, str], panels: dict[str, tuple] | None = None) -> list[str]:
     name = run.run_dir.name or str(run.run_dir)
     inc = run.incidents
     steps = [s for s in (_step(r) for r in inc) if s is not None]
@@ -59,6 +65,15 @@ def summary_lines(run: RunData, plots: dict[str, str]) -> list[str]:
                                                    if steps else ""))
     else:
         lines.append("- incidents: 0 (no rule fired)")
+    kinds = Counter(describe.kind(r) for r in inc)
+    if kinds["replayed"]:
+        sources = sorted({str(r["source"]) for r in inc if r.get("replayed") and r.get("source")})
+        lines.append(f"- replayed incidents: {kinds['replayed']} (`rl-guard replay`"
+                     + (" of " + ", ".join(f"`{s}`" for s in sources) if sources else "")
+                     + ": what the rules would have done on that history; none of it happened live)")
+    if kinds["shadow"]:
+        lines.append(f"- shadow-mode incidents: {kinds['shadow']} (`mode: shadow`: the guard only warned; the "
+                     "action column says what it would have done)")
     bad = run.nonfinite()
     if bad:
         lines.append("- non-finite values: " + "; ".join(
@@ -66,12 +81,54 @@ def summary_lines(run: RunData, plots: dict[str, str]) -> list[str]:
     if "overview" in plots:
         lines += ["", f"![overview]({pathlib.Path(plots['overview']).name})"]
     if inc:
+        lines += _incident_rows(inc)
         lines += _incident_tables(inc)
         lines += _checkpoints(run)
+    if panels:
+        lines += _panel_lines(panels)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"- [{PLOT_TITLES.get(k, k)}]({pathlib.Path(p).name})" for k, p in plots.items()]
     return lines + [""]
+
+
+def _incident_rows(inc: list[dict]) -> list[str]:
+    """One row per incident: what fired, on which value, what the guard did, and where it went back to."""
+    lines = ["", "## Incidents", "",
+             "One row per incident, by step. *restored to / checkpoint*: the step whose state a rollback restored "
+             "(the run went on from the weights it had before that step), or the checkpoint written.", "",
+             "| step | rule | metric | value | condition | action | restored to / checkpoint |",
+             "|---:|---|---|---:|---|---|---|"]
+    for r in inc[:MAX_ROWS]:
+        step = _step(r)
+        lines.append(f"| {'-' if step is None else step} | {_cell(r.get('rule'))} | `{_cell(r.get('metric'))}` | "
+                     f"{_cell(describe.number(r.get('value')))} | {_cell(describe.condition(r))} | "
+                     f"{_cell(describe.action(r))} | {_cell(describe.outcome(r))} |")
+    if len(inc) > MAX_ROWS:
+        lines.append(f"\n{len(inc) - MAX_ROWS} more incidents after step {_step(inc[MAX_ROWS - 1])}: see "
+                     "incidents.jsonl (the per-rule tables below count them all)")
+    return lines
+
+
+def _panel_lines(panels: dict[str, tuple]) -> list[str]:
+    """Which panels are drawn, which are constant (and where they went), which had no data."""
+    by = defaultdict(list)
+    for name, (status, value) in panels.items():
+        by[status].append((name, value))
+    lines = ["", "## Panels", ""]
+    if by["drawn"]:
+        lines.append("- drawn: " + ", ".join(f"`{n}`" for n, _ in by["drawn"]))
+    if by["constant by design"]:
+        lines.append("- constant by design in this run: left out of overview.png, drawn in their own figure "
+                     "labelled \"constant by design in this run (value X)\":")
+        lines += [f"  - `{n}` = {v:g}: {BY_DESIGN[n]}" for n, v in by["constant by design"]]
+        lines.append(f"  {CAVEAT}")
+    if by["constant"]:
+        lines.append("- constant in this run (drawn everywhere, labelled with the value): "
+                     + ", ".join(f"`{n}` = {v:g}" for n, v in by["constant"]))
+    if by["no data"]:
+        lines.append("- no data in this run (left out): " + ", ".join(f"`{n}`" for n, _ in by["no data"]))
+    return lines
 
 
 def _incident_tables(inc: list[dict]) -> list[str]:
@@ -128,7 +185,8 @@ def _same_or_parent(entry: pathlib.Path, ref: pathlib.Path) -> bool:
     return entry == ref or entry in ref.parents
 
 
-def write_markdown(run: RunData, path: pathlib.Path, plots: dict[str, str]) -> pathlib.Path:
+def write_markdown(run: RunData, path: pathlib.Path, plots: dict[str, str],
+                   panels: dict[str, tuple] | None = None) -> pathlib.Path:
     path = pathlib.Path(path)
-    path.write_text("\n".join(summary_lines(run, plots)), encoding="utf-8")
+    path.write_text("\n".join(summary_lines(run, plots, panels)), encoding="utf-8")
     return path

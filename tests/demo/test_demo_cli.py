@@ -32,4 +32,8 @@ def test_demo_rolls_back_before_nan_and_the_report_renders(tmp_path):
                             text=True, timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]
     assert (run_dir / "report" / "overview.png").stat().st_size > 10_000
-    assert "rollback" in (run_dir / "report" / "report.md").read_text()
+    assert (run_dir / "report" / "optim.png").stat().st_size > 10_000  # learning rate and update size
+    md = (run_dir / "report" / "report.md").read_text()
+    first = incidents[0]  # why the run was rolled back, and to where: one row per incident
+    assert (f"| {first['step']} | {first['rule']} | `{first['metric']}` | ") in md
+    assert f"| rollback | restored to step {first['restored_to_step']} |" in md
