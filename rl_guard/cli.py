@@ -2,10 +2,13 @@
 
 A subcommand is a pair of functions: ``add_arguments(parser)`` declares its options and ``run(args) -> int``
 does the work and returns the exit status. To add one, write the two functions and register them in
-``COMMANDS``; ``main`` needs no change.
+``COMMANDS``; ``main`` needs no change. Every option's help ends with its default (``DefaultsFormatter``).
+
+Only the chosen subcommand's ``add_arguments`` runs, and none of them imports torch or transformers, so
+``rl-guard --help`` and ``rl-guard <command> --help`` answer at once; the work itself imports what it needs.
 
     rl-guard validate configs/grpo.yaml       # exit 0: "OK: configs/grpo.yaml (10 rules)"; 1: every error listed
-    rl-guard replay runs/demo --config runs/demo/config.yaml   # when each rule would have fired on a recorded run
+    rl-guard replay runs/demo                 # when each rule of runs/demo/config.yaml would have fired on the run
     rl-guard suggest runs/healthy --rules grpo                 # thresholds from healthy runs, evidence as comments
 """
 
@@ -13,9 +16,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
+from . import __version__
 from .errors import ConfigError
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help, unless the help already names its default, there is none
+    (None), or the option is an on/off flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0 or "default" in text.lower()
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return action.help
+        return f"{text} (default: %(default)s)".strip()
 
 
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,13 +67,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
-    from .report import add_arguments
+    from .report.cli import add_arguments
 
     add_arguments(parser)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .report import main as report_main
+    from .report.cli import main as report_main
 
     return report_main(args)
 
@@ -97,18 +113,26 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rl-guard", description="rl_guard: guardrails inside RL training.")
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``rl-guard`` parser; with `command`, only that subcommand gets its options (the others only their name
+    and help line), so parsing one command line never imports another command's modules."""
+    parser = argparse.ArgumentParser(prog="rl-guard", description="rl_guard: guardrails inside RL training.",
+                                     formatter_class=DefaultsFormatter)
+    parser.add_argument("--version", action="version", version=f"rl-guard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(p)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsFormatter)
+        if command is None or name == command:
+            add_arguments(p)
         p.set_defaults(_run=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The first word that is not an option is the subcommand (rl-guard's own options take no value).
+    command = next((a for a in argv if not a.startswith("-")), "")
+    args = build_parser(command).parse_args(argv)
     return args._run(args)
 
 

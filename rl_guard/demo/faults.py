@@ -23,9 +23,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..control.state import scale_lr
+from . import FAULTS
 
-FAULTS = ("none", "lr_blowup", "lr_ramp", "inf_grad", "nan_reward", "ratio_drift", "nan_rewards", "reward_scale",
-          "weight_noise")
 # The tiny demo model starts near-uniform, so it takes noise of a few stds to move its log-probs visibly.
 DEFAULT_FACTOR = {"lr_blowup": 100.0, "lr_ramp": 2.0, "ratio_drift": 6.0, "reward_scale": 1e6, "weight_noise": 1.0}
 

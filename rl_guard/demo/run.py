@@ -159,14 +159,15 @@ def _print_shadow(incidents: list) -> None:
 
 
 def add_arguments(ap) -> None:
-    from .faults import FAULTS
+    from . import FAULTS  # not .faults: that module loads torch, and --help should not
 
-    ap.add_argument("--fault", choices=FAULTS, default="lr_blowup", help="fault to inject (default lr_blowup)")
+    ap.add_argument("--fault", choices=FAULTS, default="lr_blowup", help="fault to inject")
     ap.add_argument("--action", choices=("rollback", "halt"), default="rollback",
                     help="what the guard does on a precursor: roll back and continue, or checkpoint and halt")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--fault-step", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-dir", default="runs/demo")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps to train")
+    ap.add_argument("--fault-step", type=int, default=12, help="the step at which the fault is injected")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
+    ap.add_argument("--run-dir", default="runs/demo",
+                    help="where the guard writes metrics.jsonl, incidents.jsonl and config.yaml")
     ap.add_argument("--shadow", action="store_true",
                     help="mode: shadow: record what the guard would have done, touch nothing (see incidents.jsonl)")

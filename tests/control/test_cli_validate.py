@@ -12,7 +12,8 @@ from rl_guard.control.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET_OK = f"OK: configs/grpo.yaml ({len(load_config(ROOT / 'configs' / 'grpo.yaml').rules)} rules)\n"
-BAD = "version: 1\nsinks: jsonl\nrules:\n  - name: a\n    metric: rl_guard/kl_ref/k3_maen\n    op: '>'\n    threshold: 1\n"
+BAD = ("version: 1\nsinks: jsonl\nrules:\n  - name: a\n    metric: rl_guard/kl_ref/k3_maen\n    op: '>'\n"
+       "    threshold: 1\n")
 
 
 @pytest.fixture
