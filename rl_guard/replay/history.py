@@ -11,6 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Fewest healthy values a condition is calibrated from by ``rl-guard suggest`` (its --min-steps). The preset's spike
+# rules judge each step against the last 50 (update_jump, entropy_spike, logprob_jump, reward_collapse,
+# length_collapse: window 50), so a shorter history has not shown the step-to-step spread those rules will see; and
+# the default quantile 0.99 of fewer than 50 values is the sample's maximum or within one value of it. Calibrated
+# from less, thresholds come out far tighter than the preset's and fire on the next healthy run: a healthy 20-step
+# demo run (rl-guard demo --fault none --steps 20) proposed robust-z limits of 0.1 (update_jump) and 1.91
+# (entropy_spike) where the preset has 20, and lr_growth > 1.5 (lr_jump) where it has 10.
+MIN_STEPS = 50
+
 ACCEPTED = ("the guard's metrics.jsonl (or its run directory)", "a transformers/TRL trainer_state.json",
             "a TensorBoard event directory (events.out.tfevents.*)", "an offline wandb run directory (run-*.wandb)")
 

@@ -10,8 +10,9 @@ For each condition of each YAML rule, the metric's values across the healthy his
   ``margin``; ``early_max``: the largest multiple of the early max, times ``margin``.
 
 Counts of non-finite values keep threshold 0 (any is a fault). Numbers are rounded to 3 significant digits away
-from the healthy values. A condition whose metric is absent, or whose detector never armed, keeps its setting and
-says why.
+from the healthy values. A condition whose metric is absent, whose detector never armed, or that has fewer than
+``min_steps`` healthy values to go on (``history.MIN_STEPS``: why 50) keeps its setting and says why: a threshold
+from a short history is far tighter than the preset's and fires on the next healthy run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import numpy as np
 import yaml
 
 from ..control.rules import Condition, _center_scale
+from .history import MIN_STEPS
+
+TOO_SHORT = "too short to calibrate from"  # in the evidence of every condition kept for want of healthy values
 
 
 @dataclass
@@ -59,11 +63,17 @@ def _healthy(values: np.ndarray) -> str:
     return f"{len(values)} healthy steps, range [{values.min():.4g}, {values.max():.4g}]"
 
 
-def _threshold(spec: dict, cond: Condition, series, q: float, margin: float) -> str:
+def _short(metric: str, n: int, what: str, min_steps: int) -> str:
+    return f"{metric}: {TOO_SHORT} ({n} {what}, fewer than --min-steps {min_steps}): kept"
+
+
+def _threshold(spec: dict, cond: Condition, series, q: float, margin: float, min_steps: int = MIN_STEPS) -> str:
     values = np.concatenate(series)
     op = spec["op"]
     if op == "nonfinite" or "nonfinite" in cond.metric:
         return f"{cond.metric}: a count of non-finite values, any is a fault: kept"
+    if len(values) < min_steps:
+        return _short(cond.metric, len(values), "healthy steps", min_steps)
     if op == "outside":
         lo, hi = float(np.quantile(values, 1 - q)), float(np.quantile(values, q))
         pad = (margin - 1) * ((hi - lo) or abs(hi) or 1e-6)
@@ -101,7 +111,7 @@ def _z_scores(values: np.ndarray, s: dict) -> list[float]:
     return out
 
 
-def _spike(spec: dict, cond: Condition, series, margin: float) -> str:
+def _spike(spec: dict, cond: Condition, series, margin: float, min_steps: int = MIN_STEPS) -> str:
     # The detector's own settings, defaults filled in as the live rule fills them.
     assert cond.spike is not None  # called for spike conditions
     s = {"window": 100, "min_history": 8, "threshold": 6.0, "factor": 10.0, "direction": "up", **cond.spike}
@@ -110,7 +120,11 @@ def _spike(spec: dict, cond: Condition, series, margin: float) -> str:
         ratios = [float(v[s["window"]:].max() / v[:s["window"]].max()) for v in series
                   if len(v) > s["window"] and v[:s["window"]].max() > 0]
         if not ratios:
-            return f"{cond.metric}: early_max never armed ({n} healthy steps, needs more than window={s['window']}): kept"
+            return (f"{cond.metric}: early_max never armed ({n} healthy steps, needs more than window={s['window']}): "
+                    "kept")
+        after = sum(max(0, len(v) - s["window"]) for v in series)  # the steps compared with the early max
+        if after < min_steps:
+            return _short(cond.metric, after, f"healthy steps after the early window of {s['window']}", min_steps)
         new = max(1.0, round_away(max(ratios) * margin, True))
         old, spec["spike"]["factor"] = s["factor"], new
         return (f"{cond.metric}: {n} healthy steps, largest multiple of the early max {max(ratios):.3g} x {margin:g} "
@@ -119,6 +133,9 @@ def _spike(spec: dict, cond: Condition, series, margin: float) -> str:
     if not z:
         return (f"{cond.metric}: {s['method']} never armed ({n} healthy steps; needs min_history={s['min_history']} "
                 "per history): kept")
+    if len(z) < min_steps:
+        return _short(cond.metric, len(z), f"scored healthy steps of {n}, after min_history={s['min_history']}",
+                      min_steps)
     worst = max(z)
     new = max(0.1, round_away(worst * margin, True))
     old, spec["spike"]["threshold"] = s["threshold"], new
@@ -126,7 +143,8 @@ def _spike(spec: dict, cond: Condition, series, margin: float) -> str:
             f"x {margin:g} -> threshold {new} (was {old:g}; it fired on {sum(x > old for x in z)} healthy steps)")
 
 
-def suggest(config, histories, quantile: float = 0.99, margin: float = 1.5) -> list[Suggestion]:
+def suggest(config, histories, quantile: float = 0.99, margin: float = 1.5,
+            min_steps: int = MIN_STEPS) -> list[Suggestion]:
     out = []
     for given in config.rules:
         rule = copy.deepcopy(given)
@@ -139,17 +157,22 @@ def suggest(config, histories, quantile: float = 0.99, margin: float = 1.5) -> l
             if not sum(len(v) for v in series):
                 evidence.append(f"{cond.metric}: not in these histories: kept")
             elif "spike" in spec:
-                evidence.append(_spike(spec, cond, series, margin))
+                evidence.append(_spike(spec, cond, series, margin, min_steps))
             else:
-                evidence.append(_threshold(spec, cond, series, quantile, margin))
+                evidence.append(_threshold(spec, cond, series, quantile, margin, min_steps))
         out.append(Suggestion(rule, evidence))
     return out
 
 
 def to_yaml(suggestions: list[Suggestion], histories, args) -> str:
-    lines = [f"# rl-guard suggest: thresholds from {len(histories)} healthy histor{'y' if len(histories) == 1 else 'ies'}"
+    plural = "y" if len(histories) == 1 else "ies"
+    lines = [f"# rl-guard suggest: thresholds from {len(histories)} healthy histor{plural}"
              f" (quantile {args.quantile:g}, margin {args.margin:g}; rules from {args.rules})"]
     lines += [f"#   {h.path}: {h.kind}, {len(h.records)} steps" for h in histories]
+    short = sum(TOO_SHORT in e for s in suggestions for e in s.evidence)
+    if short:
+        lines.append(f"# {short} condition(s) {TOO_SHORT}: fewer than {getattr(args, 'min_steps', MIN_STEPS)} healthy "
+                     "values; they keep their settings (record a longer healthy run, or lower --min-steps knowingly)")
     lines.append("rules:")
     for s in suggestions:
         lines += [f"  # {e}" for e in s.evidence]

@@ -21,7 +21,8 @@ def fault_demo(tmp_path_factory):
     from rl_guard.demo.run import run_demo
 
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    return run_demo(fault="lr_blowup", steps=20, fault_step=8, run_dir=run_dir, quiet=True, guard_yaml=quiet_demo_yaml())
+    return run_demo(fault="lr_blowup", steps=20, fault_step=8, run_dir=run_dir, quiet=True,
+                    guard_yaml=quiet_demo_yaml())
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +36,8 @@ def healthy_demo(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trl_run(tmp_path_factory):
-    """An unguarded tiny GRPO run reporting to TensorBoard and (offline) wandb; its trainer_state.json is written the way the Trainer
-    writes it into every checkpoint (``TrainerState.save_to_json``)."""
+    """An unguarded tiny GRPO run reporting to TensorBoard and (offline) wandb; its trainer_state.json is written the
+    way the Trainer writes it into every checkpoint (``TrainerState.save_to_json``)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -80,12 +81,14 @@ def grpo_pair(tmp_path_factory):
 
     def train(name: str, guard_yaml, fault: str, at_step: int, steps: int):
         injector = FaultInjector(fault, at_step=at_step)
-        callbacks = [injector] + ([RLGuardCallback(guard_yaml, run_dir=str(root / name / "guard"))] if guard_yaml else [])
+        guard = [RLGuardCallback(guard_yaml, run_dir=str(root / name / "guard"))] if guard_yaml else []
+        callbacks = [injector, *guard]
         args = GRPOConfig(output_dir=str(root / name / "out"), report_to=[], per_device_train_batch_size=8,
                           num_generations=4, max_completion_length=8, use_cpu=True, bf16=False, save_strategy="no",
                           logging_steps=1, disable_tqdm=True, seed=0, max_steps=steps, learning_rate=3e-3, beta=0.04,
                           max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
-        trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0), callbacks=callbacks,
+        trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0),
+                              callbacks=callbacks,
                               reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
         trainer.pop_callback(PrinterCallback)
         trainer.train()

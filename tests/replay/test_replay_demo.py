@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from replay_runs import incidents_key
+
 from rl_guard.cli import main
 from rl_guard.control.config import load_config
 from rl_guard.replay import load_history, replay
@@ -65,7 +65,8 @@ def test_a_stricter_config_fires_earlier_and_escalates_without_snapshots(fault_d
     """Calibration is the point: the same history under other settings. With no healthy snapshot old enough the
     rollback escalates to checkpoint_and_halt, and the run would have stopped there."""
     run = fault_demo.run_dir
-    strict = ("rules:\n  - {name: kl_tight, metric: rl_guard/kl_old/k3_mean, op: '>', threshold: 0.0, action: rollback}\n"
+    strict = ("rules:\n"
+              "  - {name: kl_tight, metric: rl_guard/kl_old/k3_mean, op: '>', threshold: 0.0, action: rollback}\n"
               "snapshots: {healthy_steps: 1000}\n")
     result = replay(load_history(run), load_config(strict))
     kl = [r["rl_guard/kl_old/k3_mean"] for r in load_history(run).records]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from bitwise import assert_same
 from replay_runs import quiet_demo_yaml
+
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
 from rl_guard.sinks.jsonl import read_jsonl
@@ -74,6 +74,7 @@ def test_shadow_in_the_plain_pytorch_recipe_is_bitwise_the_unguarded_run_at_ever
     from pathlib import Path
 
     from file_modules import load_module
+
     from rl_guard import Guard
 
     root = Path(__file__).resolve().parents[2]

@@ -1,5 +1,8 @@
 """``rl-guard suggest`` on a real healthy run: the numbers follow the stated recipe, the YAML loads, and the spike
-settings it proposes are exactly the ones the live detectors would have stayed silent under."""
+settings it proposes are exactly the ones the live detectors would have stayed silent under.
+
+The demo runs here are 20-30 steps, shorter than the default --min-steps (50, ``history.MIN_STEPS``): the recipe
+is checked with ``min_steps=1``; refusing a short history is checked in tests/test_cli.py, and on the real run below."""
 
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def _fired(history, rules) -> dict[str, list[int]]:
 
 def test_thresholds_follow_the_quantile_and_margin(healthy_demo):
     history = load_history(healthy_demo.run_dir)
-    got = {s.rule["name"]: s for s in suggest(load_config(RULES), [history], quantile=0.99, margin=1.5)}
+    got = {s.rule["name"]: s for s in suggest(load_config(RULES), [history], quantile=0.99, margin=1.5, min_steps=1)}
     col = lambda m: np.array([r[m] for r in history.records if m in r], dtype=np.float64)  # noqa: E731
     clip, ent, p50 = col("rl_guard/clip/region_frac"), col("rl_guard/entropy/mean"), col("rl_guard/ratio/p50")
     assert got["clip_high"].rule["threshold"] == round_away(float(np.quantile(clip, 0.99)) * 1.5, True)
@@ -69,7 +72,7 @@ def test_spike_suggestions_are_the_live_detectors_edge_of_silence(healthy_demo):
     config = load_config(RULES)
     assert _fired(history, [r for r in config.rules if r["name"] in ("entropy_jump", "kl_rise", "grad_vs_early")]) \
         != {"entropy_jump": [], "kl_rise": [], "grad_vs_early": []}  # the tight settings do fire on this run
-    suggested = {s.rule["name"]: s for s in suggest(config, [history], quantile=1.0, margin=1.0)}
+    suggested = {s.rule["name"]: s for s in suggest(config, [history], quantile=1.0, margin=1.0, min_steps=1)}
     for name, key in (("entropy_jump", "threshold"), ("kl_rise", "threshold"), ("grad_vs_early", "factor")):
         rule = suggested[name].rule
         fired = _fired(history, [rule])
@@ -85,7 +88,8 @@ def test_spike_suggestions_are_the_live_detectors_edge_of_silence(healthy_demo):
 
 def test_quantile_one_is_silent_on_the_healthy_run_and_the_yaml_loads(healthy_demo, capsys):
     run = healthy_demo.run_dir
-    assert main(["suggest", str(run), "--rules", str(run / "config.yaml"), "--quantile", "1", "--margin", "1.2"]) == 0
+    assert main(["suggest", str(run), "--rules", str(run / "config.yaml"), "--quantile", "1", "--margin", "1.2",
+                 "--min-steps", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# rl-guard suggest: thresholds from 1 healthy history (quantile 1, margin 1.2")
     config = load_config(text)  # a valid guard YAML as printed, comments and all
@@ -105,9 +109,21 @@ def test_a_history_the_guard_acted_on_is_flagged(fault_demo, healthy_demo, capsy
 
 def test_several_histories_pool_their_steps(healthy_demo, fault_demo):
     a, b = load_history(healthy_demo.run_dir), load_history(fault_demo.run_dir)
-    one = suggest(load_config(RULES), [a], quantile=1.0, margin=1.0)
-    both = suggest(load_config(RULES), [a, b], quantile=1.0, margin=1.0)
+    one = suggest(load_config(RULES), [a], quantile=1.0, margin=1.0, min_steps=1)
+    both = suggest(load_config(RULES), [a, b], quantile=1.0, margin=1.0, min_steps=1)
     clip = max(r["rl_guard/clip/region_frac"] for r in a.records + b.records)
     assert both[0].rule["threshold"] == round_away(clip, True) >= one[0].rule["threshold"]
     text = to_yaml(both, [a, b], SimpleNamespace(quantile=1.0, margin=1.0, rules="RULES"))
     assert "from 2 healthy histories" in text and str(a.path) in text and str(b.path) in text
+
+
+def test_the_30_step_demo_run_is_too_short_for_the_presets_defaults(healthy_demo, capsys):
+    """With the default --min-steps every calibratable condition of the preset keeps its setting and says why,
+    instead of limits far tighter than the preset's."""
+    run = healthy_demo.run_dir
+    assert main(["suggest", str(run), "--rules", str(run / "config.yaml")]) == 0
+    captured = capsys.readouterr()
+    assert "rl-guard suggest: warning: too short to calibrate from" in captured.err
+    preset = {r["name"]: r for r in load_config(run / "config.yaml").rules}
+    assert {r["name"]: r for r in load_config(captured.out).rules} == preset
+    assert "# rl_guard/update/rel: too short to calibrate from (" in captured.out
