@@ -69,6 +69,17 @@ GLOSSARY: dict[str, str] = {
     "update/group<i>/param_norm": "Exact ||theta|| of parameter group i (only with several groups).",
     "update/external_rel": "||theta now - theta right after the last optimizer step|| / ||theta||: weights changed "
     "outside the optimizer (a rollback is excluded). Exactly 0 in a healthy run; anything else is a bug or a fault.",
+    "update/external_changed": "Parameter tensors (shards on a sharded run, summed over ranks) whose bits changed "
+    "between the last optimizer step and this one by anything but the optimizer or a rollback, every element compared: "
+    "tensors of up to 4096 elements element by element, larger ones by an exact integer fingerprint of their memory "
+    "(stats/update.py), so a single element or a sign flip that keeps the norm counts. Exactly 0 in a healthy run.",
+    "update/rms_per_lr": "Root mean square of the last step per parameter element, over the learning rate the step "
+    "used: ||dtheta|| / sqrt(n) / lr. An Adam step moves each element by at most lr x (1 - beta1) / sqrt((1 - beta2)"
+    " (1 - beta1^2 / beta2)) whatever the gradients (7.3 at the default betas 0.9, 0.999; stats/update.py) and by ~lr "
+    "in the common case (Kingma & Ba 2015): far above that, the optimizer's state is broken. Up is trouble.",
+    "update/param_norm_change": "| ||theta_t|| - ||theta_(t-1)|| | / ||theta_(t-1)||, the exact parameter norm's "
+    "relative change since the last step's (every element; absent right after a rollback). At most update/rel plus "
+    "any change from outside the optimizer. Up is trouble.",
     "optim/lr": "Learning rate this step will use (largest over parameter groups; host float).",
     "optim/group<i>/lr": "Learning rate of parameter group i (only with several groups).",
     "optim/lr_vs_max": "Largest ratio, over groups, of this step's learning rate to the largest rate that group "

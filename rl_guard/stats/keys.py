@@ -16,7 +16,7 @@ _FIELDS = (
     "low", "high", "clip",  # clip regions, per-lag clip counts
     "microbatches", "empty_microbatches", "ranks", "nonfinite",  # tokens / loss bookkeeping
     "sq", "max_abs", "preclip_sq",  # gradients
-    "base_sq", "param_sq", "drift_sq",  # update probe (stats/update.py)
+    "base_sq", "param_sq", "drift_sq", "changed", "prev_param_sq",  # update probe (stats/update.py)
     "slots", "cells", "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/token_probes.py)
 )
 
@@ -55,6 +55,8 @@ class Family:
     base_sq: str
     param_sq: str
     drift_sq: str
+    changed: str
+    prev_param_sq: str
     slots: str
     cells: str
     cells_k3: str

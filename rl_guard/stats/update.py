@@ -20,8 +20,26 @@ squared-norm estimate is ``sqrt((kurt - 1) / m x (1 - m / n))`` with ``m`` >= ``
 = E[d^4] / E[d^2]^2`` of the update entries. Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``sample
 = 1024`` one tensor's *norm* is within ~2-3 % (one standard error), and the global norm, a sum over many tensors,
 closer still. A fault that changes only a handful of elements of a large tensor can fall outside the sample: the
-probe is for update *size*, not for locating single corrupted entries. ``||theta||`` is exact: the whole tensors
-from their copy, the larger ones from one fused multi-tensor norm.
+sample is for update *size*. ``||theta||`` is exact: the whole tensors from their copy, the larger ones from one
+fused multi-tensor norm.
+
+Integrity of every element (``update/external_changed``): beside that norm, every larger tensor gets a
+``fingerprint``, the sum modulo 2^64 of its memory read as 64-bit integers: exact integer arithmetic, the same for
+the same bits in any reduction order, and changed by any change of any one element (a sign flip that keeps the
+norm, a flipped bit, a value written over it). It is taken right after ``optimizer.step()`` and again right before
+the next one; the whole tensors are compared element by element in the sample. The count of tensors (shards) whose
+bits changed in between, by anything but the optimizer or a rollback, is 0 in a healthy run. Its cost is one
+integer sum per large tensor at each of the two points, each a read of the tensor as the norm makes (no copy, no
+host transfer). On a sharded run each rank fingerprints its shard and the counts add up like the norm's squares.
+
+Limits that need no history: ``update/rms_per_lr`` = ``||dtheta|| / sqrt(n) / lr`` (``n`` elements), the root mean
+square of the step per element in units of the learning rate. Adam moves an element by ``lr |m_hat| / (sqrt(v_hat)
++ eps)``; with ``beta1^2 < beta2``, Cauchy-Schwarz over the moments' sums bounds that by ``lr (1 - beta1) / sqrt((1 -
+beta2)(1 - beta1^2 / beta2))`` whatever the gradients: 7.3 lr at the default betas (0.9, 0.999), 2.3 lr at beta2 =
+0.99 (Kingma & Ba 2015, section 2.1, give 3.16 lr for a lone gradient and ~lr as the common case). Far above it, the
+step was not Adam's: its state is broken. ``update/param_norm_change`` =
+``| ||theta_t|| - ||theta_{t-1}|| | / ||theta_{t-1}||`` between two consecutive steps, exact (every element): at most
+``update/rel`` plus any change from outside the optimizer (triangle inequality).
 
 The samples are strided views of the live weights, built once per parameter layout (made again when a tensor
 gets new storage, e.g. ``p.data = ...``, or the parameter set changes), so taking them is one ``torch.cat`` (and
@@ -83,6 +101,8 @@ class _Layout:
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
         self.plan, self.spans, big_counts, elem_w = [], [], [], []
         big_w: list[float] = []
+        self.whole_lengths: list[list[int]] = []  # per group, the lengths of its whole tensors in vector order
+        self.count = 0.0  # elements over all tensors, merge weights applied (update/rms_per_lr divides by it)
         pos = first = 0
         for group in pairs:
             indexed = list(enumerate(group, first))
@@ -91,6 +111,8 @@ class _Layout:
             whole = [(i, t, w) for (i, (t, w)), s in zip(indexed, strides) if s is None]
             sampled = [(i, t, w, s) for (i, (t, w)), s in zip(indexed, strides) if s is not None]
             lo = pos
+            self.whole_lengths.append([t.numel() for _, t, _ in whole])
+            self.count += sum(t.numel() * w for t, w in group)
             for i, t, w in whole:
                 self.plan.append((i, 0, 1))
                 elem_w.append((w, t.numel()))
@@ -123,6 +145,10 @@ class _Layout:
         self.views: list[torch.Tensor] = []
         self.host_views: list[np.ndarray] = []  # with ``host``: numpy views of the same memory
         self.big: list[torch.Tensor] = []
+        # The element count and the whole tensors' lengths where the figures are computed (device or host).
+        self.count_value = self.count if self.host else torch.full((), self.count, dtype=F64, device=device)
+        self._whole_segments = [None if self.host or len(n) < 2 else device_vector(n, device, torch.int64)
+                                for n in self.whole_lengths]
 
     def bind(self, pairs, storage: tuple | None) -> None:
         """The sample views of these tensors (same structure): 1-D views that alias the live weights, so they are
@@ -194,6 +220,81 @@ class _Layout:
             return [sq.sum()]
         return [sq[a:b].sum() if b > a else self._zero() for a, b in self.big_spans]
 
+    def fingerprints(self):
+        """Every sampled (large) tensor's ``fingerprint``: an int64 numpy array on the host, else an int64 device
+        vector; None when there is no such tensor. Reads every element once, as the exact norm does."""
+        if not self.big:
+            return None
+        if self.host:
+            return np.array([host_fingerprint(t) for t in self.big], dtype=np.int64)
+        return torch.stack([fingerprint(t) for t in self.big])
+
+    def changed(self, now, after, fp_now, fp_after):
+        """How many tensors changed between the samples ``after`` and ``now`` (same layout): a whole tensor when any
+        of its elements differs (every element is in the sample), a large one when its fingerprint differs (every
+        element is in the fingerprint). A NaN counts as a change. A host float or a 0-d float64 device tensor."""
+        d = now != after
+        if self.host:
+            count = 0
+            for (lo, mid, _), lengths in zip(self.spans, self.whole_lengths):
+                if lengths:
+                    starts = np.cumsum([0, *lengths[:-1]])
+                    count += int(np.count_nonzero(np.add.reduceat(d[lo:mid], starts)))
+            if fp_now is not None and fp_after is not None:
+                count += int(np.count_nonzero(fp_now != fp_after))
+            return float(count)
+        parts = []
+        for (lo, mid, _), lengths, seg in zip(self.spans, self.whole_lengths, self._whole_segments):
+            if not lengths:
+                continue
+            if seg is None:  # one whole tensor in the group
+                parts.append(d[lo:mid].any().to(F64))
+            else:
+                per_tensor = torch.segment_reduce(d[lo:mid].to(F64), "max", lengths=seg, unsafe=True)
+                parts.append(per_tensor.sum())
+        if fp_now is not None and fp_after is not None:
+            parts.append((fp_now != fp_after).sum().to(F64))
+        return functools.reduce(operator.add, parts) if parts else self._zero()
+
+
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor: the sum, modulo 2^64, of the tensor's memory read as 64-bit integers (the bits of
+    8 / itemsize consecutive elements per word; a tail or an unaligned tensor element by element, each element's
+    bits as an integer). Exact integer arithmetic, so the same bits give the same value in any reduction order
+    (on any device, any number of threads), and a change of any one element, of any of its bits (a sign flip, a
+    bit flip, a value written over it) changes it: the sum moves by the change of one word, never 0 modulo 2^64.
+    Changes that cancel exactly (two elements of the same word position swapped) keep it."""
+    flat = t.detach().reshape(-1)
+    size = flat.element_size()
+    per = 8 // size if size in (1, 2, 4) else 1
+    n = flat.numel()
+    cut = n - n % per
+    total = None
+    if cut and size <= 8:
+        try:
+            total = flat[:cut].view(torch.int64).sum()
+        except RuntimeError:  # storage offset not a multiple of a word: element by element
+            cut = 0
+    if cut < n:
+        rest = flat[cut:].view(_INT[size]).sum(dtype=torch.int64)
+        total = rest if total is None else total + rest
+    return total if total is not None else torch.zeros((), dtype=torch.int64, device=t.device)
+
+
+def host_fingerprint(t: torch.Tensor) -> int:
+    """``fingerprint`` of a tensor in host memory, read in place by numpy (an int; the same value)."""
+    x = t.detach().numpy().reshape(-1)
+    size = x.itemsize
+    per = 8 // size if size in (1, 2, 4) else 1
+    cut = x.size - x.size % per
+    total = int(x[:cut].view(np.int64).sum()) if cut else 0
+    if cut < x.size:
+        total += int(x[cut:].view(f"<i{size}").astype(np.int64).sum())
+    return (total + 2**63) % 2**64 - 2**63  # the int64 the device sum wraps to
+
 
 def _keys(pairs) -> tuple[tuple, tuple | None]:
     """``(structure, storage)`` of the tensors: what the sample positions depend on (shapes, dtypes, weights,
@@ -217,6 +318,9 @@ class UpdateProbe:
         self._before: Sampled | None = None        # sampled weights (float64) right before the last optimizer step
         self._after: Sampled | None = None         # sampled weights right after it
         self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
+        self._after_fp = None  # the large tensors' fingerprints right after it (``_Layout.fingerprints``)
+        self._prev_sq = None   # exact ||theta||^2 at the last pre_step, with the layout it was measured with
+        self._prev_layout: _Layout | None = None
         self._base_sq: list | None = None  # exact ||theta_g||^2 before the last step, then the total
         self._pending: Scalars | None = None             # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
@@ -271,12 +375,17 @@ class UpdateProbe:
             self._adopt_restored(layout)
         assert layout is not None
         entries = report.sum if self._merge_sum else report.max
+        fp = layout.fingerprints()  # beside the exact norm: every element of the large tensors
         if self._after is not None and self._after_layout is layout:
             entries.append((keys.UPDATE.drift_sq, layout.total_sq(now, self._after)))
+            entries.append((keys.UPDATE.changed, layout.changed(now, self._after, fp, self._after_fp)))
         base = self._param_sq(now)
         base.append(functools.reduce(operator.add, base))  # host floats or 0-d tensors: one add per further group
         entries.extend((keys.update_group(i, "param_sq"), sq) for i, sq in enumerate(base[:-1]))
         entries.append((keys.UPDATE.param_sq, base[-1]))
+        if self._prev_sq is not None and self._prev_layout is layout:
+            entries.append((keys.UPDATE.prev_param_sq, self._prev_sq))
+        self._prev_sq, self._prev_layout = base[-1], layout
         self._base_sq, self._before = base, now
         self._last_lrs = list(lrs)
         return report.partial(layout.host, layout.device)
@@ -301,14 +410,19 @@ class UpdateProbe:
                                    torch.full((), lr, dtype=F64, device=layout.device)))
             entries.append((keys.UPDATE.sq, functools.reduce(operator.add, sq)))
             entries.append((keys.UPDATE.base_sq, self._base_sq[-1]))
+            entries.append((keys.UPDATE.count, layout.count_value))
         self._pending, self._before = report, None
         self._after, self._after_layout = after, self._layout
+        self._after_fp = self._layout.fingerprints() if self._layout is not None else None
 
     @torch.no_grad()
     def resync(self, groups: list[list[torch.Tensor]]) -> None:
-        """The weights were restored on purpose: measure later drift from here, and report no update."""
+        """The weights were restored on purpose: measure later drift from here, and report no update (nor a change
+        of the parameter norm across the restore)."""
         self._after, self._pending, self._before = self._take(groups), None, None
         self._after_layout = self._layout
+        self._after_fp = self._layout.fingerprints() if self._layout is not None else None
+        self._prev_sq = self._prev_layout = None
 
     # -- learning rates (host floats) ----------------------------------------------------------------------------
     def lr_metrics(self, lrs: list[float]) -> dict[str, float]:
@@ -351,22 +465,27 @@ class UpdateProbe:
         if self._after is not None and self._after_layout is not None:
             state["after"] = torch.as_tensor(self._after).detach().to("cpu", copy=True)
             state["after_structure"] = repr(self._after_layout.structure)
+            if self._after_fp is not None:
+                state["after_fingerprints"] = torch.as_tensor(self._after_fp).detach().to("cpu", copy=True)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self._lr_max = list(state.get("lr_max", []))
         self._lr_recent = [list(r) for r in state.get("lr_recent", [])]
         after = state.get("after")
-        self._restored = (state["after_structure"], after) if after is not None else None
+        self._restored = (state["after_structure"], after, state.get("after_fingerprints")) \
+            if after is not None else None
 
     def _adopt_restored(self, layout) -> None:
         """Take the saved sample as the reference when the parameters have the layout it was taken with."""
         assert self._restored is not None  # the caller checked
-        structure, after = self._restored
+        structure, after, fp = self._restored
         self._restored = None
         if self._after is None and repr(layout.structure) == structure:
             self._after = after.numpy() if layout.host else after.to(layout.device)
             self._after_layout = layout
+            if fp is not None:
+                self._after_fp = fp.numpy() if layout.host else fp.to(layout.device)
 
 
 def learning_rates(optimizer) -> list[float]:
@@ -388,6 +507,12 @@ def summarize_update(raw: dict) -> dict[str, float]:
         drift = f(keys.UPDATE.drift_sq)
         if drift is not None and param_sq > 0:
             out["update/external_rel"] = math.sqrt(drift / param_sq)
+        changed = f(keys.UPDATE.changed)
+        if changed is not None:
+            out["update/external_changed"] = changed
+        prev = f(keys.UPDATE.prev_param_sq)
+        if prev is not None and prev > 0:
+            out["update/param_norm_change"] = abs(math.sqrt(param_sq) - math.sqrt(prev)) / math.sqrt(prev)
     prefix = keys.UPDATE_GROUP_PREFIX
     groups = sorted({int(k[len(prefix):].split(".")[0]) for k in raw if k.startswith(prefix)})
     if len(groups) > 1:
@@ -405,6 +530,9 @@ def summarize_update(raw: dict) -> dict[str, float]:
     lr = max((x for x in lrs if x is not None and math.isfinite(x)), default=None)
     if lr and base > 0:
         out["update/rel_per_lr"] = math.sqrt(sq / base) / lr
+    count = f(keys.UPDATE.count)
+    if lr and count:
+        out["update/rms_per_lr"] = math.sqrt(sq / count) / lr
     if len(groups) > 1:
         for g in groups:
             g_sq, g_base = f(keys.update_group(g, "sq")), f(keys.update_group(g, "base_sq"))

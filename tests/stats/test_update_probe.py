@@ -219,3 +219,107 @@ def test_a_report_survives_the_weights_changing_path_between_steps(first):
     assert probe._layout.host == (first == "device")
     assert moved == pytest.approx(math.sqrt(20.0), rel=1e-6)
     assert got["rl_guard/update/norm"] == pytest.approx(moved, rel=1e-12)
+
+
+def _adam_steps(groups, opt, probe, lrs, n=1, seed=0):
+    """``n`` optimizer steps framed by the probe as a trainer frames them; the metrics of the next pre_step."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        probe.pre_step(groups, lrs)
+        for g in groups:
+            for p in g:
+                p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        probe.post_step(groups)
+
+
+@pytest.mark.parametrize("corrupt", ["value", "sign", "bit", "tiny"])
+@pytest.mark.parametrize("where", ["large", "whole"])
+def test_every_element_is_covered_by_the_integrity_count(corrupt, where):
+    """One element changed between two steps, at a position the sample skips (large tensor) or in a tensor taken
+    whole: counted, whatever the change, including a sign flip that keeps the norm."""
+    groups = _model(big=200_000)
+    opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1)
+    probe = UpdateProbe(sample=1024)
+    _adam_steps(groups, opt, probe, [0.1, 0.1])
+    target = groups[0][0] if where == "large" else groups[0][1]
+    flat = target.detach().view(-1)
+    i = 1 if where == "large" else 4
+    if where == "large":  # a position outside the strided sample
+        s = stride_for(flat.numel(), 1024)
+        i = next(k for k in range(1, s) if k % s != probe._layout.plan[-1][1] % s)
+    with torch.no_grad():
+        if corrupt == "value":
+            flat[i] = 1e30
+        elif corrupt == "sign":
+            flat[i] = -flat[i]
+        elif corrupt == "bit":  # the lowest mantissa bit
+            flat[i:i + 1].view(torch.int32).bitwise_xor_(1)
+        else:
+            flat[i] = flat[i] + 1e-7 * abs(float(flat[i]))
+    got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
+    assert got["rl_guard/update/external_changed"] == 1.0
+    if where == "large" and corrupt == "sign":
+        assert got["rl_guard/update/external_rel"] == 0.0  # the sample missed it: the fingerprint did not
+    if corrupt == "value":
+        assert got["rl_guard/update/param_norm_change"] > 1e20
+
+
+def test_integrity_count_is_zero_across_healthy_steps_and_a_restore():
+    groups = _model(big=200_000)
+    opt = torch.optim.Adam([{"params": groups[0]}, {"params": groups[1]}], lr=1e-3)
+    probe = UpdateProbe(sample=1024)
+    saved = [[p.detach().clone() for p in g] for g in groups]
+    for step in range(4):
+        got = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))
+        if step:
+            assert got["rl_guard/update/external_changed"] == 0.0
+        for g in groups:
+            for p in g:
+                p.grad = torch.randn_like(p)
+        opt.step()
+        probe.post_step(groups)
+    with torch.no_grad():  # a rollback: the weights restored on purpose
+        for g, s in zip(groups, saved):
+            for p, x in zip(g, s):
+                p.copy_(x)
+    probe.resync(groups)
+    got = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))
+    assert got["rl_guard/update/external_changed"] == 0.0
+    assert "rl_guard/update/param_norm_change" not in got  # not measured across the restore
+
+
+def test_integrity_fingerprints_survive_a_checkpoint():
+    groups = _model(big=200_000)
+    opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1)
+    probe = UpdateProbe(sample=1024)
+    _adam_steps(groups, opt, probe, [0.1, 0.1])
+    state = probe.state_dict()
+    resumed = UpdateProbe(sample=1024)
+    resumed.load_state_dict(state)
+    assert _metrics(resumed.pre_step(groups, [0.1, 0.1]))["rl_guard/update/external_changed"] == 0.0
+    other = UpdateProbe(sample=1024)
+    other.load_state_dict(state)
+    with torch.no_grad():
+        groups[0][0].view(-1)[7] *= -1  # loaded weights that are not the ones the saving run left
+    assert _metrics(other.pre_step(groups, [0.1, 0.1]))["rl_guard/update/external_changed"] == 1.0
+
+
+def test_rms_per_lr_stays_within_adams_bound_and_flags_a_broken_state():
+    groups = _model(big=200_000)
+    opt = torch.optim.Adam([{"params": groups[0]}, {"params": groups[1]}], lr=1e-3)
+    probe = UpdateProbe(sample=1024)
+    _adam_steps(groups, opt, probe, [1e-3, 1e-3])
+    first = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))
+    # Adam's first step moves every element by lr (m / sqrt(v) = g / |g|), the sampled estimate within a few %
+    assert first["rl_guard/update/rms_per_lr"] == pytest.approx(1.0, rel=0.05)
+    probe.post_step(groups)  # no step between: nothing pending
+    _adam_steps(groups, opt, probe, [1e-3, 1e-3], n=20, seed=1)
+    healthy = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))["rl_guard/update/rms_per_lr"]
+    assert healthy <= 3.17  # lr (1 - beta1) / sqrt(1 - beta2)
+    probe.post_step(groups)
+    for state in opt.state.values():  # second moments wiped between steps
+        state["exp_avg_sq"].mul_(1e-12)
+    _adam_steps(groups, opt, probe, [1e-3, 1e-3], seed=2)
+    broken = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))["rl_guard/update/rms_per_lr"]
+    assert broken > 20  # the preset's limit is 10
