@@ -73,10 +73,10 @@ class SkippedModule(pytest.Item):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if STRICT_SKIPS and report.skipped and not hasattr(report, "wasxfail"):
-        if item.get_closest_marker("gpu") is None or _cuda_present():
-            report.outcome = "failed"
-            report.longrepr = _strict_message(item.nodeid, _skip_reason(report.longrepr))
+    strict = STRICT_SKIPS and report.skipped and not hasattr(report, "wasxfail")
+    if strict and (item.get_closest_marker("gpu") is None or _cuda_present()):
+        report.outcome = "failed"
+        report.longrepr = _strict_message(item.nodeid, _skip_reason(report.longrepr))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -48,7 +48,7 @@ def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None 
     for it in a collective would hang. On a timeout every rank is killed and the test fails with their output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), **(extra_env or {})}
-    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]  # noqa: SIM115
     procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], env={**env, "RANK": str(r)},
                               stdout=out, stderr=err, text=True, start_new_session=True)
              for r, (out, err) in enumerate(logs)]

@@ -146,7 +146,7 @@ def _non_blocking(args, kwargs) -> bool:
 
 
 class _Functions(TorchFunctionMode):
-    def __init__(self, detector: "SyncDetector"):
+    def __init__(self, detector: SyncDetector):
         super().__init__()
         self.d = detector
 
@@ -188,7 +188,7 @@ class _Functions(TorchFunctionMode):
 
 
 class _Kernels(TorchDispatchMode):
-    def __init__(self, detector: "SyncDetector"):
+    def __init__(self, detector: SyncDetector):
         super().__init__()
         self.d = detector
 
@@ -300,7 +300,7 @@ class SyncDetector:
                 file = "rl_guard/" + os.path.relpath(file, GUARD_DIR)
         self.events.append(Sync(kind, op, file, line, function, site, tuple(callers)))
 
-    def __enter__(self) -> "SyncDetector":
+    def __enter__(self) -> SyncDetector:
         # Chunk buffers kept from before this detector existed were never seen being made on the data's device:
         # drop them, so that the probes make (and mark) their own.
         scratch.Scratch._kept.__dict__.clear()

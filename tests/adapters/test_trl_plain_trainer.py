@@ -8,8 +8,6 @@ import math
 import pytest
 import torch
 
-from rl_guard.control.config import BUILTINS
-
 STEPS, INF_GRAD_STEP, NAN_LOSS_STEP = 6, 2, 4
 # loss_above_one fires on the first (finite) loss, then is quiet for 100 steps unless a value is non-finite.
 GUARD = """

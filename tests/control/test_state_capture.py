@@ -187,9 +187,8 @@ def test_the_ring_frees_exactly_the_snapshots_it_no_longer_offers(keep, ops):
     ring still offers: engine states free their checkpoint tags through it, so what is kept on disk is what can be
     restored (``None``: a push at the next step; an integer: a rollback to the newest snapshot up to that step)."""
     freed = []
-    ring, step, pushed = SnapshotRing(keep=keep, on_drop=lambda snap: freed.append(snap["step"])), 0, []
-    for op in ops:
-        step += 1
+    ring, pushed = SnapshotRing(keep=keep, on_drop=lambda snap: freed.append(snap["step"])), []
+    for step, op in enumerate(ops, start=1):
         if op is None:
             ring.push({"step": step})
             pushed.append(step)

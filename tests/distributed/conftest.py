@@ -52,7 +52,7 @@ def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOU
     procs = []
     t0 = time.monotonic()
     for r in range(world):
-        log = open(out / f"rank{r}.log", "w")
+        log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed once the rank exits
         procs.append((subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(r), str(world), str(init),
                                         str(out), scenarios], env={**child_env(), **(env or {})}, cwd=REPO, stdout=log,
                                        stderr=subprocess.STDOUT), log))

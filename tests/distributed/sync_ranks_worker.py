@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync detector
 
-import dist_scenarios as sc  # noqa: E402
-from rank_launch import finish  # noqa: E402
-from rl_guard import Guard  # noqa: E402
-from rl_guard.stats import host_engine  # noqa: E402
-from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector  # noqa: E402
+import dist_scenarios as sc
+from rank_launch import finish
+from rl_guard import Guard
+from rl_guard.stats import host_engine
+from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector
 
 
 def main() -> None:

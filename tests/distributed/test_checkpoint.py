@@ -52,7 +52,7 @@ def test_rollback_restores_each_rank_and_writes_the_incident_once(launched, worl
     ranks = run.scenario("rollback")
     incidents = _lines(run.out / "rollback_nan_reward" / "incidents.jsonl")
     assert [(i["step"], i["action"], i["rank"]) for i in incidents] == [(FAULT_STEP, "rollback", 0)]
-    for r, rec in enumerate(ranks):
+    for rec in ranks:
         assert rec["steps"][FAULT_STEP]["cursor"] == 2  # restored from this rank's own snapshot
     assert len({rec["steps"][-1]["after"] for rec in ranks}) == 1
 

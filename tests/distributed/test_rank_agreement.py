@@ -25,7 +25,7 @@ def test_different_layouts_raise_rank_mismatch_on_every_rank(launched, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_rank_that_abstains_does_not_leave_the_others_waiting(launched, world):
     ranks = launched(world).scenario("abstain")
-    for r, rec in enumerate(ranks):
+    for rec in ranks:
         assert [c[2] for c in rec["first"]["calls"]] == [rg_dist.HEADER + rg_dist.MAX_SLOTS]
         assert rec["first"]["internal_failures"] == 1  # healthy ranks took the guard's failure path (fail-open)
         assert rec["first"]["action"] is None

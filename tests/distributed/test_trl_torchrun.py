@@ -26,7 +26,7 @@ TIMEOUT = 170  # the ranks' own collective timeout (ddp_timeout) is 60 s
 
 def test_trl_grpo_two_ranks_halt_together(tmp_path):
     r0, r1 = run_torchrun(HERE / "trl_ddp_run.py", 2, tmp_path, env=child_env(), cwd=REPO, timeout=TIMEOUT)
-    FAULT_STEP = r0["fault_step"]  # noqa: N806 - the script's constant (importing it here would import trl)
+    FAULT_STEP = r0["fault_step"]  # the script's constant (importing it here would import trl)
     assert FAULT_STEP >= 1
     for r, res in enumerate((r0, r1)):
         assert (res["world"], res["guard_rank"], res["guard_world"], res["backend"]) == (2, r, 2, "gloo")

@@ -31,7 +31,7 @@ def run_ranks(script: str, world: int, out: Path, *args: str, timeout: float = 2
     env = child_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     procs = []
     for r in range(world):
-        log = open(out / f"rank{r}.log", "w")
+        log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed once the rank exits
         procs.append((subprocess.Popen([sys.executable, str(HERE / script), str(out), *args],
                                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=REPO, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True), log))

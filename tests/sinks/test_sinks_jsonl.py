@@ -27,7 +27,7 @@ def test_one_line_per_step_written_as_it_comes_with_flush_every_1(tmp_path):
     sink = _run(tmp_path, range(1, 4), flush_every=1)
     # No finish(): a crash right now must still leave every completed line on disk.
     lines = (tmp_path / METRICS_FILE).read_text().splitlines()
-    assert [json.loads(l)["step"] for l in lines] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
     assert json.loads(lines[1]) == {"step": 2, "rl_guard/ratio/p50": 1.02, "rl_guard/guard/fired": 0.0}
     assert list(json.loads(lines[0]))[0] == "step"
     sink.finish()

@@ -15,7 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from reference_stats import (FLOAT_SUMS, assert_engines_agree, check, compiled_calls, make_padded, np_dict,
