@@ -1,5 +1,6 @@
 """A healthy guarded GRPO run: metric names and values, one host transfer per step and no other synchronising op
-of the guard (tests/sync_detector.py), and the importance ratio exactly 1 on-policy but not with a second pass over the rollouts."""
+of the guard (tests/sync_detector.py), and the importance ratio exactly 1 on-policy but not with a second pass over
+the rollouts."""
 
 from __future__ import annotations
 

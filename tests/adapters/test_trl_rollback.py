@@ -1,5 +1,6 @@
-"""Rollback through TRL: an LR blow-up is caught before its first update, the healthy snapshot is restored bit for bit (model, optimizer,
-scheduler, RNG), TRL regenerates its rollouts, and training resumes with every later step finite."""
+"""Rollback through TRL: an LR blow-up is caught before its first update, the healthy snapshot is restored bit for
+bit (model, optimizer, scheduler, RNG), TRL regenerates its rollouts, and training resumes with every later step
+finite."""
 
 from __future__ import annotations
 

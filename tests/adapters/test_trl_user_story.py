@@ -52,9 +52,9 @@ SCRIPT = textwrap.dedent('''
                           reward_funcs=[nan_rewards.faulty_reward(repeat_last_digit_reward)],
                           callbacks=[FaultInjector("inf_grad", at_step=6), nan_rewards, guard, armed])
     trainer.train(resume_from_checkpoint=resume)
-    print("RESULT " + json.dumps({"stopped": guard.stopped, "summary": guard.summary, "run_dir": str(guard.guard.run_dir),
-                                   "armed": armed.at_begin, "global_step": trainer.state.global_step},
-                                  default=str))
+    result = {"stopped": guard.stopped, "summary": guard.summary, "run_dir": str(guard.guard.run_dir),
+              "armed": armed.at_begin, "global_step": trainer.state.global_step}
+    print("RESULT " + json.dumps(result, default=str))
 ''')
 
 

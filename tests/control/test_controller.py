@@ -88,8 +88,10 @@ rollback: {max_rollbacks: 2}
 rules:
   - {name: patient, metric: rl_guard/kl_ref/k3_mean, op: ">", threshold: 0.5, patience: 3, action: warn}
   - {name: cool, metric: rl_guard/kl_ref/k3_mean, op: ">", threshold: 0.8, cooldown_steps: 4, action: skip_step}
-  - {name: robust, metric: rl_guard/grad/norm, spike: {method: mad, window: 16, threshold: 4, min_history: 6}, action: warn}
-  - {name: ema, metric: rl_guard/entropy/mean, spike: {method: ema_z, window: 8, threshold: 3, direction: down, min_history: 4}, action: warn}
+  - {name: robust, metric: rl_guard/grad/norm,
+     spike: {method: mad, window: 16, threshold: 4, min_history: 6}, action: warn}
+  - {name: ema, metric: rl_guard/entropy/mean,
+     spike: {method: ema_z, window: 8, threshold: 3, direction: down, min_history: 4}, action: warn}
   - {name: early, metric: rl_guard/grad/norm, spike: {method: early_max, window: 5, factor: 4}, action: warn}
   - {name: far, metric: rl_guard/ratio/p99, op: ">", threshold: 2, action: rollback}
 """
@@ -149,7 +151,8 @@ rollback: {max_rollbacks: 2}
 rules:
   - {name: loss_high, metric: rl_guard/loss/value, op: ">", threshold: 5, action: rollback}
   - {name: loss_warm, metric: rl_guard/loss/value, op: ">", threshold: 1.5, patience: 2, action: warn}
-  - {name: loss_spike, metric: rl_guard/loss/value, spike: {method: mad, window: 8, threshold: 5, min_history: 4}, action: warn}
+  - {name: loss_spike, metric: rl_guard/loss/value,
+     spike: {method: mad, window: 8, threshold: 5, min_history: 4}, action: warn}
 """
 LOSSES = [1.0, 1.1, 0.9, 1.0, 9.0, 1.0, 1.2, 2.0, 2.0, 1.0, 1.1, 1.0, 9.0, 1.0, 2.0, 2.0, 1.0, 9.0, 1.0]
 

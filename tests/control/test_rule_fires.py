@@ -20,11 +20,15 @@ rules:
   - {{name: band, metric: {A}, op: outside, band: [0.8, 1.3], action: warn}}
   - {{name: nf, metric: {B}, op: nonfinite, action: warn}}
   - {{name: mad_up, metric: {A}, spike: {{method: mad, window: 16, threshold: 2, min_history: 5}}, action: warn}}
-  - {{name: mad_both, metric: {B}, spike: {{method: mad, window: 9, threshold: 1.5, direction: both, min_history: 3}}, action: warn}}
-  - {{name: ema_down, metric: {B}, spike: {{method: ema_z, window: 6, threshold: 1, direction: down, min_history: 2}}, action: warn}}
+  - {{name: mad_both, metric: {B},
+      spike: {{method: mad, window: 9, threshold: 1.5, direction: both, min_history: 3}}, action: warn}}
+  - {{name: ema_down, metric: {B},
+      spike: {{method: ema_z, window: 6, threshold: 1, direction: down, min_history: 2}}, action: warn}}
   - {{name: early, metric: {A}, spike: {{method: early_max, window: 4, factor: 1.3}}, action: warn}}
-  - {{name: all2, all: [{{metric: {A}, op: ">", threshold: 1.0}}, {{metric: {B}, op: "<", threshold: 1.0}}], action: warn}}
-  - {{name: any2, any: [{{metric: {A}, op: "<", threshold: 0.9}}, {{metric: {B}, spike: {{method: mad, window: 8, threshold: 1, min_history: 3}}}}], action: warn}}
+  - {{name: all2, all: [{{metric: {A}, op: ">", threshold: 1.0}}, {{metric: {B}, op: "<", threshold: 1.0}}],
+      action: warn}}
+  - {{name: any2, any: [{{metric: {A}, op: "<", threshold: 0.9}},
+                        {{metric: {B}, spike: {{method: mad, window: 8, threshold: 1, min_history: 3}}}}], action: warn}}
 """
 
 

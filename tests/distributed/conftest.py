@@ -78,7 +78,8 @@ def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOU
 
 @pytest.fixture(scope="session")
 def launched(tmp_path_factory):
-    """``launched(world)``: the bundle of scenarios run by ``world`` real processes (cached for the whole pytest run)."""
+    """``launched(world)``: the bundle of scenarios run by ``world`` real processes (cached for the whole pytest
+    run)."""
     cache: dict = {}
 
     def get(world: int) -> Launch:

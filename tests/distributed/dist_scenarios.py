@@ -157,7 +157,7 @@ def scenario_many_groups(rank, world, out: Path, log: CollectiveLog, groups: int
             "nonfinite": m["rl_guard/grad/nonfinite"]}
 
 
-# -- decisions on a real (tiny) DDP model ---------------------------------------------------------------------------------
+# -- decisions on a real (tiny) DDP model ------------------------------------------------------------------------------
 class Cursor:
     """A per-rank data cursor: the extra state each rank checkpoints and restores on its own."""
 

@@ -2,8 +2,9 @@
 
 Runs in the nox session ``areal`` (noxfile.py, constraints/areal.txt: transformers 5.3.0 as areal
 pins; torch 2.13.0 CPU instead of areal's ``torch<2.11``, whose Linux wheels are CUDA builds). Each rank runs
-the recipe ``integrations/areal_async/fsdp_actor_on_cpu.py``: ``GuardedFSDPPPOActor`` (the class a single-controller run's workers import by dotted path)
-through ``compute_logp`` -> ``compute_advantages`` -> ``ppo_update`` for five steps; see the worker's docstring.
+the recipe ``integrations/areal_async/fsdp_actor_on_cpu.py``: ``GuardedFSDPPPOActor`` (the class a
+single-controller run's workers import by dotted path) through ``compute_logp`` -> ``compute_advantages`` ->
+``ppo_update`` for five steps; see the worker's docstring.
 
 On CPU there is no flash-attention varlen kernel: AReaL packs each micro-batch into one row, so with ``sdpa`` the
 packed sequences attend causally across their boundaries. The log-probs differ from a GPU run's; every AReaL and

@@ -3,8 +3,8 @@ by the launcher's Ray worker hook, one and two processes; then a resume from Ope
 
 Runs in the nox session ``openrlhf`` (noxfile.py, constraints/openrlhf.txt: transformers 5.15.0,
 deepspeed 0.19.6 and ray 2.55.0 as openrlhf pins; torch 2.13.0 CPU; no flash-attn / vLLM, which are CUDA builds).
-Each rank runs the recipe ``integrations/openrlhf/actor_on_cpu.py``; its docstring lists what is OpenRLHF's own code and the named patches of
-hard-coded CUDA calls.
+Each rank runs the recipe ``integrations/openrlhf/actor_on_cpu.py``; its docstring lists what is OpenRLHF's own
+code and the named patches of hard-coded CUDA calls.
 """
 
 from __future__ import annotations
