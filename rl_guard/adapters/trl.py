@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,10 +44,10 @@ from ..run_dirs import fresh_run_dir
 from ..sinks.printed import for_printing, printed_keys
 from ..stats.on_device import host_to_device
 from .trl_checkpoints import checkpoints_before, load_guard_state, resume_checkpoint, save_guard_state
-from .trl_seams import TESTED, check_seams, check_versions, settings
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import samples_from_rewards
+from .trl_seams import check_seams, check_versions, settings
 
 if TYPE_CHECKING:
     from .deepspeed import EngineGate
