@@ -27,8 +27,9 @@ def trainer_configuration(trainer) -> dict:
     """The settings that decide which statistics exist (a plain transformers Trainer has no GRPO settings)."""
     args = trainer.args
     grpo = hasattr(trainer, "num_iterations") and hasattr(args, "steps_per_generation")
+    name = type(trainer).__name__
     # RLOOTrainer keeps one old log-prob per sequence (old_logps), never per token.
-    cfg = {"trainer": type(trainer).__name__, "grpo": grpo, "sequence_old_logps": type(trainer).__name__ == "RLOOTrainer",
+    cfg = {"trainer": name, "grpo": grpo, "sequence_old_logps": name == "RLOOTrainer",
            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
            "max_grad_norm": float(args.max_grad_norm or 0.0)}
     if grpo:
@@ -41,7 +42,8 @@ def trainer_configuration(trainer) -> dict:
 
 def _keeps_old_logps(cfg: dict) -> bool:
     every = cfg["steps_per_generation"] * cfg["num_iterations"]
-    return cfg["gradient_accumulation_steps"] % every != 0 or (cfg["use_vllm"] and cfg["vllm_importance_sampling_correction"])
+    return (cfg["gradient_accumulation_steps"] % every != 0
+            or (cfg["use_vllm"] and cfg["vllm_importance_sampling_correction"]))
 
 
 def metric_status(metric: str, cfg: dict) -> tuple[str, str]:

@@ -19,7 +19,8 @@ RL_ATTRS = ("eos_token_ids", "epsilon_low", "epsilon_high", "mask_truncated_comp
 GRPO_ATTRS = ("loss_type", "importance_sampling_level", "vllm_importance_sampling_correction")
 # RLOOTrainer (trl 1.16) has no such settings: its loss clips a sequence-level ratio, at the token level of sampling,
 # with no vLLM importance-sampling correction. These are its design, not defaults for a missing value.
-RLOO_SETTINGS = {"loss_type": "rloo", "importance_sampling_level": "token", "vllm_importance_sampling_correction": False}
+RLOO_SETTINGS = {"loss_type": "rloo", "importance_sampling_level": "token",
+                 "vllm_importance_sampling_correction": False}
 
 
 def check_versions() -> None:
@@ -59,5 +60,6 @@ def check_seams(trainer) -> dict[str, object]:
 def settings(trainer) -> dict:
     """The loss settings the token statistics depend on, read from the trainer (RLOO: its fixed design)."""
     source = RLOO_SETTINGS if is_rloo(trainer) else {k: getattr(trainer, k) for k in GRPO_ATTRS}
-    return {"loss_type": str(source["loss_type"]), "importance_sampling_level": str(source["importance_sampling_level"]),
+    return {"loss_type": str(source["loss_type"]),
+            "importance_sampling_level": str(source["importance_sampling_level"]),
             "vllm_importance_sampling_correction": bool(source["vllm_importance_sampling_correction"])}
