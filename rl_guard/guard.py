@@ -44,6 +44,7 @@ import torch
 
 from .control.actions import Actions
 from .control.announce import Announcer
+from .control.quarantine import Quarantine
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
 from .control.state import TrainState
@@ -105,6 +106,9 @@ class Guard:
         self.state: TrainState | None = None
         self.actions = Actions(self)
         self.announcer = Announcer()  # one console line per action, and the end-of-run summary
+        self.quarantine = Quarantine(config.quarantine["max_share"])
+        self.culprit_candidates: dict[str, list[dict]] = {}  # family -> sequences (control/culprits.py)
+        self.last_bundle: dict | None = None  # the last incident bundle: path, bytes, seconds to write
         self.last_metrics: dict[str, float] = {}
         self.last_histograms: dict = {}
         self.last_decision: Decision | None = None
@@ -241,6 +245,14 @@ class Guard:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
         with self._clock, self.protect("observe_samples"):
             self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
+
+    def observe_culprits(self, family: str, candidates: list[dict]) -> None:
+        """The candidate culprit sequences of one family (``"rewards"``) for the steps that train on this generation
+        batch: dicts with ``prompt``, ``prompt_key``, ``completion``, ``reward``, ``rewards``, ``nonfinite`` (see
+        ``rl_guard/control/culprits.py``). Host data, read only when a rule acts."""
+        with self._clock:
+            self.culprit_candidates[family] = candidates
+            self.quarantine.seen.update(c["prompt_key"] for c in candidates if "prompt_key" in c)
 
     def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
         """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``
@@ -415,7 +427,8 @@ class Guard:
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(),
                 "diagnostics": self.diagnostics.state_dict(), "update": self.update_probe.state_dict(),
-                "announcer": self.announcer.state_dict(), "run_dir": str(self.run_dir), "time": time.time()}
+                "announcer": self.announcer.state_dict(), "quarantine": self.quarantine.state_dict(),
+                "run_dir": str(self.run_dir), "time": time.time()}
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
@@ -426,6 +439,40 @@ class Guard:
             self.update_probe.load_state_dict(state["update"])
         if "announcer" in state:
             self.announcer.load_state_dict(state["announcer"])
+        if "quarantine" in state:
+            self.quarantine.load_state_dict(state["quarantine"])
+
+    # -- a skip the framework did not take -----------------------------------------------------------------------------
+    def skip_not_taken(self, decision: Decision, framework: str, seen: str) -> str:
+        """The guard dropped this step's update through the framework and the framework applied it anyway (``seen``:
+        how the adapter saw it). The guard can no longer keep bad updates out of the run, so it escalates to
+        ``checkpoint_and_halt``: one console line, a ``skip_not_taken`` incident, a checkpoint (it holds the state
+        after that update; healthy snapshots, if any, are older). ``decision`` becomes ``checkpoint_and_halt`` (its
+        ``stop`` is set); returns the message, for the adapter's ``GuardHalted``. Every rank must call it at the
+        same step (the checkpoint is collective): adapters call it on a figure every rank shares."""
+        from .control.announce import console_logger
+
+        message = (f"[rl_guard] {framework} applied the update of step {decision.step} that the guard dropped "
+                   f"({decision.action}): {seen}. Skips do not work on this run; checkpoint and halt")
+        if self.rank == 0:
+            console_logger().error(message)
+        decision.escalated_from, decision.action = decision.action, "checkpoint_and_halt"
+        checkpoint = None
+        try:
+            checkpoint = self.actions.save_checkpoint(reason="skip_not_taken")
+        finally:
+            record = {"step": decision.step, "rule": "skip_not_taken", "metric": "rl_guard/guard/skip_not_taken",
+                      "value": 1.0, "op": ">", "threshold": 0.0, "action": "checkpoint_and_halt",
+                      "decision": "checkpoint_and_halt", "escalated_from": decision.escalated_from,
+                      "severity": "critical", "message": message, "rank": self.rank, "checkpoint": checkpoint,
+                      "time": time.time()}
+            self.last_metrics["rl_guard/guard/skip_not_taken"] = 1.0
+            if self.announcer.stop_record is None:
+                self.announcer.stop_record = record
+            if self.rank == 0:
+                with self.protect("incident"):
+                    self.sinks.incident(record)
+        return message
 
 
 class _Protected:

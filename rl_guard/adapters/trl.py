@@ -47,7 +47,8 @@ from .trl_checkpoints import checkpoints_before, load_guard_state, resume_checkp
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import samples_from_rewards
-from .trl_seams import check_seams, check_versions, settings
+from .trl_quarantine import PromptGate, reward_culprits
+from .trl_seams import QUARANTINE_SEAM, check_seams, check_versions, settings
 
 if TYPE_CHECKING:
     from .deepspeed import EngineGate
@@ -88,6 +89,7 @@ class RLGuardCallback(TrainerCallback):
         self._eos_cache: tuple | None = None
         self._printers: list = []
         self._seams: dict = {}
+        self._gate: PromptGate | None = None
         self._settings: dict = {}
         self._first_step: int | None = None
 
@@ -114,7 +116,8 @@ class RLGuardCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         self.trainer = self._find_trainer()
-        self._seams = check_seams(self.trainer)  # before anything is wrapped or written: a changed TRL fails here
+        # before anything is wrapped or written: a changed TRL fails here
+        self._seams = check_seams(self.trainer, quarantine=self.guard.config.quarantine["enabled"])
         self._settings = settings(self.trainer) if "_calculate_rewards" in self._seams else {}
         self._start_records(args, state)
         self.guard.attach(model, optimizer, lr_scheduler)
@@ -126,6 +129,9 @@ class RLGuardCallback(TrainerCallback):
         self._wrap("_calculate_rewards", self._wrap_rewards)
         self._wrap("_clip_grad_norm", self._wrap_clip)
         self._wrap("log", self._wrap_log)
+        if QUARANTINE_SEAM in self._seams:
+            self._gate = PromptGate(self.trainer, self.guard.quarantine)
+            self._wrap(QUARANTINE_SEAM, self._wrap_generate)
         self._nones = NoneTracker(self.trainer) if hasattr(self.trainer, "reward_funcs") else None
         # -- DeepSpeed (rl_guard/adapters/deepspeed.py): the update runs inside backward, so gate engine.step --
         from .deepspeed import gate_accelerator
@@ -307,8 +313,21 @@ class RLGuardCallback(TrainerCallback):
         self.guard.observe_sequences(rewards=applicable_total(local, weights, none))
         # On one process the whole batch is local and its Nones are known; across processes only this rank's are.
         total = applicable_total(per_func, weights, none) if n == len(per_func) else (per_func * weights).sum(1)
-        self.guard.observe_samples(samples_from_rewards(self.trainer, per_func, total, prompts, completions,
-                                                        completion_ids_list))
+        samples = samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list)
+        self.guard.observe_samples(samples)
+        k = self.guard.config.quarantine["culprits"]
+        self.guard.observe_culprits("rewards", reward_culprits(samples, start, prompts, completions,
+                                                               completion_ids_list, k))
+
+    def _wrap_generate(self, original):
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            with self.guard.protect("quarantine"):  # fail open: a failing gate leaves the batch as it is
+                bound.arguments["inputs"] = self._gate.filter(bound.arguments["inputs"])
+            return original(*bound.args, **bound.kwargs)
+        return wrapper
 
     def _wrap_clip(self, original):
         def wrapper(*args, **kwargs):

@@ -16,6 +16,8 @@ RL_METHODS = {"_get_per_token_logps_and_entropies": (),
               "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list")}
 RL_ATTRS = ("eos_token_ids", "epsilon_low", "epsilon_high", "mask_truncated_completions", "reward_weights",
             "_buffered_inputs", "num_iterations", "beta", "use_vllm", "reward_funcs", "accelerator")
+# With quarantine on: the raw dataset rows of a generation batch, before generation (trl_quarantine.py).
+QUARANTINE_SEAM = "_generate_and_score_completions"
 GRPO_ATTRS = ("loss_type", "importance_sampling_level", "vllm_importance_sampling_correction")
 # RLOOTrainer (trl 1.16) has no such settings: its loss clips a sequence-level ratio, at the token level of sampling,
 # with no vLLM importance-sampling correction. These are its design, not defaults for a missing value.
@@ -43,13 +45,16 @@ def is_rloo(trainer) -> bool:
     return any(c.__name__ == "RLOOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
 
 
-def check_seams(trainer) -> dict[str, object]:
+def check_seams(trainer, quarantine: bool = False) -> dict[str, object]:
     """Every method the callback wraps (with the parameters it reads by name) and every setting it reads; returns the
     methods to wrap. Raises ``SeamError`` naming the first missing or changed one."""
     where = _where()
     methods = dict(TRAINER_METHODS)
     if is_rl_trainer(trainer):
         methods.update(RL_METHODS)
+        if quarantine:
+            methods[QUARANTINE_SEAM] = ("inputs",)
+            require_attr(trainer, ("train_dataset",), where=where)
         require_attr(trainer, RL_ATTRS, where=where)
         if not is_rloo(trainer):
             require_attr(trainer, GRPO_ATTRS, where=where)

@@ -4,9 +4,17 @@
   optimizer moment (torch optimizers skip parameters without a gradient).
 - checkpoint: the full state (model, optimizer, scheduler, RNG, step, extra such as a data cursor, and the
   guard's own state) saved atomically per rank under ``run_dir/checkpoints/step_<N>/rank<r>.pt``.
-- rollback: restores the newest healthy snapshot older than the suspect update bit for bit and scales the LR by
-  ``lr_scale ** n`` on the n-th rollback.
-- snapshots: taken after ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps. A step
+- rollback: restores the newest healthy snapshot older than the suspect update bit for bit (weights, optimizer
+  moments, scheduler, RNG, step, extra state) and changes two things, so the run does not replay what failed:
+  the learning rate is ``lr_scale ** n`` of the schedule's after the n-th rollback of the run (each snapshot
+  records the factor in force when it was taken, so the factor is the same whichever snapshot is restored, and a
+  schedule that keeps rising after the restore, a warm-up, stays scaled: the scheduler's base rates are scaled);
+  and when the fault returns before the run took a new healthy snapshot, the rollback goes one snapshot further
+  back than the last one did (where the ring holds one). After ``max_rollbacks`` the next one escalates to
+  ``checkpoint_and_halt``, and its message says why.
+- snapshots: the state the process starts from (or resumes from), at its first check that passes (no update of
+  this process can have harmed it, so a fault in the first steps has something to roll back to); then after
+  ``healthy_steps`` consecutive healthy steps, then every ``every`` healthy steps. A step
   is healthy when its update was applied (no rule fired, or only ``warn`` rules): a warn-level rule is by
   definition tolerated, and counting it as unhealthy would let one noisy warning disable rollback entirely.
 - checkpoints: the newest ``checkpoint.keep`` step directories are kept; older ones are removed.
@@ -20,6 +28,7 @@ from ..stats import ranks
 from .action_names import Action
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
+from .culprits import culprits_for, write_bundle
 from .shadow import SnapshotPlan, snapshot_due
 
 
@@ -32,6 +41,10 @@ class Actions:
         self.healthy_streak = 0
         self.pending_restore: dict | None = None
         self.last_checkpoint: str | None = None
+        self.lr_factor = 1.0  # lr_scale ** (rollbacks so far): the factor on the schedule's learning rate
+        self.last_restored: int | None = None  # the step label of the snapshot the last rollback restored
+        self.further_back = False  # the pending rollback goes further back than the last one
+        self._first_check = True  # the first check of this process (its starting state may become a snapshot)
         # mode shadow: no snapshot is ever taken; a plan of step labels says what a rollback would have restored.
         self.plan = SnapshotPlan(cfg, guard.controller.rules) if cfg.mode == "shadow" else None
 
@@ -56,6 +69,9 @@ class Actions:
                 self.guard.diagnostics.flush()
         if self.plan is not None:
             return self._shadow(decision)
+        culprits = self._culprits(decision)
+        quarantined = self._quarantine(decision, culprits)
+        self._starting_snapshot(decision)
         if decision.skip_step and params is not None:
             drop_grads(params)
         ckpt = None
@@ -69,12 +85,56 @@ class Actions:
                 raise
         restored_to = None
         if decision.rollback:
-            self.pending_restore = self.snapshots.latest(before_step=self.rollback_horizon(decision.step))
+            self.pending_restore = self._rollback_target(decision.step)
             restored_to = self.pending_restore["step"] if self.pending_restore else None
             if not defer_restore:
                 self.restore_pending()
+        bundle = self._bundle(decision, culprits, ckpt, restored_to)
         for firing in decision.firings:
-            self._incident(decision, firing, ckpt, restored_to)
+            self._incident(decision, firing, ckpt, restored_to, culprits.get(firing.rule.name), bundle, quarantined)
+
+    def _culprits(self, decision: Decision) -> dict[str, list[dict]]:
+        """Per acting rule, the sequences behind it (at most ``quarantine.culprits``)."""
+        k = self.guard.config.quarantine["culprits"]
+        return {f.rule.name: culprits_for(f.verdict.metric, self.guard.culprit_candidates)[:k]
+                for f in decision.firings if f.action != "warn"}
+
+    def _quarantine(self, decision: Decision, culprits: dict[str, list[dict]]) -> list[dict]:
+        """Quarantine the prompts behind a skip or rollback; past ``max_share`` of the data, halt instead."""
+        g, cfg = self.guard, self.guard.config.quarantine
+        if not cfg["enabled"] or decision.action not in ("skip_step", "rollback"):
+            return []
+        new = []
+        for rule, found in culprits.items():
+            new += g.quarantine.add(found, decision.step, rule, g.run_dir if g.rank == 0 else None)
+        if ranks.any_rank(g.quarantine.over_limit()):  # every rank took this decision, so every rank is here
+            decision.escalated_from, decision.action = decision.action, "checkpoint_and_halt"
+            decision.escalation_reason = (f"{len(g.quarantine)} quarantined prompts, {g.quarantine.share():.1%} of "
+                                          f"the data, over quarantine.max_share={cfg['max_share']:g}: a reward or "
+                                          "data source that fails this often is broken")
+        return new
+
+    def _bundle(self, decision: Decision, culprits: dict, ckpt: str | None, restored_to: int | None) -> str | None:
+        """``run_dir/incidents/<step>/`` for a step a rule acted on (rank 0); its folder, or None."""
+        g = self.guard
+        acting = [f for f in decision.firings if f.action != "warn"]
+        if g.rank != 0 or not acting:
+            return None
+        from .state import rng_state
+
+        lrs = [float(group["lr"]) for group in getattr(getattr(g.state, "optimizer", None), "param_groups", [])]
+        record = {"step": decision.step, "decision": decision.action, "escalated_from": decision.escalated_from,
+                  "rules": [{"rule": f.rule.name, "metric": f.verdict.metric, "value": f.verdict.value,
+                             "op": f.verdict.op, "threshold": f.verdict.threshold, "action": f.action,
+                             "message": f.message, "window": f.window, "culprits": culprits.get(f.rule.name, [])}
+                            for f in decision.firings],
+                  "learning_rates": lrs, "checkpoint": ckpt, "restored_to_step": restored_to,
+                  "counters": g.controller.counters(decision), "quarantined_prompts": len(g.quarantine)}
+        with g.protect("incident bundle"):
+            folder, size, seconds = write_bundle(g.run_dir, decision.step, record, rng_state())
+            g.last_bundle = {"path": str(folder), "bytes": size, "seconds": seconds}
+            return str(folder)
+        return None
 
     def _shadow(self, decision: Decision) -> None:
         """Record what would happen; leave gradients, weights, optimizer, scheduler and RNG alone."""
@@ -85,14 +145,42 @@ class Actions:
         for firing in decision.firings:
             self._incident(decision, firing, None, restored_to)
 
+    def _rollback_target(self, step: int) -> dict | None:
+        """The newest trusted snapshot; one further back when that is the one the last rollback restored (the fault
+        returned before the run took a new healthy snapshot) and an older one is kept."""
+        snap = self.snapshots.latest(before_step=self.rollback_horizon(step))
+        self.further_back = False
+        if snap is not None and self.last_restored is not None and snap["step"] <= self.last_restored:
+            older = self.snapshots.latest(before_step=snap["step"])
+            if older is not None:
+                snap, self.further_back = older, True
+        return snap
+
+    def _starting_snapshot(self, decision: Decision) -> None:
+        """At the process's first check, when it passes and no snapshot is kept (a resumed run may bring its own):
+        the state the process starts from, labelled with this step (the state before its update)."""
+        if not self._first_check:
+            return
+        self._first_check = False
+        if decision.action in (None, "warn") and not len(self.snapshots) and self.guard.state is not None \
+                and self._uses_snapshots():
+            self._push(self.guard.state.capture(self.guard.step))
+
+    def _push(self, snap: dict) -> None:
+        snap["lr_factor"] = self.lr_factor  # the factor in force on the rate this snapshot holds
+        self.snapshots.push(snap)
+
     def restore_pending(self) -> int | None:
         """Restore the snapshot chosen by a rollback decision; returns its step."""
         snap, self.pending_restore = self.pending_restore, None
         if snap is None:
             return None
         cfg = self.guard.config.rollback
-        # Compounds: the n-th rollback of the run resumes at lr_scale ** n of the snapshot's learning rate.
-        self.guard.state.restore(snap, lr_scale=cfg["lr_scale"] ** (self.guard.controller.rollbacks + 1))
+        # Cumulative: after the n-th rollback of the run the rate is lr_scale ** n of the schedule's, whatever
+        # factor was in force when the restored snapshot was taken.
+        target = cfg["lr_scale"] ** (self.guard.controller.rollbacks + 1)
+        self.guard.state.restore(snap, lr_scale=target / float(snap.get("lr_factor", 1.0)))
+        self.lr_factor, self.last_restored = target, snap["step"]
         self.snapshots.drop_after(snap["step"])
         self.healthy_streak = 0
         return snap["step"]
@@ -105,7 +193,7 @@ class Actions:
             return self.plan.after_step(decision.would, self.guard.step)
         due = snapshot_due(n, cfg)
         if self.guard.state is not None and due and self._uses_snapshots():
-            self.snapshots.push(self.guard.state.capture(self.guard.step + 1))
+            self._push(self.guard.state.capture(self.guard.step + 1))
 
     def _discard(self, snapshot: dict) -> None:
         """A snapshot the ring forgot: a state that keeps snapshots outside memory (an engine's checkpoint tags)
@@ -137,7 +225,9 @@ class Actions:
         self.last_checkpoint = str(path)
         return str(path)
 
-    def _incident(self, decision: Decision, firing, ckpt: str | None, restored_to: int | None = None) -> None:
+    def _incident(self, decision: Decision, firing, ckpt: str | None, restored_to: int | None = None,
+                  culprits: list[dict] | None = None, bundle: str | None = None,
+                  quarantined: list[dict] | None = None) -> None:
         g = self.guard
         if g.rank != 0:
             return
@@ -147,7 +237,13 @@ class Actions:
                   "message": firing.message, "detail": v.detail, "rank": g.rank, "window": firing.window,
                   "checkpoint": ckpt, "time": time.time(), "escalated_from": decision.escalated_from,
                   "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
-                  "restored_to_step": restored_to}  # rollback: the state from before this guard step was restored
+                  "restored_to_step": restored_to,  # rollback: the state from before this guard step was restored
+                  "escalation_reason": decision.escalation_reason,
+                  "culprits": [{k: c.get(k) for k in ("prompt", "prompt_key", "reward", "nonfinite")}
+                               for c in culprits or []],
+                  "bundle": bundle, "quarantined": [q["prompt"] for q in quarantined or []]}
+        if restored_to is not None and self.further_back:
+            record["further_back"] = True  # the fault returned before a new healthy snapshot: one further back
         if self.plan is not None:  # shadow: the run only got this record; ``would`` is what the guard would have done
             record.update(action="warn", would=firing.action, mode="shadow", restored_to_step=None,
                           would_restore_to_step=restored_to)
@@ -166,11 +262,15 @@ class Actions:
                               "time": time.time()})
 
     def state_dict(self) -> dict:
-        return {"healthy_streak": self.healthy_streak, "snapshots": self.snapshots.state_dict(), "last_checkpoint": self.last_checkpoint}
+        return {"healthy_streak": self.healthy_streak, "snapshots": self.snapshots.state_dict(),
+                "last_checkpoint": self.last_checkpoint, "lr_factor": self.lr_factor,
+                "last_restored": self.last_restored}
 
     def load_state_dict(self, state: dict) -> None:
         self.healthy_streak = state["healthy_streak"]
         self.last_checkpoint = state["last_checkpoint"]
+        self.lr_factor = state.get("lr_factor", 1.0)
+        self.last_restored = state.get("last_restored")
         self.snapshots.load_state_dict(state["snapshots"])
 
 

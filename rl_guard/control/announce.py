@@ -46,7 +46,20 @@ def console_logger() -> logging.Logger:
 
 
 def outcome(record: dict, lr_scale: float | None = None) -> str:
-    """What the step's decision did, in words."""
+    """What the step's decision did, in words (with what was quarantined and why it escalated)."""
+    said = _outcome(record, lr_scale)
+    quarantined = record.get("quarantined") or []
+    if quarantined:
+        shown = ", ".join(repr(str(p)[:60]) for p in quarantined[:3]) + (" ..." if len(quarantined) > 3 else "")
+        said += f"; quarantined {len(quarantined)} prompt(s): {shown}"
+    if record.get("escalation_reason"):
+        said += f" ({record['escalation_reason']})"
+    if record.get("bundle"):
+        said += f"; details in {record['bundle']}"
+    return said
+
+
+def _outcome(record: dict, lr_scale: float | None) -> str:
     if record.get("mode") == "shadow":
         would = record.get("would")
         restore = record.get("would_restore_to_step")

@@ -26,7 +26,7 @@ MODES = ("enforce", "shadow")
 BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
 TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
             "rules", "fail_mode", "max_internal_failures", "sharded_grads", "log_every", "mode",
-            "max_consecutive_skips", "stats_engine")
+            "max_consecutive_skips", "stats_engine", "quarantine")
 RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
              "cooldown_steps", "severity", "description")
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
@@ -35,11 +35,14 @@ SECTION_KEYS: dict[str, dict[str, tuple[Any, int | None]]] = {  # key -> (type o
     "snapshots": {"healthy_steps": (int, 1), "every": (int, 1), "keep": (int, 1), "where": (("memory", "disk"), None)},
     "rollback": {"max_rollbacks": (int, 0), "lr_scale": (float, 0), "confirm_steps": (int, 1)},
     "checkpoint": {"dir": (str, None), "keep": (int, 1)},
+    "quarantine": {"enabled": (bool, None), "max_share": (float, 0), "culprits": (int, 1)},
 }
 DEFAULTS: dict[str, dict[str, Any]] = {
     "snapshots": {"healthy_steps": 3, "every": 10, "keep": 2, "where": "memory"},
     "rollback": {"max_rollbacks": 3, "lr_scale": 1.0, "confirm_steps": 1},
     "checkpoint": {"dir": "checkpoints", "keep": 3},
+    # off by default: excluding data changes what the run trains on, which a user should choose
+    "quarantine": {"enabled": False, "max_share": 0.1, "culprits": 4},
 }
 TOP_DEFAULTS: dict[str, Any] = {
     "mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
@@ -59,6 +62,7 @@ class GuardConfig:
     snapshots: dict = field(default_factory=lambda: dict(DEFAULTS["snapshots"]))
     rollback: dict = field(default_factory=lambda: dict(DEFAULTS["rollback"]))
     checkpoint: dict = field(default_factory=lambda: dict(DEFAULTS["checkpoint"]))
+    quarantine: dict = field(default_factory=lambda: dict(DEFAULTS["quarantine"]))
     lag_buckets: tuple[int, ...] = DEFAULT_LAG_EDGES
     sinks: list = field(default_factory=lambda: list(TOP_DEFAULTS["sinks"]))
     run_dir: str | None = None
@@ -244,6 +248,8 @@ def load_config(source) -> GuardConfig:
         c.rule(r, ("rules", i), names)
     if sections["rollback"]["lr_scale"] == 0:
         c.err(("rollback", "lr_scale"), "must be > 0 (a zero learning rate would freeze training after a rollback)")
+    if isinstance(sections["quarantine"]["max_share"], (int, float)) and sections["quarantine"]["max_share"] > 1:
+        c.err(("quarantine", "max_share"), "a share of the prompts: must be <= 1")
     _check_sinks(top["sinks"], c)
     if c.errors:
         raise ConfigError(c.errors)

@@ -40,6 +40,7 @@ class Decision:
     firings: list[Firing] = field(default_factory=list)
     escalated_from: Action | None = None
     would: Action | None = None  # mode shadow: the action it would have taken (``action`` stays None: run untouched)
+    escalation_reason: str | None = None  # set where the escalation's cause is not in the rule's message
 
     @property
     def skip_step(self) -> bool:
@@ -111,6 +112,11 @@ class Controller:
         if decision.action == "rollback" and (
                 not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
             decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
+            limit = self.config.rollback["max_rollbacks"]
+            why = (f" (rollback budget spent: {self.rollbacks} of max_rollbacks={limit})" if self.rollbacks >= limit
+                   else " (no trusted healthy snapshot to restore yet)")
+        else:
+            why = ""
         persistent = self._persistent_fault(decision)
         shadow = self.config.mode == "shadow"
         for f in decision.firings:
@@ -118,6 +124,8 @@ class Controller:
                 f.action = decision.action
             said = f"would {f.action} (shadow mode)" if shadow else f.action
             f.message = message(f.rule, f.verdict, self.step, self.rank, said) + persistent
+            if why and f.rule.action == "rollback":  # the rollback rules say why they halt instead
+                f.message += why
         if shadow:  # only say what it would do; every flag the loop reads stays neutral
             decision.would, decision.action = decision.action, None
         # Finite values only (History drops the rest). A value that fired still enters the history: a genuine
