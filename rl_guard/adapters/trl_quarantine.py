@@ -26,7 +26,7 @@ def reward_culprits(samples, start: int, prompts, completions, completion_ids, k
                   for name, v in (samples.reward_components or {}).items()}
     bad = np.flatnonzero(~np.isfinite(rewards))
     finite = np.flatnonzero(np.isfinite(rewards))
-    far = []
+    far = np.zeros(0, dtype=np.int64)
     if finite.size:
         distance = np.abs(rewards[finite] - np.median(rewards[finite]))
         far = finite[np.argsort(-distance, kind="stable")[:k]]
@@ -58,7 +58,8 @@ class PromptGate:
     def filter(self, inputs: list[dict]) -> list[dict]:
         if not len(self.quarantine):
             return inputs
-        out, swap = [], {}
+        out: list[dict] = []
+        swap: dict[str, dict] = {}
         for row in inputs:
             key = prompt_key(row["prompt"])
             if key in self.quarantine:
