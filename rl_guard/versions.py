@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import inspect
 import os
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -71,7 +72,7 @@ def check_range(adapter: str, package: str, lo: str, hi: str, *, optional: bool 
     return version
 
 
-def require_seam(owner, name: str, *, params: tuple[str, ...] = (), where: str) -> object:
+def require_seam(owner, name: str, *, params: tuple[str, ...] = (), where: str) -> Any:
     """``getattr(owner, name)``, which must exist and, when callable, accept the parameters ``params`` by name (or
     ``**kwargs``). ``where``: the framework, its version and the tested range, for the error."""
     kind = owner.__name__ if isinstance(owner, type) else type(owner).__name__
