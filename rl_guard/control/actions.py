@@ -164,7 +164,8 @@ class Actions:
         self._first_check = False
         if decision.action in (None, "warn") and not len(self.snapshots) and self.guard.state is not None \
                 and self._uses_snapshots():
-            self._push(self.guard.state.capture(self.guard.step))
+            with self.guard.protect("snapshot"):
+                self._push(self.guard.state.capture(self.guard.step))
 
     def _push(self, snap: dict) -> None:
         snap["lr_factor"] = self.lr_factor  # the factor in force on the rate this snapshot holds

@@ -84,6 +84,7 @@ class Controller:
         self.consecutive = {r.name: 0 for r in self.rules}
         self.last_fired = {r.name: -(10**9) for r in self.rules}
         self.rollbacks = 0
+        self.would_rollbacks = 0  # mode shadow: the rollbacks the enforced run would have made (its budget)
         self.skipped_steps = 0
         self.dropped_streak = 0  # consecutive steps whose update was dropped (skip, rollback), any cause
         self.missing_warned: set[str] = set()
@@ -112,8 +113,8 @@ class Controller:
         if decision.action == "rollback" and (
                 not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
             decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
-            limit = self.config.rollback["max_rollbacks"]
-            why = (f" (rollback budget spent: {self.rollbacks} of max_rollbacks={limit})" if self.rollbacks >= limit
+            limit, spent = self.config.rollback["max_rollbacks"], max(self.rollbacks, self.would_rollbacks)
+            why = (f" (rollback budget spent: {spent} of max_rollbacks={limit})" if spent >= limit
                    else " (no trusted healthy snapshot to restore yet)")
         else:
             why = ""
@@ -173,6 +174,8 @@ class Controller:
         self.dropped_streak = self.dropped_streak + 1 if decision.skip_step or would_drop else 0
         if decision.rollback:
             self.rollbacks += 1
+        if decision.would == "rollback":
+            self.would_rollbacks += 1
         self.step += 1
 
     def counters(self, decision: Decision | None = None) -> dict[str, float]:

@@ -25,6 +25,8 @@ class SnapshotPlan:
         self.steps: list[int] = []
         self.streak = 0
         self.rollbacks = 0
+        self.started = False
+        self.last_restored: int | None = None
 
     def horizon(self, step: int) -> int:
         return step - self.rollback_cfg["confirm_steps"] + 1
@@ -38,12 +40,19 @@ class SnapshotPlan:
         trusted = [s for s in self.steps if s < self.horizon(step)]
         if not trusted:
             return None
-        self.steps = [s for s in self.steps if s <= trusted[-1]]
-        self.streak, self.rollbacks = 0, self.rollbacks + 1
-        return trusted[-1]
+        target = trusted[-1]
+        if self.last_restored is not None and target <= self.last_restored and len(trusted) > 1:
+            target = trusted[-2]  # the fault returned before a new healthy snapshot: one further back, as Actions
+        self.steps = [s for s in self.steps if s <= target]
+        self.streak, self.rollbacks, self.last_restored = 0, self.rollbacks + 1, target
+        return target
 
     def after_step(self, action: str | None, step: int) -> None:
         """``action``: the decision's action (the would-be action in shadow mode)."""
+        if not self.started:  # as Actions: the starting state, when the first check passes
+            self.started = True
+            if self.enabled and action in APPLIED and not self.steps:
+                self.steps = [step]
         self.streak = self.streak + 1 if action in APPLIED else 0
         if self.enabled and snapshot_due(self.streak, self.snapshots):
             self.steps = (self.steps + [step + 1])[-self.snapshots["keep"]:]  # labelled as Actions: state after step

@@ -54,16 +54,17 @@ def test_rollback_restores_model_optimizer_scheduler_and_rng_bitwise(tmp_path, w
         if steps and steps[-1] not in references:
             references[steps[-1]] = full_state(model, opt, sched)  # what a restore must give back
         seen.append(steps[-1] if steps else None)
-    assert seen == [None, 2, 2, 4, 4, 6, 6] and guard.actions.snapshots.steps() == [4, 6]
+    assert seen == [0, 2, 2, 4, 4, 6, 6] and guard.actions.snapshots.steps() == [4, 6]  # 0: the starting state
     diverged = full_state(model, opt, sched)
     d = train_step(guard, model, opt, sched, scale=1e4)
     assert d.action == "rollback" and d.firings[0].rule.name == "big_grad"
     assert_same(references[6], full_state(model, opt, sched))
     with pytest.raises(AssertionError):  # the check can fail: training really moved on since the snapshot
         assert_same(references[6], diverged)
-    # Once more (budget 2), then the budget is spent and rollback escalates to checkpoint_and_halt.
+    # Once more (budget 2): the fault is back before a new healthy snapshot, so one snapshot further back; then the
+    # budget is spent and rollback escalates to checkpoint_and_halt.
     assert train_step(guard, model, opt, sched, scale=1e4).action == "rollback"
-    assert_same(references[6], full_state(model, opt, sched))
+    assert_same(references[4], full_state(model, opt, sched))
     d = train_step(guard, model, opt, sched, scale=1e4)
     assert d.action == "checkpoint_and_halt" and d.escalated_from == "rollback" and d.stop
     guard.close()
@@ -183,7 +184,67 @@ def test_warn_only_steps_are_healthy_for_snapshots(tmp_path):
     guard, model, opt, sched = setup(tmp_path, noisy)
     for _ in range(3):
         assert train_step(guard, model, opt, sched).action == "warn"
-    assert guard.actions.snapshots.steps() == [2]
+    assert guard.actions.snapshots.steps() == [0, 2]  # the starting state too: a warn-only first check passes
     d = train_step(guard, model, opt, sched, scale=1e4)
     assert d.action == "rollback" and d.escalated_from is None
     guard.close()
+
+
+ESCALATE = """
+snapshots: {healthy_steps: 2, every: 2, keep: 2, where: memory}
+rollback: {max_rollbacks: 3, lr_scale: 0.5}
+rules:
+  - {name: big_grad, metric: rl_guard/grad/norm, op: ">", threshold: 100, action: rollback}
+"""
+
+
+def test_a_fault_in_the_first_steps_rolls_back_to_the_starting_state(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, ESCALATE)
+    start = full_state(model, opt, sched)
+    assert train_step(guard, model, opt, sched).action is None
+    assert guard.actions.snapshots.steps() == [0]  # the state before the first update
+    d = train_step(guard, model, opt, sched, scale=1e4)
+    assert d.action == "rollback" and guard.actions.last_restored == 0
+    now = full_state(model, opt, sched)
+    assert_same(start["model"], now["model"], "model")
+    assert now["optimizer"]["state"] == {}  # Adam's moments as they were before the first step: none
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2, rel=1e-12)
+    guard.close()
+
+
+def test_a_fault_that_returns_goes_further_back_and_the_rate_scales_cumulatively(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, ESCALATE)
+    for _ in range(5):
+        assert train_step(guard, model, opt, sched).action is None
+    assert guard.actions.snapshots.steps() == [2, 4]
+    assert train_step(guard, model, opt, sched, scale=1e4).action == "rollback"
+    assert guard.actions.last_restored == 4 and opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2 * 0.9 ** 2)
+    # back before a new healthy snapshot: one further back, the rate a quarter of the schedule's
+    d = train_step(guard, model, opt, sched, scale=1e4)
+    assert d.action == "rollback" and guard.actions.last_restored == 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25 * 1e-2 * 0.9 ** 1)
+    assert sched.base_lrs == pytest.approx([0.25 * 1e-2] * len(sched.base_lrs))
+    # Healthy again: a snapshot taken at factor 0.25 restored by the third rollback gives 0.125, not 0.25 x 0.125.
+    for _ in range(3):
+        assert train_step(guard, model, opt, sched).action is None
+    newest = guard.actions.snapshots.steps()[-1]
+    assert guard.actions.snapshots.latest()["lr_factor"] == 0.25
+    assert train_step(guard, model, opt, sched, scale=1e4).action == "rollback"
+    assert guard.actions.last_restored == newest and sched.base_lrs == pytest.approx([0.125 * 1e-2] * len(sched.base_lrs))
+    d = train_step(guard, model, opt, sched, scale=1e4)  # the budget (3) is spent: halt, and say so
+    assert d.action == "checkpoint_and_halt" and d.escalated_from == "rollback"
+    assert "rollback budget spent: 3 of max_rollbacks=3" in d.firings[0].message
+    guard.close()
+    incidents = read_jsonl(tmp_path / "run" / "incidents.jsonl")
+    assert [i.get("further_back", False) for i in incidents] == [False, True, False, False]
+
+
+def test_the_guard_state_carries_the_rate_factor(tmp_path):
+    guard, model, opt, sched = setup(tmp_path, ESCALATE)
+    for _ in range(3):
+        train_step(guard, model, opt, sched)
+    train_step(guard, model, opt, sched, scale=1e4)
+    state = guard.state_dict()
+    other, *_ = setup(tmp_path / "b", ESCALATE)
+    other.load_state_dict(state)
+    assert other.actions.lr_factor == 0.5 and other.actions.last_restored == guard.actions.last_restored

@@ -37,7 +37,8 @@ def test_rollback_without_snapshot_escalates_to_checkpoint_and_halt():
     d = ladder(["warn", "rollback"]).decide({M: 1.0}, can_rollback=False)
     assert d.action == "checkpoint_and_halt" and d.escalated_from == "rollback" and d.stop and d.save
     assert d.messages == [f"[rule r_warn] {M} = 1 > 0 at step 0 (rank 0) -> warn",
-                          f"[rule r_rollback] {M} = 1 > 0 at step 0 (rank 0) -> checkpoint_and_halt"]
+                          f"[rule r_rollback] {M} = 1 > 0 at step 0 (rank 0) -> checkpoint_and_halt"
+                          " (no trusted healthy snapshot to restore yet)"]
 
 
 def test_rollback_budget_spent_escalates():

@@ -62,17 +62,21 @@ def test_report_refuses_the_source_directory(fault_demo, capsys):
 
 
 def test_a_stricter_config_fires_earlier_and_escalates_without_snapshots(fault_demo):
-    """Calibration is the point: the same history under other settings. With no healthy snapshot old enough the
-    rollback escalates to checkpoint_and_halt, and the run would have stopped there."""
+    """Calibration is the point: the same history under other settings. The only snapshot is the starting state
+    (healthy_steps 1000): every firing rolls back to it (the fault returns before a newer one), and once the
+    rollback budget is spent the next one escalates to checkpoint_and_halt, where the run would have stopped."""
     run = fault_demo.run_dir
     strict = ("rules:\n"
               "  - {name: kl_tight, metric: rl_guard/kl_old/k3_mean, op: '>', threshold: 0.0, action: rollback}\n"
-              "snapshots: {healthy_steps: 1000}\n")
+              "snapshots: {healthy_steps: 1000}\nrollback: {max_rollbacks: 1}\n")
     result = replay(load_history(run), load_config(strict))
     kl = [r["rl_guard/kl_old/k3_mean"] for r in load_history(run).records]
     fired = [r["step"] for r in result.incidents]
     assert fired == [s for s, v in zip(load_history(run).steps, kl) if v > 0]
-    assert result.incidents[0]["action"] == "checkpoint_and_halt"
-    assert result.incidents[0]["escalated_from"] == "rollback"
-    assert result.halted_at == fired[0]
-    assert all(r["after_halt"] for r in result.incidents[1:])
+    assert result.incidents[0]["action"] == "rollback"
+    assert result.incidents[0]["restored_to_step"] == load_history(run).steps[0]  # the starting state
+    assert result.incidents[1]["action"] == "checkpoint_and_halt"
+    assert result.incidents[1]["escalated_from"] == "rollback"
+    assert "rollback budget spent: 1 of max_rollbacks=1" in result.incidents[1]["message"]
+    assert result.halted_at == fired[1]
+    assert all(r["after_halt"] for r in result.incidents[2:])
