@@ -44,15 +44,16 @@ import torch
 
 from .control.actions import Actions
 from .control.announce import Announcer
-from .control.quarantine import Quarantine
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
+from .control.quarantine import Quarantine
 from .control.state import TrainState
 from .diagnostics import RunDiagnostics, SampleBatch
 from .errors import InputError
 from .stats import host_engine, keys, ranks
 from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
+from .stats.culprits import sequence_extremes
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .stats.kernels import rank_count
 from .stats.probe_batch import probe_batch, sequence_stats
@@ -109,6 +110,9 @@ class Guard:
         self.quarantine = Quarantine(config.quarantine["max_share"])
         self.culprit_candidates: dict[str, list[dict]] = {}  # family -> sequences (control/culprits.py)
         self.last_bundle: dict | None = None  # the last incident bundle: path, bytes, seconds to write
+        # this step's most extreme sequences per token family (device) with the adapter's context per micro-batch
+        self.sequence_extremes: list[tuple[dict, object]] = []
+        self.describe_sequence = None  # adapter: (context, row) -> {"prompt": ..., "completion": ..., ids}
         self.last_metrics: dict[str, float] = {}
         self.last_histograms: dict = {}
         self.last_decision: Decision | None = None
@@ -227,11 +231,13 @@ class Guard:
         return self.announcer.stop_record
 
     # -- per micro-batch ---------------------------------------------------------------------------------------------
-    def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None) -> None:
-        """Accumulate one micro-batch's statistics on the device (no host sync)."""
+    def observe(self, batch: TokenBatch | None = None, loss: torch.Tensor | None = None, context=None) -> None:
+        """Accumulate one micro-batch's statistics on the device (no host sync). ``context``: what the adapter knows
+        of the batch's rows (e.g. token ids), handed to ``describe_sequence`` if a rule acts on one of them."""
         with self._clock, self.protect("observe"):
             if batch is not None:
                 self._acc.add(probe_batch(batch, self.config.lag_buckets, engine=self.config.stats_engine))
+                self.sequence_extremes.append((sequence_extremes(batch, self.config.quarantine["culprits"]), context))
             if loss is not None:
                 self._saw_loss = True
                 self._acc.add(host_engine.loss_partial(loss))
@@ -299,11 +305,12 @@ class Guard:
             finally:
                 self._incomplete_step = self._saw_loss = False
                 self._host_metrics = {}
+                extremes, self.sequence_extremes = self.sequence_extremes, []
             metrics.update(self.controller.counters(decision))
             metrics["rl_guard/guard/fired"] = float(len(decision.firings))
             metrics.update(cost)
             self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
-            self.actions.apply(decision, params, defer_restore=defer_restore)
+            self.actions.apply(decision, params, defer_restore=defer_restore, extremes=extremes)
             return decision
 
     def step_done(self) -> None:

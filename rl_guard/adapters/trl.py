@@ -40,14 +40,15 @@ from transformers import TrainerCallback
 
 from .. import Guard, TokenBatch
 from ..control.announce import console_logger
+from ..control.culprits import IDS_LIMIT, cut
 from ..run_dirs import fresh_run_dir
 from ..sinks.printed import for_printing, printed_keys
 from ..stats.on_device import host_to_device
 from .trl_checkpoints import checkpoints_before, load_guard_state, resume_checkpoint, save_guard_state
 from .trl_coverage import PPO_CLIP_LOSSES, rule_coverage, trainer_configuration, write_coverage
+from .trl_quarantine import PromptGate, reward_culprits
 from .trl_rewards import NoneTracker, applicable_total
 from .trl_samples import samples_from_rewards
-from .trl_quarantine import PromptGate, reward_culprits
 from .trl_seams import QUARANTINE_SEAM, check_seams, check_versions, settings
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class RLGuardCallback(TrainerCallback):
         self._wrap("_calculate_rewards", self._wrap_rewards)
         self._wrap("_clip_grad_norm", self._wrap_clip)
         self._wrap("log", self._wrap_log)
+        self.guard.describe_sequence = self._describe
         if QUARANTINE_SEAM in self._seams:
             self._gate = PromptGate(self.trainer, self.guard.quarantine)
             self._wrap(QUARANTINE_SEAM, self._wrap_generate)
@@ -284,7 +286,7 @@ class RLGuardCallback(TrainerCallback):
                 named = signature.bind(*args, **kwargs).arguments
                 if named["model"].training:
                     loss = out[0] if isinstance(out, tuple) else out
-                    self.guard.observe(self._token_batch(named["inputs"]), loss=loss.detach())
+                    self.guard.observe(self._token_batch(named["inputs"]), loss=loss.detach(), context=named["inputs"])
             return out
         return wrapper
 
@@ -319,13 +321,24 @@ class RLGuardCallback(TrainerCallback):
         self.guard.observe_culprits("rewards", reward_culprits(samples, start, prompts, completions,
                                                                completion_ids_list, k))
 
+    def _describe(self, inputs, row: int) -> dict:
+        """A culprit sequence of a loss micro-batch, as text and ids (read on the host only when a rule acted)."""
+        tokenizer = self.trainer.processing_class
+        decode = tokenizer.decode if hasattr(tokenizer, "decode") else tokenizer.tokenizer.decode
+        prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].tolist()
+        completion = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].tolist()
+        return {"prompt": cut(decode(prompt)), "completion": cut(decode(completion)),
+                "prompt_ids": prompt[:IDS_LIMIT], "completion_ids": completion[:IDS_LIMIT]}
+
     def _wrap_generate(self, original):
         signature = inspect.signature(original)
 
         def wrapper(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
+            gate = self._gate
             with self.guard.protect("quarantine"):  # fail open: a failing gate leaves the batch as it is
-                bound.arguments["inputs"] = self._gate.filter(bound.arguments["inputs"])
+                if gate is not None:
+                    bound.arguments["inputs"] = gate.filter(bound.arguments["inputs"])
             return original(*bound.args, **bound.kwargs)
         return wrapper
 

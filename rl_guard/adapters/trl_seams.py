@@ -14,8 +14,8 @@ TRAINER_METHODS = {"compute_loss": ("model", "inputs"), "_clip_grad_norm": ("mod
 # TRL's RL trainers (those with reward functions): log-probs and entropies of the loss, rewards per function.
 RL_METHODS = {"_get_per_token_logps_and_entropies": (),
               "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list")}
-RL_ATTRS = ("eos_token_ids", "epsilon_low", "epsilon_high", "mask_truncated_completions", "reward_weights",
-            "_buffered_inputs", "num_iterations", "beta", "use_vllm", "reward_funcs", "accelerator")
+RL_ATTRS = ("eos_token_ids", "processing_class", "epsilon_low", "epsilon_high", "mask_truncated_completions",
+            "reward_weights", "_buffered_inputs", "num_iterations", "beta", "use_vllm", "reward_funcs", "accelerator")
 # With quarantine on: the raw dataset rows of a generation batch, before generation (trl_quarantine.py).
 QUARANTINE_SEAM = "_generate_and_score_completions"
 GRPO_ATTRS = ("loss_type", "importance_sampling_level", "vllm_importance_sampling_correction")

@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 
 from ..stats import ranks
+from ..stats.culprits import family_of as token_family
+from ..stats.culprits import host_candidates
 from .action_names import Action
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
@@ -63,13 +65,13 @@ class Actions:
         horizon = self.rollback_horizon(self.guard.step)
         return min(self.snapshots.steps(), default=horizon) < horizon
 
-    def apply(self, decision: Decision, params, defer_restore: bool) -> None:
+    def apply(self, decision: Decision, params, defer_restore: bool, extremes: list | None = None) -> None:
         if decision.firings:  # the samples that led here are worth reading, even after a crash
             with self.guard.protect("audit"):
                 self.guard.diagnostics.flush()
         if self.plan is not None:
             return self._shadow(decision)
-        culprits = self._culprits(decision)
+        culprits = self._culprits(decision, extremes or [])
         quarantined = self._quarantine(decision, culprits)
         self._starting_snapshot(decision)
         if decision.skip_step and params is not None:
@@ -93,11 +95,19 @@ class Actions:
         for firing in decision.firings:
             self._incident(decision, firing, ckpt, restored_to, culprits.get(firing.rule.name), bundle, quarantined)
 
-    def _culprits(self, decision: Decision) -> dict[str, list[dict]]:
-        """Per acting rule, the sequences behind it (at most ``quarantine.culprits``)."""
-        k = self.guard.config.quarantine["culprits"]
-        return {f.rule.name: culprits_for(f.verdict.metric, self.guard.culprit_candidates)[:k]
-                for f in decision.firings if f.action != "warn"}
+    def _culprits(self, decision: Decision, extremes: list) -> dict[str, list[dict]]:
+        """Per acting rule, the sequences behind it (at most ``quarantine.culprits``): from the adapter's reward
+        candidates, or the step's most extreme sequences of the rule's token family (read on the host now)."""
+        g, k = self.guard, self.guard.config.quarantine["culprits"]
+        out = {}
+        for f in decision.firings:
+            if f.action == "warn":
+                continue
+            family = token_family(f.verdict.metric)
+            with g.protect("culprits"):
+                out[f.rule.name] = (host_candidates(extremes, family, k, g.describe_sequence) if family else
+                                    culprits_for(f.verdict.metric, g.culprit_candidates)[:k])
+        return out
 
     def _quarantine(self, decision: Decision, culprits: dict[str, list[dict]]) -> list[dict]:
         """Quarantine the prompts behind a skip or rollback; past ``max_share`` of the data, halt instead."""
@@ -240,7 +250,8 @@ class Actions:
                   "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
                   "restored_to_step": restored_to,  # rollback: the state from before this guard step was restored
                   "escalation_reason": decision.escalation_reason,
-                  "culprits": [{k: c.get(k) for k in ("prompt", "prompt_key", "reward", "nonfinite")}
+                  "culprits": [{k: c[k] for k in ("prompt", "prompt_key", "reward", "family", "value", "nonfinite")
+                                if k in c}
                                for c in culprits or []],
                   "bundle": bundle, "quarantined": [q["prompt"] for q in quarantined or []]}
         if restored_to is not None and self.further_back:
