@@ -36,28 +36,59 @@ AReaL internals relied on:
   ``FSDPPPOActor``'s FSDP2 gradients are ``DTensor`` shards: detected and merged by sum
   (``rl_guard/stats/grads.py``), the skip drops them before AReaL's own step. ``tests/adapters/areal/`` runs the real
   ``FSDPPPOActor`` on CPU (gloo) with one and two processes.
+- Checked at attach (``check_seams``, before anything is wrapped): areal in the tested range (1.0.x; not installed:
+  an error unless ``RL_GUARD_ALLOW_UNTESTED=1``, then said on the console), the engine's ``train_batch`` (with
+  ``loss_fn``), ``optimizer_step``, ``optimizer_zero_grad``, ``get_version``, ``model``, ``optimizer``,
+  ``lr_scheduler``, and, where AReaL's PPO actor is loaded, that ``grpo_loss_fn`` still takes the settings read
+  (``eps_clip``, ``eps_clip_higher``, ``importance_sampling_level``, ``current_version``). The settings are read
+  from each ``loss_fn`` call bound to its own signature, so a loss function's own defaults count; a setting the
+  loss function does not have falls back (the AReaL default) and is said once on the console.
+- A skip is verified: the optimizer must not step in a ``train_batch`` whose update the guard dropped (a step
+  pre-hook counts its steps), else the guard escalates to checkpoint-and-halt (``Guard.skip_not_taken``); a
+  ``train_batch`` that returns without calling ``optimizer_step`` raises ``SeamError``.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
 
 from .. import TokenBatch
-from ..errors import GuardHalted
 from ..stats.constants import DEFAULT_CLIP_EPS
-from ..versions import require
+from ..versions import ALLOW_UNTESTED, SeamError, check_range, installed, require_attr, require_seam
+from .seams import StepCounter, announce, arguments, halted, where
 
-SUPPORTED = {"areal": ((1, 0), (1, 1))}
+TESTED = {"areal": ("1.0", "1.1")}  # constraints/areal.txt: areal 1.0.4
+# the engine's methods wrapped or called, with the parameters read by name, and the attributes read
+ENGINE_METHODS = {"train_batch": ("input_", "loss_fn"), "optimizer_step": (), "optimizer_zero_grad": (),
+                  "get_version": ()}
+ENGINE_ATTRS = ("model", "optimizer", "lr_scheduler")
+LOSS_MODULE = "areal.trainer.ppo.actor"  # PPOActor binds grpo_loss_fn's settings with functools.partial
+LOSS_ARGS = ("logprobs", "entropy", "input_data")
+# grpo_loss_fn's settings read for the token statistics, and what they mean when a loss function has none
+LOSS_SETTINGS = {"eps_clip": DEFAULT_CLIP_EPS, "eps_clip_higher": None, "importance_sampling_level": "token",
+                 "current_version": None}
 PRESET = Path(__file__).resolve().parents[1] / "presets" / "async.yaml"
 
 
 def check_versions() -> None:
-    """An engine with AReaL's API but without the package installed is let through."""
-    require("AReaL", "areal", *SUPPORTED["areal"], optional=True)
+    """areal in the tested range. Not installed: an error, unless ``RL_GUARD_ALLOW_UNTESTED=1`` (an engine with
+    AReaL's API without the package), which is said on the console."""
+    if installed("areal") is None and os.environ.get(ALLOW_UNTESTED) == "1":
+        announce(f"areal is not installed ({ALLOW_UNTESTED}=1): attaching to an engine with AReaL's API; its methods "
+                 f"were checked, its version cannot be ({describe_tested()})")
+        return
+    check_range("AReaL", "areal", *TESTED["areal"])
+
+
+def describe_tested() -> str:
+    return where("AReaL", "areal", *TESTED["areal"])
 
 
 def align_versions(versions: torch.Tensor) -> torch.Tensor:
@@ -108,13 +139,13 @@ def async_yaml(max_head_offpolicyness: int, source: str | Path | None = None) ->
 
 
 def _last_lr(engine) -> float:
-    sched = getattr(engine, "lr_scheduler", None)
+    sched = engine.lr_scheduler  # checked at attach; None where the engine has no schedule
     return float(sched.get_last_lr()[0]) if sched is not None else math.nan
 
 
-def install(engine, guard, shift_versions: bool = True):
-    """Wrap ``engine.train_batch`` (observe every ``loss_fn`` call) and ``engine.optimizer_step`` (the gate), on
-    this instance only; the originals run unchanged with the same arguments."""
+def check_seams(engine) -> None:
+    """Everything ``install`` relies on (module docstring), before anything is wrapped; raises
+    ``UnsupportedVersion`` or ``SeamError`` naming the version, the tested range and the seam."""
     check_versions()
     if not hasattr(engine, "optimizer_step") and hasattr(engine, "train_engine"):  # a TrainController
         raise TypeError(
@@ -122,40 +153,94 @@ def install(engine, guard, shift_versions: bool = True):
             "processes. Build the trainer with `from rl_guard.adapters.areal_trainer import PPOTrainer` (instead of "
             "`from areal import PPOTrainer`): the workers then import rl_guard.adapters.areal_engine."
             "GuardedFSDPPPOActor, which installs the guard itself.")
-    guard.attach(engine.model, getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None))
+    at = describe_tested()
+    for name, params in ENGINE_METHODS.items():
+        require_seam(engine, name, params=params, where=at)
+    require_attr(engine, ENGINE_ATTRS, where=at)
+    module = sys.modules.get(LOSS_MODULE)
+    if module is not None:
+        require_seam(module, "grpo_loss_fn", params=LOSS_ARGS + tuple(LOSS_SETTINGS), where=at)
+
+
+def loss_settings(named: dict, engine, said: set) -> dict:
+    """The loss settings of one ``loss_fn`` call (``named``: its arguments by name, defaults filled in); a setting
+    the loss function does not take falls back to ``LOSS_SETTINGS`` (``current_version``: the engine's version) and
+    is said once (``said``)."""
+    out, missing = {}, []
+    for key, default in LOSS_SETTINGS.items():
+        if key in named:
+            out[key] = named[key]
+        else:
+            out[key] = default
+            missing.append(key)
+    if out["current_version"] is None:
+        out["current_version"] = engine.get_version()
+        missing.append("current_version")
+    new = [k for k in missing if k not in said]
+    if new:
+        said.update(new)
+        fallback = {**LOSS_SETTINGS, "current_version": "the engine's get_version()"}
+        announce("AReaL's loss_fn does not give " + ", ".join(new) + "; the guard uses "
+                 + ", ".join(f"{k}={fallback[k]}" for k in new) + " for the clip and lag statistics")
+    return out
+
+
+def install(engine, guard, shift_versions: bool = True):
+    """Wrap ``engine.train_batch`` (observe every ``loss_fn`` call) and ``engine.optimizer_step`` (the gate), on
+    this instance only; the originals run unchanged with the same arguments. Checks every seam first."""
+    check_seams(engine)
+    guard.attach(engine.model, engine.optimizer, engine.lr_scheduler)
     original_train_batch, original_step = engine.train_batch, engine.optimizer_step
+    steps = StepCounter(engine.optimizer)  # verifies that a dropped update stays dropped
+    said: set[str] = set()
+    state: dict = {"gated": False, "skipped_at": None, "decision": None}
 
     def observing(loss_fn):
-        kw = getattr(loss_fn, "keywords", None) or {}  # grpo_loss_fn's settings, bound by functools.partial
-
-        def guarded(logprobs, entropy, input_data, *args, **kwargs):
-            loss = loss_fn(logprobs, entropy, input_data, *args, **kwargs)
-            version = kw.get("current_version")
-            version = engine.get_version() if version is None else version
+        def guarded(*args, **kwargs):
+            loss = loss_fn(*args, **kwargs)
             with guard.protect("observe (AReaL loss_fn inputs)"):  # a renamed AReaL key must not kill training
-                guard.observe(token_batch(logprobs, input_data, entropy, version, kw.get("eps_clip", DEFAULT_CLIP_EPS),
-                                          kw.get("eps_clip_higher"), kw.get("importance_sampling_level", "token"),
-                                          shift_versions), loss=loss.detach())
+                named = arguments(loss_fn, args, kwargs)
+                cfg = loss_settings(named, engine, said)
+                guard.observe(token_batch(named["logprobs"], named["input_data"], named["entropy"],
+                                          cfg["current_version"], cfg["eps_clip"], cfg["eps_clip_higher"],
+                                          cfg["importance_sampling_level"], shift_versions), loss=loss.detach())
             return loss
         return guarded
 
     @functools.wraps(original_train_batch)
-    def train_batch(input_, loss_fn, loss_weight_fn, *args, **kwargs):
-        return original_train_batch(input_, observing(loss_fn), loss_weight_fn, *args, **kwargs)
+    def train_batch(*args, **kwargs):
+        call = inspect.signature(original_train_batch).bind(*args, **kwargs)
+        call.arguments["loss_fn"] = observing(call.arguments["loss_fn"])
+        state.update(gated=False, skipped_at=None, decision=None)
+        out = original_train_batch(*call.args, **call.kwargs)
+        verify_step()
+        return out
+
+    def verify_step() -> None:
+        if not state["gated"]:
+            raise SeamError(f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
+                            f"({describe_tested()}): the update was applied without the guard's check")
+        skipped_at, decision = state["skipped_at"], state["decision"]
+        if skipped_at is not None and steps.calls != skipped_at:
+            guard.skip_not_taken(decision, "AReaL", f"its optimizer stepped {steps.calls - skipped_at} time(s) "
+                                                    "in the train_batch whose update the guard dropped")
+            raise halted(guard, decision)
 
     @functools.wraps(original_step)
     def optimizer_step(*args, **kwargs):
+        state["gated"] = True
         decision = guard.check()
         if decision.apply_step:
             stats = original_step(*args, **kwargs)
         else:
+            state["skipped_at"], state["decision"] = steps.calls, decision
             engine.optimizer_zero_grad()
             stats = {"update_successful": 0.0, "grad_norm": guard.last_metrics.get("rl_guard/grad/norm", math.nan),
                      "lr": _last_lr(engine)}
         guard.step_done()
         stats.update(guard.last_logged)
         if decision.stop:
-            raise GuardHalted.of(decision)
+            raise halted(guard, decision)
         return stats
 
     engine.train_batch, engine.optimizer_step = train_batch, optimizer_step

@@ -19,7 +19,10 @@ Read against areal 1.0.4 (``areal/engine/fsdp_engine.py``, ``areal/infra/control
   ``where: memory`` writes them under ``/dev/shm`` (RAM-backed), ``where: disk`` under the run directory.
 - Resume: ``GuardedFSDPPPOActor.save`` / ``load`` add the guard's state (``rl_guard_rank<r>.pt``) to every DCP save
   and load outside the guard's snapshots, which is how AReaL's ``RecoverHandler`` writes and reads its recover
-  checkpoints (``areal/utils/recover.py``), so a recovered run continues the guard's step and counters.
+  checkpoints (``areal/utils/recover.py``), so a recovered run continues the guard's step and counters. The
+  file holds plain data (dicts, lists, numbers, strings, tensors) and is read with ``torch.load(weights_only=True)``.
+- Checked at attach: ``areal.check_seams`` on the engine, then ``save`` / ``load`` (``meta``) and ``SaveLoadMeta``'s
+  ``path`` / ``weight_format`` / ``with_optim`` (``check_engine_state``).
 """
 
 from __future__ import annotations
@@ -29,14 +32,15 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from areal.api.io_struct import SaveLoadMeta
 from areal.engine.fsdp_engine import FSDPPPOActor
 
 from ..control.ram_dir import ram_dir
+from ..versions import require_seam
 from . import CONFIG_ENV as CONFIG
 from . import RUN_DIR_ENV as RUN_DIR
 from . import areal as adapter
+from .seams import announce, load_state, save_state
 
 if TYPE_CHECKING:
     from ..guard import Guard
@@ -59,14 +63,30 @@ def settings(config_path: str | None, run_dir: str | None, max_head_offpolicynes
 def guard_from_env():
     from ..guard import Guard
 
-    source = os.environ.get(CONFIG) or adapter.async_yaml(int(os.environ.get(BOUND, "0")))
+    source = os.environ.get(CONFIG)
+    if not source:
+        bound = os.environ.get(BOUND)
+        if bound is None:
+            announce(f"neither {CONFIG} nor {BOUND} is set in this worker: the async preset with staleness_bound at 0 "
+                     "(synchronous); areal_trainer.PPOTrainer sets it from rollout.max_head_offpolicyness")
+            bound = "0"
+        source = adapter.async_yaml(int(bound))
     return Guard.from_yaml(source, run_dir=os.environ.get(RUN_DIR) or "runs/rl_guard")
+
+
+def check_engine_state(engine) -> None:
+    """``save`` / ``load`` and the ``SaveLoadMeta`` fields ``EngineState`` uses (``SeamError`` names the one)."""
+    at = adapter.describe_tested()
+    for name in ("save", "load"):
+        require_seam(engine, name, params=("meta",), where=at)
+    require_seam(SaveLoadMeta, "__init__", params=("path", "weight_format", "with_optim"), where=at)
 
 
 class EngineState:
     """The guard's state protocol over the engine's own ``save`` / ``load`` (DCP, model + optimizer)."""
 
     def __init__(self, engine, guard):
+        check_engine_state(engine)
         self.engine, self.guard, self.model, self.optimizer = engine, guard, engine.model, engine.optimizer
         where = guard.config.snapshots.get("where", "memory")
         # where: memory -> RAM (/dev/shm), freed when this node's last rank of the run exits
@@ -80,7 +100,7 @@ class EngineState:
         snapshot = step > self.guard.step
         path = (self.snapshot_dir if snapshot else self.checkpoint_dir) / f"step{step}"
         self.engine.save(SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True))
-        sched = getattr(self.engine, "lr_scheduler", None)
+        sched = self.engine.lr_scheduler  # checked at attach (areal.check_seams); None: no schedule
         return {"step": step, "path": str(path), "lr_scheduler": None if sched is None else sched.state_dict(),
                 "version": self.engine.get_version()}
 
@@ -91,8 +111,8 @@ class EngineState:
 
     def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
         self.engine.load(SaveLoadMeta(path=snap["path"], weight_format="dcp", with_optim=True))
-        sched = getattr(self.engine, "lr_scheduler", None)
-        if sched is not None and snap.get("lr_scheduler") is not None:
+        sched = self.engine.lr_scheduler
+        if sched is not None and snap["lr_scheduler"] is not None:
             sched.load_state_dict(snap["lr_scheduler"])
         if lr_scale != 1.0:
             from ..control.state import scale_lr
@@ -125,7 +145,7 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
         guard = self.rl_guard
         if guard is not None and meta.weight_format == "dcp" and not self._guard_snapshot(guard, meta.path):
             with guard.protect("save guard state"):
-                torch.save(guard.state_dict(), self._guard_state_path(guard, meta.path))
+                save_state(guard.state_dict(), self._guard_state_path(guard, meta.path))
 
     def load(self, meta: SaveLoadMeta):
         """AReaL's own load, plus the guard's state saved beside it (not on the guard's own rollback, which keeps
@@ -136,7 +156,7 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
             return
         path = self._guard_state_path(guard, meta.path)
         if path.exists():
-            guard.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            guard.load_state_dict(load_state(path))
 
     @staticmethod
     def _guard_state_path(guard: Guard, path: str) -> Path:

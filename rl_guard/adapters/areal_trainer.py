@@ -15,6 +15,9 @@ backend and calls ``FSDPPPOActor.as_controller(config, scheduler)`` in single-co
 ``FSDPPPOActor(config=...)`` in SPMD mode. This subclass does the same with ``GuardedFSDPPPOActor`` for the actor
 only (the reference model and the critic are left alone), and passes the guard's settings to the actor's workers
 through ``actor.scheduling_spec[*].env_vars``, the field AReaL itself uses for worker environment variables.
+Before it builds the actor it checks what it relies on (``check_seams``): the parent's ``_create_train_engine``
+(``actor_config``, ``alloc``), ``as_controller`` / ``create_process_group``, and the config values it reads; a
+missing or changed one raises ``SeamError`` naming the version and the seam.
 """
 
 from __future__ import annotations
@@ -24,7 +27,22 @@ import os
 from areal.trainer.rl_trainer import PPOTrainer as _PPOTrainer
 from areal.utils.environ import is_single_controller
 
+from ..versions import SeamError, require_attr, require_seam
+from .areal import check_versions, describe_tested
 from .areal_engine import BOUND, CONFIG, RUN_DIR, GuardedFSDPPPOActor, settings
+
+
+def check_seams(trainer, actor_config, alloc) -> None:
+    """What ``PPOTrainer._create_train_engine`` relies on, before it builds the guarded actor."""
+    at = describe_tested()
+    require_seam(GuardedFSDPPPOActor, "as_controller", params=("config", "scheduler"), where=at)
+    require_seam(GuardedFSDPPPOActor, "create_process_group", params=("parallel_strategy",), where=at)
+    config = trainer.config
+    require_attr(config, ("cluster", "experiment_name", "trial_name", "rollout", "actor"), where=at)
+    require_attr(config.cluster, ("fileroot",), where=at)
+    require_attr(config.rollout, ("max_head_offpolicyness",), where=at)
+    require_attr(actor_config, ("scheduling_spec",), where=at)
+    require_attr(alloc, ("backend", "parallel"), where=at)
 
 
 def guard_settings(config) -> dict:
@@ -34,9 +52,24 @@ def guard_settings(config) -> dict:
 
 
 class PPOTrainer(_PPOTrainer):
+    def __init__(self, *args, **kwargs):
+        """AReaL's ``__init__``; it must build the actor through ``_create_train_engine`` (checked before and after:
+        a release that builds it elsewhere would train unguarded)."""
+        check_versions()
+        require_seam(_PPOTrainer, "_create_train_engine", params=("actor_config", "alloc"), where=describe_tested())
+        self._rl_guard_actor = False
+        super().__init__(*args, **kwargs)
+        if not self._rl_guard_actor:
+            raise SeamError(f"rl_guard: AReaL's PPOTrainer built its actor without _create_train_engine "
+                            f"({describe_tested()}); the actor would run unguarded")
+
     def _create_train_engine(self, actor_config, alloc):
-        if actor_config is not self.config.actor or alloc.backend != "fsdp":
+        if actor_config is not self.config.actor:  # the reference model, the critic
             return super()._create_train_engine(actor_config, alloc)
+        check_seams(self, actor_config, alloc)
+        self._rl_guard_actor = True
+        if alloc.backend != "fsdp":  # loud, not an unguarded run
+            raise SeamError(f"rl_guard guards AReaL's fsdp backend; this actor's backend is {alloc.backend!r}")
         env = guard_settings(self.config)
         if is_single_controller():
             for spec in actor_config.scheduling_spec:

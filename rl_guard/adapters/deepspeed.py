@@ -28,6 +28,12 @@ deepspeed):
   ranks merge by sum), before the update inside the gate and after it at ``step_done``.
 - Snapshots, save-and-halt and rollback go through ``engine.save_checkpoint`` / ``load_checkpoint``
   (``EngineCheckpointState``): ZeRO-3 parameters are partitioned, so ``state_dict()`` copies would be empty.
+- Checked at attach (``check_engine``): deepspeed in the tested range (0.19.x), the engine's methods and attributes
+  used here, and a way to skip: ZeRO's ``overflow`` / ``check_overflow`` (with its gradient partitions), or a torch
+  optimizer on ``p.grad`` at stage 0. Any other optimizer (``BF16_Optimizer``, ``FP16_Optimizer``) is an attach
+  error: the guard could not drop an update there. A skip is verified: after the overflow path,
+  ``engine.skipped_steps`` must have advanced by one; if DeepSpeed applied the update anyway, the guard says so,
+  records a ``skip_not_taken`` incident, checkpoints and halts (``Guard.skip_not_taken``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,17 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from ..versions import SeamError, check_range, require_attr, require_seam
+from .seams import where
+
+TESTED = {"deepspeed": ("0.19", "0.20")}  # constraints/*.txt: deepspeed 0.19.6
+ENGINE_METHODS = ("step", "is_gradient_accumulation_boundary", "zero_optimization_stage", "fp16_enabled")
+ENGINE_ATTRS = ("optimizer", "module", "skipped_steps")
+# this rank's gradient and fp32 master partitions, and whether they live on the CPU (ZeroGradients, master_partitions)
+ZERO_ATTRS = {3: ("fp32_partitioned_groups_flat", "sub_group_to_group_id", "offload_optimizer", "averaged_gradients"),
+              1: ("single_partition_of_fp32_groups", "cpu_offload", "averaged_gradients")}
+OVERFLOW, DROP_GRADS = "overflow", "drop_grads"  # how a dropped step is skipped
 
 
 def zero_stage(engine) -> int:
@@ -61,11 +78,11 @@ class ZeroGradients:
         return 1.0 / self.optimizer.loss_scale if self.engine.fp16_enabled() else 1.0
 
     def grad_groups(self) -> list[list[torch.Tensor]]:
-        opt = self.optimizer
-        flat = getattr(opt, "fp32_partitioned_groups_flat", None)  # ZeRO 3
-        if flat is None:
-            flat = opt.single_partition_of_fp32_groups  # ZeRO 1/2
-        offload = bool(getattr(opt, "offload_optimizer", False) or getattr(opt, "cpu_offload", False))
+        opt = self.optimizer  # the attributes were checked at attach (check_engine)
+        if zero_stage(self.engine) == 3:
+            flat, offload = opt.fp32_partitioned_groups_flat, bool(opt.offload_optimizer)
+        else:
+            flat, offload = opt.single_partition_of_fp32_groups, bool(opt.cpu_offload)
         out = []
         for i in range(len(flat)):
             if offload:
@@ -118,28 +135,70 @@ def gradient_source(engine):
     return ZeroGradients(engine) if zero_stage(engine) > 0 else engine.optimizer
 
 
-def suppressed_step(engine, step):
-    """Run the engine's ``step`` without the update (see the module docstring)."""
-    opt = getattr(engine, "optimizer", None)
-    if opt is None or not (hasattr(opt, "overflow") and hasattr(opt, "check_overflow")):
-        return step()  # gradients in p.grad: the guard's skip already dropped them (``drop_grads``)
+def check_engine(engine) -> str:
+    """At attach: deepspeed in the tested range and every seam of ``engine`` the gate uses; returns how a dropped
+    step is skipped, ``OVERFLOW`` (DeepSpeed's overflow path) or ``DROP_GRADS`` (a torch optimizer at stage 0, its
+    gradients dropped). Raises ``UnsupportedVersion`` or ``SeamError`` naming the version, the tested range and the
+    seam."""
+    check_range("DeepSpeed", "deepspeed", *TESTED["deepspeed"])
+    at = where("DeepSpeed", "deepspeed", *TESTED["deepspeed"])
+    for name in ENGINE_METHODS:
+        require_seam(engine, name, where=at)
+    require_attr(engine, ENGINE_ATTRS, where=at)
+    opt, stage = engine.optimizer, zero_stage(engine)
+    if stage == 0 and isinstance(opt, torch.optim.Optimizer):
+        return DROP_GRADS
+    if not (callable(getattr(opt, "check_overflow", None)) and hasattr(opt, "overflow")):
+        raise SeamError(f"rl_guard: {type(opt).__name__} (ZeRO stage {stage}) has no overflow / check_overflow ({at}); "
+                        "the guard skips a step through DeepSpeed's overflow path and could not drop an update on "
+                        "this engine")
+    if stage > 0:
+        require_attr(opt, ZERO_ATTRS[3 if stage == 3 else 1], where=at)
+        if engine.fp16_enabled():
+            require_attr(opt, ("loss_scale",), where=at)
+    return OVERFLOW
+
+
+def skip_path(engine) -> str:
+    """``check_engine``'s answer for a DeepSpeed engine; ``DROP_GRADS`` for anything else (an engine-shaped object
+    over a torch optimizer, whose gradients the guard drops)."""
+    return check_engine(engine) if is_engine(engine) else DROP_GRADS
+
+
+def suppressed_step(engine, step, path: str = OVERFLOW, guard=None, decision=None):
+    """Run the engine's ``step`` without the update (see the module docstring); on the overflow path, verify that
+    DeepSpeed skipped (``skipped_steps`` advanced) and escalate through ``guard.skip_not_taken`` when it did not."""
+    if path == DROP_GRADS:
+        for group in getattr(getattr(engine, "optimizer", None), "param_groups", ()):  # dropped by the guard: none left
+            for p in group["params"]:
+                p.grad = None
+        return step()  # a torch optimizer skips every parameter without a gradient
+    opt, before = engine.optimizer, engine.skipped_steps
 
     def overflowed(*args, **kwargs):
         opt.overflow = True
 
     opt.check_overflow, opt.overflow = overflowed, True  # instance attribute shadows the method for one step
     try:
-        return step()
+        out = step()
     finally:
         del opt.check_overflow
         opt.overflow = False
+    after = engine.skipped_steps
+    if after != before + 1 and guard is not None and decision is not None:
+        guard.skip_not_taken(decision, "DeepSpeed", f"its overflow path did not skip (engine.skipped_steps {before} -> "
+                                                    f"{after}, expected {before + 1})")
+    return out
 
 
-def gated_step(guard, engine, call):
+def gated_step(guard, engine, call, path: str | None = None):
     """``guard.check`` on the engine's gradients (ZeRO partitions, or ``p.grad`` without ZeRO), then ``call`` as
-    is or through DeepSpeed's overflow path. Returns ``(decision, call's result)``."""
+    is or through DeepSpeed's overflow path (``path``: ``check_engine``'s, found at attach). Returns
+    ``(decision, call's result)``; after a skip DeepSpeed did not take, the decision is ``checkpoint_and_halt``."""
     decision = guard.check(params=gradient_source(engine) if is_engine(engine) else None, defer_restore=True)
-    return decision, (call() if decision.apply_step else suppressed_step(engine, call))
+    if decision.apply_step:
+        return decision, call()
+    return decision, suppressed_step(engine, call, path or skip_path(engine), guard, decision)
 
 
 class EngineGate:
@@ -148,6 +207,7 @@ class EngineGate:
 
     def __init__(self, engine, guard):
         self.engine, self.guard = engine, guard
+        self.path = check_engine(engine)  # before anything is wrapped: a changed seam fails here
         self.decision = None
         self._original = engine.step
 
@@ -160,7 +220,8 @@ class EngineGate:
     def _step(self, *args, **kwargs):
         if not self.engine.is_gradient_accumulation_boundary():
             return self._original(*args, **kwargs)
-        self.decision, out = gated_step(self.guard, self.engine, functools.partial(self._original, *args, **kwargs))
+        self.decision, out = gated_step(self.guard, self.engine, functools.partial(self._original, *args, **kwargs),
+                                        self.path)
         return out
 
     def take(self):
@@ -188,6 +249,11 @@ class EngineCheckpointState(MasterPartitions):
     calls them at the same step, as every rank takes the same decision). A snapshot is a checkpoint tag."""
 
     def __init__(self, engine, guard, ckpt_dir=None):
+        at = where("DeepSpeed", "deepspeed", *TESTED["deepspeed"])
+        require_seam(engine, "save_checkpoint", params=("save_dir", "tag", "client_state", "save_latest"), where=at)
+        require_seam(engine, "load_checkpoint", params=("load_dir", "tag", "load_optimizer_states",
+                                                        "load_lr_scheduler_states"), where=at)
+        require_attr(engine, ("module", "optimizer", "lr_scheduler"), where=at)
         self.engine, self.guard = engine, guard
         self.ckpt_dir = str(ckpt_dir or guard.run_dir / "deepspeed_snapshots")
         self.model, self.optimizer = engine.module, engine.optimizer

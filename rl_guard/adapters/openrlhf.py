@@ -24,24 +24,38 @@ internals relied on:
   (``memory_dir``), checkpoints for save-and-halt to ``ckpt_dir`` on disk; vLLM gets restored weights at the next
   ``broadcast_to_vllm``. ``ppo_train``'s status (logged as ``train/<key>``) gets the last step's ``rl_guard/*``. A
   halt raises ``GuardHalted``.
+- Checked at attach (``check_seams``, before anything is wrapped): openrlhf in the tested range (0.11.x), every
+  method wrapped or called here with the parameters it reads by name, ``PolicyLoss``'s ``policy_loss_type`` /
+  ``clip_eps_low`` / ``clip_eps_high``, ``args.ckpt.path``, the ``Experience`` fields read, and the DeepSpeed
+  engine (``deepspeed.check_engine``). A missing or changed one raises ``SeamError`` naming the version, the tested
+  range and the seam. A skip DeepSpeed did not take escalates to checkpoint-and-halt (``deepspeed.suppressed_step``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
 import shutil
+import sys
 
 from .. import TokenBatch
 from ..control.ram_dir import ram_dir
 from ..control.state import scale_lr
-from ..errors import GuardHalted
-from ..stats.constants import DEFAULT_CLIP_EPS
-from ..versions import require
-from .deepspeed import MasterPartitions, gated_step, is_engine
+from ..versions import SeamError, check_range, require_attr, require_seam
+from .deepspeed import MasterPartitions, gated_step, is_engine, skip_path
+from .seams import arguments, halted, where
 
-SUPPORTED = {"openrlhf": ((0, 11), (0, 12))}
+TESTED = {"openrlhf": ("0.11", "0.12")}  # constraints/openrlhf.txt: openrlhf 0.11.2
+# What install wraps or calls, with the parameters it reads by name, and the settings token_batch reads.
+TRAINER_METHODS = {"training_step": ("experience",), "ppo_train": ()}
+TRAINER_ATTRS = ("strategy", "actor", "actor_optim", "actor_scheduler", "args", "actor_loss_fn")
+LOSS_PARAMS = ("log_probs", "old_log_probs", "advantages", "action_mask", "rollout_log_probs")
+LOSS_ATTRS = ("policy_loss_type", "clip_eps_low", "clip_eps_high")
+STRATEGY_METHODS = {"save_ckpt": ("model", "save_dir", "tag", "max_num", "max_mem", "client_state"),
+                    "load_ckpt": ("model", "load_dir", "tag"), "optimizer_step": ("model",)}
+EXPERIENCE_MODULE = "openrlhf.trainer.ppo_utils.experience"
 # Experience fields as of openrlhf 0.11.2 (tests compare with the real dataclass) and the ones read here.
 EXPERIENCE_FIELDS = ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs",
                      "rollout_log_probs", "values", "returns", "advantages", "kl", "rewards", "scores",
@@ -55,7 +69,7 @@ def token_batch(experience, log_probs, entropy=None, policy_loss=None) -> TokenB
     """One micro-batch's ``TokenBatch``: the Experience plus the current log-probs / entropy ``(B, A)``."""
     def per_seq(t):
         return t.reshape(-1).to(log_probs.device) if hasattr(t, "numel") and t.numel() == log_probs.shape[0] else None
-    loss_type = getattr(policy_loss, "policy_loss_type", "ppo")
+    loss_type = policy_loss.policy_loss_type  # PolicyLoss's settings (LOSS_ATTRS, checked at attach)
     old, rollout = experience.action_log_probs, experience.rollout_log_probs
     behaviour, prox = old, None
     if rollout is not None:  # GSPO's ratio is pi/pi_rollout itself; PPO's is pi/pi_old with pi_old/pi_rollout as IS
@@ -67,8 +81,7 @@ def token_batch(experience, log_probs, entropy=None, policy_loss=None) -> TokenB
         prox_logprobs=None if prox is None else prox.detach(), ref_logprobs=experience.base_action_log_probs,
         entropy=entropy, advantages=experience.advantages, rewards=per_seq(rewards),
         lengths=per_seq(experience.response_length), truncated=per_seq(experience.truncated),
-        eps_low=float(getattr(policy_loss, "clip_eps_low", DEFAULT_CLIP_EPS)),
-        eps_high=float(getattr(policy_loss, "clip_eps_high", DEFAULT_CLIP_EPS)),
+        eps_low=float(policy_loss.clip_eps_low), eps_high=float(policy_loss.clip_eps_high),
         importance_sampling_level="sequence" if loss_type == "gspo" else "token")
 
 
@@ -133,20 +146,20 @@ def _engine(model):
 def gate_optimizer_step(strategy, actor, guard) -> None:
     """Wrap ``strategy.optimizer_step`` (this instance): at the actor's accumulation boundaries only, check the
     guard, then apply, skip, roll back or halt."""
-    original = strategy.optimizer_step
+    original = require_seam(strategy, "optimizer_step", params=STRATEGY_METHODS["optimizer_step"], where=_where())
+    path = skip_path(_engine(actor))  # a DeepSpeed engine: deepspeed.check_engine
 
     @functools.wraps(original)
-    def optimizer_step(optimizer, model, scheduler, *args, **kwargs):
-        engine = _engine(model)
+    def optimizer_step(*args, **kwargs):
+        engine = _engine(arguments(original, args, kwargs)["model"])
         boundary = getattr(engine, "is_gradient_accumulation_boundary", lambda: True)()  # plain optimizers: always
         if engine is not _engine(actor) or not boundary:  # another model (a critic), or DeepSpeed accumulates
-            return original(optimizer, model, scheduler, *args, **kwargs)
-        decision, out = gated_step(guard, engine, functools.partial(original, optimizer, model, scheduler, *args,
-                                                                    **kwargs))
+            return original(*args, **kwargs)
+        decision, out = gated_step(guard, engine, functools.partial(original, *args, **kwargs), path)
         guard.take_restored()
         guard.step_done()
         if decision.stop:
-            raise GuardHalted.of(decision)
+            raise halted(guard, decision)
         return out
 
     strategy.optimizer_step = optimizer_step
@@ -164,54 +177,103 @@ def memory_dir(guard, name: str = "actor") -> str | None:
 
 def attach_checkpoints(guard, strategy, actor, optimizer, scheduler, ckpt_dir: str, snapshot_dir: str | None = None):
     """Give the guard OpenRLHF's checkpoint path as its state (snapshots, save-and-halt, rollback)."""
+    for name in ("save_ckpt", "load_ckpt"):
+        require_seam(strategy, name, params=STRATEGY_METHODS[name], where=_where())
     guard.attach(actor, optimizer, scheduler)
     return guard.attach_state(CheckpointState(guard, strategy, actor, optimizer, scheduler, ckpt_dir,
                                               max_num=guard.config.snapshots["keep"] + 1, snapshot_dir=snapshot_dir))
 
 
+def _where() -> str:
+    return where("OpenRLHF", "openrlhf", *TESTED["openrlhf"])
+
+
+def check_experience(experience_type, at: str) -> None:
+    """The ``Experience`` fields ``token_batch`` reads (a dataclass or an instance)."""
+    names = {f.name for f in dataclasses.fields(experience_type)}
+    missing = [f for f in FIELDS_READ if f not in names]
+    if missing:
+        raise SeamError(f"rl_guard: OpenRLHF's Experience has no {', '.join(missing)} ({at}); the adapter reads them")
+
+
+def check_seams(trainer) -> None:
+    """Everything ``install`` relies on, before anything is wrapped: the tested openrlhf range, the trainer's,
+    actor's, loss's and strategy's methods with the parameters read by name, the settings read, the ``Experience``
+    fields (when OpenRLHF's module is loaded, as it is in the process that built the trainer; otherwise on the
+    first experience) and the DeepSpeed engine. Raises ``UnsupportedVersion`` / ``SeamError``."""
+    check_range("OpenRLHF", "openrlhf", *TESTED["openrlhf"])
+    at = _where()
+    require_attr(trainer, TRAINER_ATTRS, where=at)
+    for name, params in TRAINER_METHODS.items():
+        require_seam(trainer, name, params=params, where=at)
+    require_seam(trainer.actor, "forward", params=("return_output",), where=at)
+    loss = trainer.actor_loss_fn
+    require_seam(loss, "forward", params=LOSS_PARAMS, where=at)
+    require_attr(loss, LOSS_ATTRS, where=at)
+    for name, params in STRATEGY_METHODS.items():
+        require_seam(trainer.strategy, name, params=params, where=at)
+    require_attr(trainer.args, ("ckpt",), where=at)
+    require_attr(trainer.args.ckpt, ("path",), where=at)
+    module = sys.modules.get(EXPERIENCE_MODULE)
+    if module is not None:
+        check_experience(module.Experience, at)
+    skip_path(_engine(trainer.actor))
+
+
 def install(trainer, guard, ckpt_dir: str | None = None):
     """Guard an ``ActorPPOTrainer``: observe every micro-batch, gate the step, save / roll back through OpenRLHF
     checkpoints (``ckpt_dir`` defaults to ``<args.ckpt.path>/_actor_rl_guard``; snapshots under ``where: memory``
-    go to ``memory_dir``), merge metrics into the logs. Without editing OpenRLHF: ``openrlhf_launch``."""
-    require("OpenRLHF", "openrlhf", *SUPPORTED["openrlhf"])
+    go to ``memory_dir``), merge metrics into the logs. Without editing OpenRLHF: ``openrlhf_launch``. Checks
+    every seam first (``check_seams``)."""
+    check_seams(trainer)
+    at = _where()
     strategy, actor = trainer.strategy, trainer.actor
-    ckpt = getattr(getattr(trainer.args, "ckpt", None), "path", None)
-    ckpt_dir = ckpt_dir or os.path.join(ckpt or str(guard.run_dir), "_actor_rl_guard")
+    ckpt_dir = ckpt_dir or os.path.join(trainer.args.ckpt.path, "_actor_rl_guard")
     snapshot_dir = memory_dir(guard)
     attach_checkpoints(guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir,
                        snapshot_dir=snapshot_dir)
-    live = {"experience": None, "entropy": None}
+    live = {"experience": None, "entropy": None, "checked": sys.modules.get(EXPERIENCE_MODULE) is not None}
 
     def forward(original, *args, **kwargs):
         out = original(*args, **kwargs)
-        if live["experience"] is not None and kwargs.get("return_output") and isinstance(out, tuple):
-            live["entropy"] = getattr(out[1], "entropy", None)
+        if live["experience"] is not None:
+            with guard.protect("observe (OpenRLHF Actor.forward)"):
+                if arguments(original, args, kwargs)["return_output"] and isinstance(out, tuple):
+                    # output.entropy exists only when the actor computes it (--actor.entropy_coef): data, not a setting
+                    live["entropy"] = getattr(out[1], "entropy", None)
         return out
 
-    def loss_fn(original, log_probs, old_log_probs, advantages, *args, **kwargs):
-        out = original(log_probs, old_log_probs, advantages, *args, **kwargs)
+    def loss_fn(original, *args, **kwargs):
+        out = original(*args, **kwargs)
         if live["experience"] is not None:
             with guard.protect("observe (OpenRLHF Experience)"):
+                log_probs = arguments(original.forward, args, kwargs)["log_probs"]
                 guard.observe(token_batch(live["experience"], log_probs, live["entropy"], original),
                               loss=out[0].detach())
         return out
 
-    def training_step(original, experience, *args, **kwargs):
+    def training_step(original, *args, **kwargs):
+        experience = arguments(original, args, kwargs)["experience"]
+        if not live["checked"]:  # no Experience class at attach (a stand-in trainer): its fields, once
+            check_experience(experience, at)
+            live["checked"] = True
         live["experience"], live["entropy"] = experience, None
         try:
-            return original(experience, *args, **kwargs)
+            return original(*args, **kwargs)
         finally:
             live["experience"] = live["entropy"] = None
 
     def ppo_train(original, *args, **kwargs):  # the driver logs this dict: train/rl_guard/... in wandb / tensorboard
         return {**original(*args, **kwargs), **guard.last_logged}
 
-    def save_ckpt(original, model, *args, **kwargs):
-        call = inspect.signature(original).bind(model, *args, **kwargs)  # client_state may come positionally
-        if _engine(model) is _engine(actor):  # OpenRLHF's own periodic saves carry the guard's state too
-            given = call.arguments.get("client_state") or {}
-            call.arguments["client_state"] = {**given, "rl_guard": guard.state_dict()}
-        return original(*call.args, **call.kwargs)
+    def save_ckpt(original, *args, **kwargs):
+        with guard.protect("save guard state"):  # OpenRLHF's own periodic saves carry the guard's state too
+            call = inspect.signature(original).bind(*args, **kwargs)  # client_state may come positionally
+            if _engine(call.arguments["model"]) is _engine(actor):
+                given = call.arguments.get("client_state") or {}  # save_ckpt's own default is None
+                call.arguments["client_state"] = {**given, "rl_guard": guard.state_dict()}
+                args, kwargs = call.args, call.kwargs
+        return original(*args, **kwargs)
 
     for obj, name, wrapper in ((actor, "forward", forward), (trainer, "actor_loss_fn", loss_fn),
                                (trainer, "training_step", training_step), (trainer, "ppo_train", ppo_train),

@@ -15,7 +15,9 @@ Read against openrlhf 0.11.2 and ray 2.55 (the pins of openrlhf 0.11.2):
   wraps ``DeepspeedStrategy.load_ckpt`` (remembers the client states it returned, per engine) and
   ``ActorPPOTrainer.__init__`` (calls ``install`` on the new trainer, then restores the guard's state from the
   checkpoint's ``client_state["rl_guard"]``, which ``install`` adds to every ``save_ckpt`` of the actor).
-  Both wraps are class attributes patched in the worker process only; the critic's trainer is not touched.
+  Both wraps are class attributes patched in the worker process only; the critic's trainer is not touched. Before
+  patching, ``setup_worker`` checks both methods and the parameters read by name (``strategy``, ``actor``;
+  ``model``): a missing or re-signed one raises ``SeamError`` in the worker, naming the version and the seam.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import os
 import runpy
 import sys
 
+from ..versions import check_range, require_seam
 from . import CONFIG_ENV, RUN_DIR_ENV
+from .seams import arguments
 
 OPTIONS = {"--rl_guard.config": CONFIG_ENV, "--rl_guard.run_dir": RUN_DIR_ENV}
 HOOK = f"{__name__}.setup_worker"
@@ -64,17 +68,24 @@ def runtime_env(settings: dict) -> dict:
 _client_states: dict[int, dict] = {}
 
 
-def _remember_load(original, self, model, *args, **kwargs):
-    path, states = original(self, model, *args, **kwargs)
-    _client_states[id(getattr(model, "module", model))] = states or {}
+# the methods patched, with the parameters read by name
+PATCHED = {"__init__": ("strategy", "actor"), "load_ckpt": ("model",)}
+
+
+def _remember_load(original, self, *args, **kwargs):
+    path, states = original(self, *args, **kwargs)
+    model = arguments(original, (self, *args), kwargs)["model"]
+    _client_states[id(getattr(model, "module", model))] = states or {}  # a DeepSpeed engine's module, or the model
     return path, states
 
 
-def _install_on_init(original, self, strategy, actor, *args, **kwargs):
-    original(self, strategy, actor, *args, **kwargs)
+def _install_on_init(original, self, *args, **kwargs):
+    original(self, *args, **kwargs)
     from ..guard import Guard
     from .openrlhf import _engine, install, load_guard_state
 
+    named = arguments(original, (self, *args), kwargs)
+    strategy, actor = named["strategy"], named["actor"]
     run_dir = os.environ.get(RUN_DIR_ENV) or os.path.join(strategy.args.ckpt.path, "rl_guard")
     guard = install(self, Guard.from_yaml(os.environ[CONFIG_ENV], run_dir=run_dir))
     engine = _engine(actor)
@@ -89,12 +100,22 @@ def setup_worker() -> None:
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
     from openrlhf.utils.deepspeed import DeepspeedStrategy
 
-    for cls, name, wrapper in ((ActorPPOTrainer, "__init__", _install_on_init),
-                               (DeepspeedStrategy, "load_ckpt", _remember_load)):
+    patches = ((ActorPPOTrainer, "__init__", _install_on_init), (DeepspeedStrategy, "load_ckpt", _remember_load))
+    check_classes(ActorPPOTrainer, DeepspeedStrategy)
+    for cls, name, wrapper in patches:
         original = getattr(cls, name)
         if getattr(original, "_rl_guard", False):
             continue
         setattr(cls, name, _method(wrapper, original))
+
+
+def check_classes(trainer_cls, strategy_cls) -> None:
+    """The tested openrlhf range and the two methods ``setup_worker`` patches (``SeamError`` names the one)."""
+    from .openrlhf import TESTED, _where
+
+    check_range("OpenRLHF", "openrlhf", *TESTED["openrlhf"])
+    for cls, name in ((trainer_cls, "__init__"), (strategy_cls, "load_ckpt")):
+        require_seam(cls, name, params=PATCHED[name], where=_where())
 
 
 def _method(wrapper, original):

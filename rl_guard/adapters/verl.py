@@ -38,6 +38,16 @@ verl 0.9.1 internals relied on (``verl/workers/engine_workers.py``, ``verl/worke
 - Metrics: ``train_batch``'s ``outputs["metrics"]`` gets the step's ``rl_guard/*``; verl reduces them with its own
   actor metrics and prefixes them ``actor/`` (``RayPPOTrainer._update_actor``), so every configured
   ``trainer.logger`` backend (console, wandb, tensorboard, ...) receives ``actor/rl_guard/...``.
+- Checked at attach (``check_seams``, before anything is wrapped): verl in the tested range (0.9.x), the engine's
+  ``optimizer_step`` / ``train_batch`` / ``save_checkpoint`` / ``load_checkpoint`` (``local_path``), ``module`` /
+  ``optimizer`` / ``lr_scheduler``, the loss function's ``model_output`` / ``data``, and the ``ActorConfig`` values
+  read (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``policy_loss.loss_mode``; verl's own rule: a low
+  or high bound of None means ``clip_ratio``). A loss function without a config (not verl's ``ppo_loss``) falls back
+  to clip 0.2 and token-level ratios, said once at attach. ``register`` checks ``TrainingWorker.set_loss_fn``.
+- A skip is verified: the optimizer must not step in a ``train_batch`` whose update the guard dropped (a step
+  pre-hook counts its steps), else the guard escalates to checkpoint-and-halt (``Guard.skip_not_taken``); a
+  ``train_batch`` that returns without calling ``optimizer_step`` raises ``SeamError``. The guard's state file is
+  plain data, read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -51,12 +61,17 @@ from pathlib import Path
 import torch
 
 from .. import TokenBatch
-from ..errors import GuardHalted
 from ..stats.constants import DEFAULT_CLIP_EPS
-from ..versions import require
+from ..versions import SeamError, check_range, require_attr, require_seam
 from . import CONFIG_ENV, RUN_DIR_ENV
+from .seams import StepCounter, announce, arguments, halted, load_state, save_state, where
 
-SUPPORTED = {"verl": ((0, 9), (0, 10))}
+TESTED = {"verl": ("0.9", "0.10")}  # constraints/verl.txt: verl 0.9.1
+ENGINE_METHODS = {"optimizer_step": (), "train_batch": (), "save_checkpoint": ("local_path",),
+                  "load_checkpoint": ("local_path",)}
+ENGINE_ATTRS = ("module", "optimizer", "lr_scheduler")
+LOSS_PARAMS = ("model_output", "data")  # what engine.forward_step passes the loss function, read by name
+CONFIG_ATTRS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "policy_loss")  # ActorConfig values read
 ACTOR_LOSSES = ("ppo_loss", "distillation_ppo_loss")  # the actor's loss functions in verl.workers.utils.losses
 ROLLOUT_FIELDS = ("ref_log_prob", "rollout_log_probs", "token_level_scores", "token_level_rewards")
 
@@ -110,86 +125,156 @@ def token_batch(model_output, data, config=None) -> TokenBatch:
     old, rollout = td["old_log_probs"], td.get("rollout_log_probs")
     behaviour, prox = (old, None) if rollout is None else (rollout, old)
     scores = td.get("token_level_scores", td.get("token_level_rewards"))
-    policy_loss = getattr(config, "policy_loss", None) or {}
-    clip = getattr(config, "clip_ratio", DEFAULT_CLIP_EPS)
+    low, high, level = clip_settings(config)
     return TokenBatch(
         logprobs=logp, mask=mask, old_logprobs=behaviour.detach(),
         prox_logprobs=None if prox is None else prox.detach(),
         ref_logprobs=td.get("ref_log_prob"), entropy=entropy, advantages=td["advantages"],
         rewards=None if scores is None else torch.where(mask, scores, 0.0).sum(-1), lengths=mask.sum(-1),
-        eps_low=float(getattr(config, "clip_ratio_low", None) or clip),
-        eps_high=float(getattr(config, "clip_ratio_high", None) or clip),
-        importance_sampling_level="sequence" if policy_loss.get("loss_mode", "vanilla") == "gspo" else "token")
+        eps_low=low, eps_high=high, importance_sampling_level=level)
+
+
+def clip_settings(config) -> tuple[float, float, str]:
+    """``(eps_low, eps_high, importance_sampling_level)`` from verl's ``ActorConfig`` (checked at attach) as its
+    ``compute_policy_loss`` reads them: a low or high bound of None means ``clip_ratio``; ``gspo`` clips a sequence
+    ratio. ``config`` None (a loss function without one; said at attach): 0.2 and token-level."""
+    if config is None:
+        return DEFAULT_CLIP_EPS, DEFAULT_CLIP_EPS, "token"
+    clip = config.clip_ratio
+    low = clip if config.clip_ratio_low is None else config.clip_ratio_low
+    high = clip if config.clip_ratio_high is None else config.clip_ratio_high
+    return float(low), float(high), "sequence" if config.policy_loss.loss_mode == "gspo" else "token"
+
+
+def _where() -> str:
+    return where("verl", "verl", *TESTED["verl"])
+
+
+def loss_config(loss_fn, at: str):
+    """The ``ActorConfig`` bound to the actor's loss function (``partial(ppo_loss, config=...)``), its values checked;
+    None, said once, when the loss function has none."""
+    config = (getattr(loss_fn, "keywords", None) or {}).get("config")  # a partial's keywords, or none at all
+    if config is None:
+        announce(f"verl's actor loss function {getattr(loss_fn, '__name__', loss_fn)!r} carries no ActorConfig: the "
+                 f"guard uses clip {DEFAULT_CLIP_EPS} and token-level ratios for the clip statistics")
+        return None
+    require_attr(config, CONFIG_ATTRS, where=at)
+    require_attr(config.policy_loss, ("loss_mode",), where=at)
+    return config
 
 
 def observing(loss_fn, guard):
-    """The actor's loss function, observing each training micro-batch (its result is returned unchanged)."""
-    config = (getattr(loss_fn, "keywords", None) or {}).get("config")
+    """The actor's loss function, observing each training micro-batch (its result is returned unchanged). Checks
+    its parameters and config first (``SeamError``)."""
+    at = _where()
+    _require_params(loss_fn, at)
+    config = loss_config(loss_fn, at)
 
     @functools.wraps(loss_fn)
     def guarded(*args, **kwargs):
         out = loss_fn(*args, **kwargs)
         if torch.is_grad_enabled():  # log-prob recomputation runs the same function under no_grad
             with guard.protect("observe (verl loss inputs)"):  # a renamed verl key must not kill training
-                guard.observe(token_batch(kwargs["model_output"], kwargs["data"], config), loss=out[0].detach())
+                named = arguments(loss_fn, args, kwargs)
+                guard.observe(token_batch(named["model_output"], named["data"], config), loss=out[0].detach())
         return out
     return guarded
 
 
-def install(worker, guard):
-    """Guard one actor ``TrainingWorker`` (its engine built, its loss set): observe the loss, gate the optimizer
-    step, merge metrics into the engine's outputs. Instance attributes only."""
-    require("verl", "verl", *SUPPORTED["verl"])
+def _require_params(loss_fn, at: str) -> None:
+    import inspect
+
+    params = inspect.signature(loss_fn).parameters
+    missing = [p for p in LOSS_PARAMS if p not in params]
+    if missing:
+        name = getattr(getattr(loss_fn, "func", loss_fn), "__name__", repr(loss_fn))
+        raise SeamError(f"rl_guard: verl's actor loss function {name}{inspect.signature(loss_fn)} no longer takes "
+                        f"{', '.join(missing)} ({at}); the adapter reads them by name")
+
+
+def check_seams(worker) -> None:
+    """Everything ``install`` relies on (module docstring), before anything is wrapped; raises
+    ``UnsupportedVersion`` or ``SeamError`` naming the version, the tested range and the seam."""
+    check_range("verl", "verl", *TESTED["verl"])
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
+    at = _where()
+    require_attr(worker, ("engine", "loss_fn"), where=at)
     engine = worker.engine
     if not isinstance(engine, FSDPEngine):  # loud, not an unguarded run
         raise RuntimeError(f"rl_guard.adapters.verl guards verl's FSDP engines (actor strategy fsdp / fsdp2), "
                            f"not {type(engine).__name__}")
+    for name, params in ENGINE_METHODS.items():
+        require_seam(engine, name, params=params, where=at)
+    require_attr(engine, ENGINE_ATTRS, where=at)
+    _require_params(worker.loss_fn, at)
+
+
+def install(worker, guard):
+    """Guard one actor ``TrainingWorker`` (its engine built, its loss set): observe the loss, gate the optimizer
+    step, merge metrics into the engine's outputs. Instance attributes only; every seam is checked first."""
+    check_seams(worker)
+    engine = worker.engine
+    worker.loss_fn = observing(worker.loss_fn, guard)  # checks the loss function's config
     guard.attach(engine.module, engine.optimizer, engine.lr_scheduler)
     if type(engine.module).__name__ == "FullyShardedDataParallel":
         guard.mark_sharded()  # FSDP1 flat parameters: plain tensors, disjoint shards (sum over ranks)
-    worker.loss_fn = observing(worker.loss_fn, guard)
     original_step, original_train = engine.optimizer_step, engine.train_batch
+    steps = StepCounter(engine.optimizer)  # verifies that a dropped update stays dropped
+    state: dict = {"gated": False, "skipped_at": None, "decision": None}
 
     @functools.wraps(original_step)
     def optimizer_step(*args, **kwargs):
+        state["gated"] = True
         decision = guard.check()  # before verl clips: the guard sees the pre-clip gradients
         if decision.apply_step:
             grad_norm = original_step(*args, **kwargs)
         else:  # gradients already dropped by the guard; the optimizer does not run
+            state["skipped_at"], state["decision"] = steps.calls, decision
             engine.optimizer.zero_grad(set_to_none=True)
             grad_norm = guard.last_metrics.get("rl_guard/grad/norm", math.nan)
         guard.step_done()
         if decision.stop:
-            raise GuardHalted.of(decision)
+            raise halted(guard, decision)
         return grad_norm
 
     @functools.wraps(original_train)
     def train_batch(*args, **kwargs):
+        state.update(gated=False, skipped_at=None, decision=None)
         outputs = original_train(*args, **kwargs)
+        verify_step()
         if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
             # one entry per step, as verl's per-micro-batch metric lists (it gathers them over ranks, then averages)
             outputs["metrics"].update({k: [v] for k, v in guard.last_logged.items()})
         return outputs
 
+    def verify_step() -> None:
+        if not state["gated"]:
+            raise SeamError(f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
+                            f"({_where()}): the update was applied without the guard's check")
+        skipped_at, decision = state["skipped_at"], state["decision"]
+        if skipped_at is not None and steps.calls != skipped_at:
+            guard.skip_not_taken(decision, "verl", f"its optimizer stepped {steps.calls - skipped_at} time(s) in the "
+                                                   "train_batch whose update the guard dropped")
+            raise halted(guard, decision)
+
     original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
 
     @functools.wraps(original_save)
-    def save_checkpoint(local_path, *args, **kwargs):  # verl's periodic saves carry the guard's state too
-        out = original_save(local_path, *args, **kwargs)
+    def save_checkpoint(*args, **kwargs):  # verl's periodic saves carry the guard's state too
+        out = original_save(*args, **kwargs)
         with guard.protect("save guard state"):
-            path = guard_state_path(local_path, guard.rank)
+            path = guard_state_path(arguments(original_save, args, kwargs)["local_path"], guard.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(guard.state_dict(), path)
+            save_state(guard.state_dict(), path)
         return out
 
     @functools.wraps(original_load)
-    def load_checkpoint(local_path, *args, **kwargs):  # resume: counters, rule history, snapshots
-        out = original_load(local_path, *args, **kwargs)
-        path = guard_state_path(local_path, guard.rank)
+    def load_checkpoint(*args, **kwargs):  # resume: counters, rule history, snapshots
+        out = original_load(*args, **kwargs)
+        path = guard_state_path(arguments(original_load, args, kwargs)["local_path"], guard.rank)
         if path.exists():
-            guard.load_state_dict(torch.load(path, weights_only=False))  # written by save_checkpoint above
+            guard.load_state_dict(load_state(path))  # written by save_checkpoint above
         return out
 
     engine.optimizer_step, engine.train_batch = optimizer_step, train_batch
@@ -215,13 +300,15 @@ def register(make_guard=guard_from_env) -> None:
     Idempotent; runs when verl imports this module as ``external_lib``."""
     from verl.workers.engine_workers import TrainingWorker
 
-    original = TrainingWorker.set_loss_fn
+    check_range("verl", "verl", *TESTED["verl"])
+    original = require_seam(TrainingWorker, "set_loss_fn", params=("loss_fn",), where=_where())
     if getattr(original, "rl_guard", False):
         return
 
     @functools.wraps(original)  # keeps verl's dispatch attributes
-    def set_loss_fn(self, loss_fn, *args, **kwargs):
-        out = original(self, loss_fn, *args, **kwargs)
+    def set_loss_fn(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        loss_fn = arguments(original, (self, *args), kwargs)["loss_fn"]
         name = getattr(getattr(loss_fn, "func", loss_fn), "__name__", "")
         if name in ACTOR_LOSSES:
             guard = getattr(self, "rl_guard", None)

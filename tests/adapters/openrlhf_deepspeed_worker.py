@@ -33,6 +33,8 @@ from torch import distributed as dist  # noqa: E402
 
 from rl_guard import Guard, TokenBatch  # noqa: E402
 from rl_guard.adapters.openrlhf import attach_checkpoints, gate_optimizer_step  # noqa: E402
+from rl_guard.errors import GuardHalted  # noqa: E402
+from rl_guard.versions import SeamError  # noqa: E402
 
 METHODS = ("print", "is_rank_0", "_get_ckpt_metric_path", "_write_ckpt_metric", "_read_ckpt_metric", "backward",
            "optimizer_step", "save_ckpt", "load_ckpt")
@@ -143,7 +145,50 @@ def run_config() -> dict:
                tags=sorted(p.name for p in (OUT / "rollback" / "ckpt").iterdir() if p.is_dir()))
     _, states = st.load_ckpt(eng, str(OUT / "rollback" / "ckpt"), tag="rl_guard_step1")
     out["client_state_has_guard"] = "rl_guard" in states
+    out.update(no_overflow_path())
+    out.update(renamed_check_overflow())
     return out
+
+
+def no_overflow_path() -> dict:
+    """A release whose ZeRO step ignores the overflow flag: the skipped window's update is applied anyway. The guard
+    must notice (``skipped_steps`` did not advance) and escalate: checkpoint, ``skip_not_taken`` incident, halt."""
+    eng, st, actor, guard = guarded("no_overflow", "skip_step")
+    window(actor, st, guard, [1, 2])
+    opt, real_step = eng.optimizer, eng.optimizer.step
+
+    def ignoring_overflow(*args, **kwargs):
+        if hasattr(opt, "check_grad_overflow"):  # ZeRO 1/2 re-checks through check_overflow; stage 3 only for fp16
+            opt.check_grad_overflow = False
+        opt.overflow = False
+        return real_step(*args, **kwargs)
+
+    opt.step = ignoring_overflow
+    before, skipped = weights(eng), eng.skipped_steps
+    try:
+        window(actor, st, guard, [3, 4], bad=True)
+        halted = ""
+    except GuardHalted as exc:
+        halted = str(exc)
+    records = [json.loads(line) for line in (OUT / "no_overflow" / "incidents.jsonl").read_text().splitlines()]
+    last = records[-1]
+    return {"no_overflow_applied": not same(before, weights(eng)), "no_overflow_ds_skipped": eng.skipped_steps - skipped,
+            "no_overflow_halted": halted, "no_overflow_rule": last["rule"], "no_overflow_decision": last["decision"],
+            "no_overflow_escalated_from": last["escalated_from"],
+            "no_overflow_checkpoint": bool(last["checkpoint"]) and os.path.exists(last["checkpoint"])}
+
+
+def renamed_check_overflow() -> dict:
+    """The real ZeRO optimizer in a subclass without ``check_overflow``: the gate refuses to attach."""
+    eng, strategy = engine(), strategy_class()()
+    actor, cls = Actor(eng), type(eng.optimizer)
+    eng.optimizer.__class__ = type(cls.__name__, (cls,), {"check_overflow": None})
+    guard = Guard.from_yaml("version: 1\nsinks: [jsonl]\n", run_dir=OUT / "renamed")
+    try:
+        gate_optimizer_step(strategy, actor, guard)
+        return {"renamed_error": ""}
+    except SeamError as exc:
+        return {"renamed_error": str(exc)}
 
 
 if __name__ == "__main__":

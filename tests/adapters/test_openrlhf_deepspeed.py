@@ -43,3 +43,20 @@ def test_real_deepspeed_zero_skip_and_rollback(results, config):
     # rollback: strategy.load_ckpt of the healthy snapshot saved by strategy.save_ckpt, guard state inside
     assert out["rollbacks"] == 1 and out["moved"] and out["restored"] and out["client_state_has_guard"]
     assert out["tags"] == ["rl_guard_step1"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_skip_deepspeed_does_not_take_is_noticed_and_halts(results, config):
+    """The overflow path disabled: DeepSpeed applies the update the guard dropped; the guard sees that
+    ``skipped_steps`` did not advance, records ``skip_not_taken``, checkpoints and halts."""
+    out = results[config]
+    assert out["no_overflow_applied"] and out["no_overflow_ds_skipped"] == 0
+    assert "DeepSpeed applied the update of step 1 that the guard dropped" in out["no_overflow_halted"]
+    assert (out["no_overflow_rule"], out["no_overflow_decision"]) == ("skip_not_taken", "checkpoint_and_halt")
+    assert out["no_overflow_escalated_from"] == "skip_step" and out["no_overflow_checkpoint"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_zero_optimizer_without_check_overflow_is_refused_at_attach(results, config):
+    error = results[config]["renamed_error"]
+    assert "has no overflow / check_overflow" in error and "deepspeed >= 0.19, < 0.20" in error
