@@ -45,6 +45,7 @@ def replay_main(args: argparse.Namespace) -> int:
         return 2
     result = replay(history, config)
     print("\n".join(lines(result, config_name)))
+    print("\n".join(_live_records(args.history)))
     if args.json:
         print(f"\nreplayed incidents: {write_incidents(result, args.json)}")
     if args.report:
@@ -55,6 +56,29 @@ def replay_main(args: argparse.Namespace) -> int:
             return 2
         print(f"report: {res['markdown']}")
     return 0
+
+
+def _live_records(history) -> list[str]:
+    """What the live run left beside its metrics, which a replay of the metrics cannot recompute: the incident
+    bundles (culprit sequences) and the quarantined prompts."""
+    from ..report.bundles import bundles, quarantined
+
+    path = Path(history)
+    run_dir = path.parent if path.is_file() else path
+    found, held = bundles(run_dir), quarantined(run_dir)
+    out = []
+    if found:
+        out += ["", f"live incident bundles ({len(found)}, {run_dir / 'incidents'}):"]
+        for _, b in found:
+            culprits = [c.get("prompt", f"row {c.get('row')}")
+                        for r in b.get("rules", []) for c in r.get("culprits", [])]
+            shown = "; ".join(" ".join(str(c).split())[:60] for c in culprits[:3])
+            out.append(f"  step {b.get('step')}: {b.get('decision')}" + (f"; culprits: {shown}" if shown else ""))
+    if held:
+        out += ["", f"quarantined prompts ({len(held)}, {run_dir / 'quarantine.jsonl'}):"]
+        out += [f"  step {q.get('step')} ({q.get('rule')}): {' '.join(str(q.get('prompt')).split())[:80]}"
+                for q in held]
+    return out
 
 
 def run_config(history) -> str | None:

@@ -6,6 +6,7 @@ import pathlib
 from collections import Counter, defaultdict
 
 from . import incidents as describe
+from .bundles import bundle_lines
 from .data import RunData
 from .panels import BY_DESIGN, CAVEAT
 from .style import action_rank
@@ -84,6 +85,7 @@ def summary_lines(run: RunData, plots: dict[str, str], panels: dict[str, tuple] 
         lines += _incident_rows(inc)
         lines += _incident_tables(inc)
         lines += _checkpoints(run)
+    lines += bundle_lines(run.run_dir)
     if panels:
         lines += _panel_lines(panels)
     if plots:

@@ -38,8 +38,8 @@ def _reward_failing_for(bad: set[str]):
 
 
 def _run(tmp: Path, tiny_model, bad: set[str], quarantine: bool):
-    from trl import GRPOConfig, GRPOTrainer
     from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
 
     from rl_guard.adapters.trl import RLGuardCallback
     from rl_guard.control.yaml_nodes import PRESETS
@@ -101,3 +101,20 @@ def test_a_reward_broken_for_many_prompts_halts(tmp_path, tiny_model):
     assert callback.stopped is not None and callback.stopped["decision"] == "checkpoint_and_halt"
     assert "over quarantine.max_share=0.1" in callback.stopped["escalation_reason"]
     assert trainer.state.global_step < STEPS
+
+
+def test_report_and_replay_show_bundles_and_quarantined_prompts(tmp_path, tiny_model, bad_prompts, capsys):
+    pytest.importorskip("matplotlib")
+    from rl_guard.cli import main
+
+    _run(tmp_path, tiny_model, bad_prompts, quarantine=True)
+    run_dir = tmp_path / "guard"
+    assert main(["report", str(run_dir)]) == 0
+    report = next(run_dir.rglob("report.md")).read_text()
+    assert "## Incident bundles" in report and "## Quarantined prompts" in report
+    assert all(p in report for p in bad_prompts)
+    capsys.readouterr()
+    assert main(["replay", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "live incident bundles (3" in out and "quarantined prompts (3" in out
+    assert all(p in out for p in bad_prompts)
