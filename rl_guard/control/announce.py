@@ -18,20 +18,28 @@ logger = logging.getLogger("rl_guard")
 DROPPED = "the update was dropped (weights and optimizer state unchanged)"
 
 
+def write_lines(text: str, stream) -> None:
+    """``text`` on ``stream`` as whole lines: through ``tqdm.write`` while a tqdm bar is shown (the trainers'
+    progress bars), which clears the bar, writes, and draws it again, so nothing is glued to it."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None and getattr(getattr(tqdm, "tqdm", None), "_instances", None):
+        try:
+            tqdm.tqdm.write(text, file=stream)
+            return
+        except Exception:  # noqa: BLE001 - fall back to a plain line
+            pass
+    stream.write(text + "\n")
+    stream.flush()
+
+
 class _ConsoleHandler(logging.StreamHandler):
-    """stderr, around any active tqdm bar (the trainers' progress bars)."""
+    """stderr (the current one: a test or a notebook may have replaced it), around any active progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr  # the current one: a test or a notebook may have replaced it since
-        tqdm = sys.modules.get("tqdm")
-        bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
-        if bars and tqdm is not None:
-            try:
-                tqdm.tqdm.write(self.format(record), file=sys.stderr)
-                return
-            except Exception:  # noqa: BLE001 - fall back to a plain line
-                pass
-        super().emit(record)
+        try:
+            write_lines(self.format(record), sys.stderr)
+        except Exception:  # noqa: BLE001 - logging reports its own failures
+            self.handleError(record)
 
 
 def console_logger() -> logging.Logger:

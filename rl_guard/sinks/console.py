@@ -11,6 +11,7 @@ import pathlib
 import sys
 from typing import IO, Any
 
+from ..control.announce import write_lines
 from .base import Histograms, Sink, whole_steps
 
 # (row label, [(column label, metric name), ...]) in display order.
@@ -92,11 +93,13 @@ class ConsoleSink(Sink):
             table.add_column()
             for label, text in rows:
                 table.add_row(label, text)
-            self._console.print(table)
+            with self._console.capture() as captured:
+                self._console.print(table)
+            text = captured.get().rstrip("\n")
         else:
             width = max(len(label) for label, _ in rows)
-            lines = [title] + [f"  {label:<{width}}  {text}" for label, text in rows]
-            print("\n".join(lines), file=self._out(), flush=True)
+            text = "\n".join([title] + [f"  {label:<{width}}  {text}" for label, text in rows])
+        write_lines(text, self._out())  # whole lines, never glued to a trainer's progress bar
 
     def incident(self, record: dict) -> None:
         """Nothing: the guard itself prints every action (and each warning's first firing) on the console, whatever
