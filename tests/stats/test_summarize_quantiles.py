@@ -1,6 +1,6 @@
 """``sketch.quantiles_from_counts`` (one cumsum, then a bisection per quantile) gives exactly the values of the plain
 numpy formulation below (``np.searchsorted`` over the running count), whose error bound tests/stats/test_sketch.py
-checks: same cells, same clamping, on data inside and beyond the sketch's range."""
+checks: same cells, same interpolation, same clamping, on data inside and beyond the sketch's range."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ def quantiles_reference(counts, spec, vmin, vmax, qs=QUANTILES) -> list[float]:
     if n <= 0:
         return [math.nan] * len(qs)
     ranks = [max(1.0, math.ceil(q * n * (1.0 - 1e-12))) for q in qs]
-    cells = np.searchsorted(np.cumsum(counts), np.asarray(ranks) - 0.5).tolist()
+    cum = np.cumsum(counts)
+    cells = np.searchsorted(cum, np.asarray(ranks) - 0.5).tolist()
     out = []
-    for cell in cells:
-        u = 0.5 * (spec.edges_u[cell] + spec.edges_u[cell + 1])
+    for rank, cell in zip(ranks, cells):
+        before = cum[cell - 1] if cell else 0.0
+        frac = (rank - before - 0.5) / counts[cell]  # interpolated by the rank's place among the cell's values
+        u = spec.edges_u[cell] + frac * (spec.edges_u[cell + 1] - spec.edges_u[cell])
         value = math.copysign(math.expm1(abs(u)) * spec.scale, u)
         if cell == 0 and vmin < -spec.max_abs:
             value = min(value, vmin)
