@@ -6,6 +6,7 @@ Everything is built locally (a tiny Llama, a word-level tokenizer, a digit task)
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,9 @@ def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30
     from .tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
 
     run_dir = Path(run_dir)
-    for name in ("metrics.jsonl", "incidents.jsonl"):  # each demo run starts its own record
+    for name in ("metrics.jsonl", "incidents.jsonl", "quarantine.jsonl"):  # each demo run starts its own record
         (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "incidents", ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix="rl_guard_demo_"))
     model_path = build_tiny_model(work / "model", seed=seed)
     injector = FaultInjector(fault, at_step=fault_step)
