@@ -129,7 +129,7 @@ def main() -> None:
                            tokenizer=None, processor=None, base_model_path=None)  # RecoverHandler's meta
     if PHASE == "resume":
         engine.load(recover)
-        out.update(guard_at_start=[guard.step, guard.controller.skipped_steps, guard.controller.rollbacks])
+        out.update(guard_at_start=[guard.step, guard.skipped_steps, guard.rollbacks])
         s6 = train_step(engine, 6)
         out.update(applied_after_resume=s6["changed"], steps=guard.step)
         print(json.dumps(out), flush=True)
@@ -149,7 +149,7 @@ def main() -> None:
     out.update(
         applied=[s1["changed"], s2["changed"], s4["changed"]], moved_after_snapshot=not same(s2["after"], s1["after"]),
         rolled_back_to_snapshot=same(s3["after"], s1["after"]), skipped_unchanged=not s5["changed"],
-        steps=guard.step, skipped=guard.controller.skipped_steps, rollbacks=guard.controller.rollbacks,
+        steps=guard.step, skipped=guard.skipped_steps, rollbacks=guard.rollbacks,
         lag_max_healthy=m1.get("rl_guard/lag/max"), lag_max_stale=m4.get("rl_guard/lag/max"),
         lag_bucket_1=m1.get("rl_guard/lag/1/token_frac"), lag_bucket_9=m4.get("rl_guard/lag/9+/token_frac"),
         behave_healthy=[m1.get("rl_guard/behave_imp_weight/min"), m1.get("rl_guard/behave_imp_weight/max")],

@@ -226,7 +226,7 @@ def rollback_twice(policy, guard) -> dict:
         tags.append(sorted(n for n in os.listdir(guard.state.snapshot_dir) if n.startswith("rl_guard_step")))
         restored.append(same(res["after"], first["after"]))
     return {"offered": offered, "tags": tags, "restored": restored, "steps": guard.step,
-            "rollbacks": guard.controller.rollbacks}
+            "rollbacks": guard.rollbacks}
 
 
 def main() -> None:
@@ -255,7 +255,7 @@ def main() -> None:
     policy.init_model_from_pretrained(strategy, MODEL, max_steps=100, vllm_engines=None)
     guard = policy.trainer.rl_guard
     out = {"rank": RANK, "patched": PATCHED, "backend": dist.get_backend(), "guard_step_at_start": guard.step,
-           "skipped_at_start": guard.controller.skipped_steps, "rollbacks_at_start": guard.controller.rollbacks}
+           "skipped_at_start": guard.skipped_steps, "rollbacks_at_start": guard.rollbacks}
     if PHASE == "train":
         s1, s2 = fit(policy, 1), fit(policy, 2)  # one optimizer step each; a snapshot after step 1 only
         norm_before_3 = master_norm(policy.actor.model)
@@ -264,7 +264,7 @@ def main() -> None:
         policy.save_checkpoint("global_step4")  # OpenRLHF's own periodic save: carries the guard's state
         out.update(applied=[s1["changed"], s2["changed"]], moved_after_snapshot=not same(s2["after"], s1["after"]),
                    rolled_back=same(s3["after"], s1["after"]), skipped_unchanged=not s4["changed"], steps=guard.step,
-                   skipped=guard.controller.skipped_steps, rollbacks=guard.controller.rollbacks,
+                   skipped=guard.skipped_steps, rollbacks=guard.rollbacks,
                    status_has_guard=sorted(k for k in s1["status"] if k.startswith("rl_guard/behave_imp_weight/")),
                    behave_min=[s["status"].get("rl_guard/behave_imp_weight/min") for s in (s1, s3, s4)],
                    param_norm=[norm_before_3, s3["status"].get("rl_guard/update/param_norm")],

@@ -180,12 +180,12 @@ def run_rank(rank: int, world: int, out: Path) -> None:
         logger.finish()
     # verl's checkpoint path carries the guard's state: save, disturb the guard, load it back
     guard = worker.actor.rl_guard
-    saved = {"step": guard.step, "skipped_steps": guard.controller.skipped_steps}
+    saved = {"step": guard.step, "skipped_steps": guard.skipped_steps}
     worker.save_checkpoint(str(out / "checkpoint" / "actor"), global_step=len(FAULTS))
-    guard.controller.step, guard.controller.skipped_steps = 0, 0
+    guard.controller.step, guard.controller.skipped_steps = 0, 0  # disturbed on purpose: the load must restore them
     worker.load_checkpoint(str(out / "checkpoint" / "actor"))
     result["resume"] = {"saved": saved, "loaded": {"step": guard.step,
-                                                   "skipped_steps": guard.controller.skipped_steps}}
+                                                   "skipped_steps": guard.skipped_steps}}
     torch.distributed.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
