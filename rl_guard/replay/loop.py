@@ -58,8 +58,10 @@ def incident(decision, firing, restored_to, source: str, after_halt: bool) -> di
             "threshold": v.threshold, "action": firing.action, "severity": firing.rule.severity,
             "message": firing.message, "detail": v.detail, "rank": 0, "window": firing.window, "checkpoint": None,
             "time": None, "escalated_from": decision.escalated_from, "decision": decision.action,
-            "restored_to_step": restored_to, "replayed": True, "would": firing.action, "source": source,
-            "after_halt": after_halt}
+            "restored_to_step": restored_to, "escalation_reason": decision.escalation_reason,
+            # the sequences behind a firing are not in a metrics history: the live record and its bundle name them
+            "culprits": [], "bundle": None, "quarantined": [],
+            "replayed": True, "would": firing.action, "source": source, "after_halt": after_halt}
 
 
 def rule_inputs(controller: Controller, history: History) -> list[RuleInput]:
