@@ -74,17 +74,15 @@ SMALL = {"64": (8, 8), "1K": (16, 64), "8K": (64, 128)}  # (rows, columns) of a 
 
 
 def small_batches(repeats: int, calls: int = 100) -> dict:
-    """ms per ``probe_batch`` of small TRL-shaped micro-batches: host engine vs eager engine, and their ratio."""
-    from rl_guard.stats import host_engine
+    """ms per probe of small TRL-shaped micro-batches: the eager engine with and without its host path."""
+    from rl_guard.stats.engines import EagerEngine
+
+    engines = {True: EagerEngine(), False: EagerEngine(host_max_tokens=0)}
 
     def probe(b, host: bool):
-        saved = host_engine.CPU_MAX_TOKENS
-        host_engine.CPU_MAX_TOKENS = saved if host else 0
-        try:
-            for _ in range(calls):
-                probe_batch(b)
-        finally:
-            host_engine.CPU_MAX_TOKENS = saved
+        engine = engines[host]
+        for _ in range(calls):
+            engine.probe(b)
 
     out = {}
     for label, (rows, cols) in SMALL.items():

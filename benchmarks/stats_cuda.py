@@ -130,12 +130,13 @@ def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, devic
 
     from rl_guard import Guard
     from rl_guard.stats.batch import TokenBatch
+    from rl_guard.stats.engines import make_engine
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     guard = Guard.from_yaml(ASYNC_PRESET, run_dir=tempfile.mkdtemp(prefix="rl_guard_cuda_")).attach(model, opt)
-    guard.config.stats_engine = stats_engine
+    guard.engine = make_engine(stats_engine)
     d = make_inputs(tokens, device=device)
     rows = d["mask"].shape[0] // micro_batches
     batches = [TokenBatch(**{k: v[i * rows:(i + 1) * rows] for k, v in d.items()}, current_version=CURRENT_VERSION)
@@ -157,7 +158,8 @@ def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, devic
         per_step.append({"observe_check": len(cycle.syncs), "step_done": len(done.syncs),
                          "observe_check_calls": cycle.syncs})
     guard.close()
-    return {"per_step": per_step, "internal_failures": guard.internal_failures}
+    return {"per_step": per_step, "internal_failures": guard.internal_failures,
+            "engine_failure": getattr(guard.engine, "failure", None)}
 
 
 def main(args) -> dict:

@@ -43,20 +43,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from .control.actions import Actions
-from .control.announce import Announcer
+from .control.announce import Announcer, console_logger
 from .control.config import GuardConfig, load_config
 from .control.controller import Controller, Decision
 from .control.quarantine import Quarantine
 from .control.state import TrainState
 from .diagnostics import RunDiagnostics, SampleBatch
 from .errors import InputError
-from .stats import host_engine, keys, ranks
+from .stats import keys, ranks
 from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
 from .stats.culprits import sequence_extremes
+from .stats.engines import HOST_MAX_TOKENS, make_engine
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .stats.kernels import rank_count
-from .stats.probe_batch import probe_batch, sequence_stats
 from .stats.summarize import summarize
 from .stats.update import UpdateProbe, learning_rates
 
@@ -125,6 +125,9 @@ class Guard:
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
         # How far each optimizer step moves the weights (every configuration has an update; stats/update.py).
         self.update_probe = UpdateProbe(sharded=config.sharded_grads)
+        self.engine = make_engine(config.stats_engine)  # the token statistics' engine: this guard's own
+        self.host_reads = True  # CPU tensors read in place by numpy (``use_host_reads``)
+        self._engine_said = False
         self._probed_lrs: list[float] | None = None  # the step's learning rates, when the probe ran before it
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
         self._sinks: SinkSet | None = None
@@ -168,6 +171,18 @@ class Guard:
         if param is not None and self._acc.device is None:
             # A rank that saw no data this step still enters the collectives with tensors on the right device.
             self._acc.device = param.device
+        if not self._engine_said and self.rank == 0:
+            self._engine_said = True
+            device = param.device if param is not None else torch.device("cpu")
+            console_logger().info(f"rl_guard: stats_engine {self.engine.describe(device)}")
+        return self
+
+    def use_host_reads(self, on: bool) -> Guard:
+        """Whether CPU tensors are read in place by numpy (small micro-batches' token statistics, losses, gradients,
+        weights: the default) or take the path a GPU's tensors take (``False``)."""
+        self.host_reads = on
+        self.engine = make_engine(self.config.stats_engine, HOST_MAX_TOKENS if on else 0)
+        self.update_probe.host = on
         return self
 
     def attach_state(self, state) -> Guard:
@@ -236,16 +251,16 @@ class Guard:
         of the batch's rows (e.g. token ids), handed to ``describe_sequence`` if a rule acts on one of them."""
         with self._clock, self.protect("observe"):
             if batch is not None:
-                self._acc.add(probe_batch(batch, self.config.lag_buckets, engine=self.config.stats_engine))
+                self._acc.add(self.engine.probe(batch, self.config.lag_buckets))
                 self.sequence_extremes.append((sequence_extremes(batch, self.config.quarantine["culprits"]), context))
             if loss is not None:
                 self._saw_loss = True
-                self._acc.add(host_engine.loss_partial(loss))
+                self._acc.add(self.engine.loss(loss))
 
     def observe_sequences(self, rewards=None, lengths=None, truncated=None) -> None:
         """Accumulate per-sequence figures seen outside the loss (e.g. at generation time); no host sync."""
         with self._clock, self.protect("observe_sequences"):
-            self._acc.add(sequence_stats(lengths=lengths, truncated=truncated, rewards=rewards))
+            self._acc.add(self.engine.sequences(lengths=lengths, truncated=truncated, rewards=rewards))
 
     def observe_samples(self, samples: SampleBatch, optimizer_updates: int | None = None) -> None:
         """Run-level diagnostics from per-sample host data (once per generation batch); see rl_guard.diagnostics."""
@@ -284,7 +299,8 @@ class Guard:
                     raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
                 if params is not None:
                     sharded = self.config.sharded_grads
-                    self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded))
+                    self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded,
+                                              host=self.host_reads))
                 if self._saw_loss:
                     self._acc.add(rank_count(keys.LOSS.ranks, self._acc.device))
                 raw = self._acc.finish(reduce)
@@ -457,8 +473,6 @@ class Guard:
         after that update; healthy snapshots, if any, are older). ``decision`` becomes ``checkpoint_and_halt`` (its
         ``stop`` is set); returns the message, for the adapter's ``GuardHalted``. Every rank must call it at the
         same step (the checkpoint is collective): adapters call it on a figure every rank shares."""
-        from .control.announce import console_logger
-
         message = (f"[rl_guard] {framework} applied the update of step {decision.step} that the guard dropped "
                    f"({decision.action}): {seen}. Skips do not work on this run; checkpoint and halt")
         if self.rank == 0:

@@ -46,7 +46,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 TOP_DEFAULTS: dict[str, Any] = {
     "mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
-    "sharded_grads": None, "log_every": 1, "stats_engine": "eager",
+    "sharded_grads": None, "log_every": 1, "stats_engine": "auto",
     "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
@@ -73,7 +73,7 @@ class GuardConfig:
     mode: str = TOP_DEFAULTS["mode"]
     # 0: off; else the N-th consecutive dropped update escalates to checkpoint_and_halt
     max_consecutive_skips: int = TOP_DEFAULTS["max_consecutive_skips"]
-    # eager: no compiler needed; compiled: torch.compile fuses the token probes (stats/fused.py)
+    # auto: compiled on CUDA with Triton, else eager; eager: no compiler; compiled: torch.compile (stats/engines.py)
     stats_engine: str = TOP_DEFAULTS["stats_engine"]
     source_text: str = ""
 

@@ -1,22 +1,20 @@
 """The compiled engine (``stats_engine: compiled``): one chunk's token probes as one pure function that
 ``torch.compile`` fuses into a few loops over the chunk (C++ on CPU, Triton on CUDA).
 
-It computes what ``token_rows.rows_into`` and the clip and lag probes of ``probe_batch`` compute, and hands the
-results to the same ``ChunkStats`` calls in the same order, so a compiled micro-batch has the same statistics
-layout as an eager one (ranks and micro-batches of either engine merge). The eager engine makes ~100 passes over
-a chunk's memory (one per operation and row); the fused loops read each input once or twice and write only the
-integer cell indices that the exact counting (``count_cells``, kept eager) needs. Counts, histogram cells, extremes
-and non-finite counts are identical to the eager engine's; float sums agree to float32 accuracy (another summation
-order, and k3 from its series, ``_k3``).
+It computes what ``token_rows.rows_into`` and the clip and lag probes of ``eager`` compute, returns them by
+name, and hands them to the same ``ChunkStats`` calls in the same order, so a compiled micro-batch has the same
+statistics layout as an eager one (ranks and micro-batches of either engine merge). The eager engine makes ~100
+passes over a chunk's memory (one per operation and row); the fused loops read each input once or twice and write
+only the integer cell indices that the exact counting (``count_cells``, kept eager) needs. Counts, histogram cells,
+extremes and non-finite counts are identical to the eager engine's; float sums agree to float32 accuracy (another
+summation order, and k3 from its series, ``_k3``).
 
 Written for the compiler: per field on ``[r, T]`` tensors, finiteness as ``t - t == 0`` and k3 without ``expm1``
 (the compiler turns ``isnan`` into a scalar loop and ``expm1`` into ``exp(x) - 1``, which cancels in float32).
 
 Costs: a first call compiles for ~10-30 s (once per process and combination of fields and dtypes; shapes are
-dynamic), CPU needs a C++ compiler and CUDA needs Triton. On CPU, micro-batches under ``CPU_MIN_TOKENS`` are not
-compiled, where a compiled call's fixed cost exceeds its gain (the host engine or the eager engine takes them).
-Any failure to compile or run turns the engine off for the rest of the process, with one warning, and
-``probe_batch`` redoes the micro-batch eagerly: the statistics are the same, only slower.
+dynamic), CPU needs a C++ compiler and CUDA needs Triton. Which micro-batches are compiled, and the fallback to the
+eager engine after a failure, are the engine object's (``engines.CompiledEngine``).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from __future__ import annotations
 import functools
 import math
 import types
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -36,26 +33,6 @@ from .token_probes import lag_slot_offset, lag_slots
 from .token_rows import RowPlan, device_constant
 
 INF = math.inf
-_failure: list[str] = []  # why the compiled engine is off in this process (empty: it is usable)
-
-
-CPU_MIN_TOKENS = 1 << 13  # below this a CPU micro-batch is cheaper eager (measured crossover ~8K tokens)
-
-
-def usable(b) -> bool:
-    """Whether the compiled engine takes micro-batch ``b``: it has not failed in this process, and on CPU the batch
-    is large enough for one fused call to beat ~200 small operations (the compiled call has a fixed cost of its
-    own). On a GPU every batch goes to it: there each eager operation is a kernel launch."""
-    n = b.logprobs.numel()
-    return not _failure and n > 0 and (b.device.type != "cpu" or n >= CPU_MIN_TOKENS)
-
-
-def disable(error: BaseException) -> None:
-    """Turns the compiled engine off for the rest of the process after ``error`` (compiler missing, compile or
-    run failure), with one warning; ``probe_batch`` redoes the micro-batch eagerly."""
-    _failure.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
-    warnings.warn(f"rl_guard: stats_engine 'compiled' is unavailable here ({_failure[0]}); using the eager "
-                  "engine (same statistics, slower)", RuntimeWarning, stacklevel=3)
 
 
 class Static(NamedTuple):
@@ -126,8 +103,8 @@ def _seq_sums(x: torch.Tensor, ids, num_seqs, row_sums=None) -> torch.Tensor:
 def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a,
                 *, s: Static):
     """The statistics of one chunk (inputs ``[r, T]``: whole padded rows; packed chunks ``[1, n]`` with sequence
-    ``ids``), as a tuple whose order ``probe_chunk`` follows. See ``token_rows`` and ``token_probes`` for the
-    formulas.
+    ``ids``), by name (a name is present only when its statistic is computed for these fields). See ``token_rows``
+    and ``token_probes`` for the formulas.
 
     Written field by field on ``[r, T]`` tensors, every reduction first along each row (``_rows``): the compiler
     then fuses all of them into one loop nest that reads each input once, and the per-sequence sums come out of the
@@ -161,61 +138,64 @@ def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
     counts = torch.stack([t.sum() for t in v_rows])
     n_mask = m.sum(-1).sum()
     ext = ys[: s.n_ext]
-    out = [n_mask, _seq_sums(m.int(), ids, num_seqs) if s.lengths else None, counts,
-           torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
-           torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)]),
-           torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)])]
+    out = {"tokens": n_mask, "counts": counts,
+           "sums": torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
+           "maxes": torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)]),
+           "mins": torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)])}
+    if s.lengths:
+        out["lengths"] = _seq_sums(m.int(), ids, num_seqs)
     i_adv = s.rows.index("adv") if "adv" in s.rows else -1
     if i_adv >= 0:
         zd = z[i_adv].double()
-        out += [zd.sum(-1).sum(), (zd * zd).sum(-1).sum()]
+        out["adv_sum"], out["adv_sumsq"] = zd.sum(-1).sum(), (zd * zd).sum(-1).sum()
     cells = []
     if s.cells[1]:
         h0 = s.cells[0]
         cells = [cell_index_with(z[h0 + i], *consts) for i, consts in enumerate(s.cell_consts)]
-        out += [tuple(cells[: s.n_hist]), torch.rsub(counts[h0 : h0 + s.n_hist], n)]
+        out["hist_cells"], out["hist_invalid"] = tuple(cells[: s.n_hist]), torch.rsub(counts[h0 : h0 + s.n_hist], n)
     r0, k0 = s.log_ratios, s.kl_first
     k3 = [_k3(t) for t in z[r0:]]  # r - 1 = log r + k3
     if s.n_ratio:
-        out.append(torch.stack([(t + k).sum(-1).sum() for t, k in zip(z[r0 : r0 + s.n_ratio], k3)])
-                   + counts[r0 : r0 + s.n_ratio])
+        out["ratio_sums"] = (torch.stack([(t + k).sum(-1).sum() for t, k in zip(z[r0 : r0 + s.n_ratio], k3)])
+                             + counts[r0 : r0 + s.n_ratio])
     k3 = k3[k0 - r0 :]
     if k3:
         if "ratio" in s.rows:
             i = s.rows.index("ratio")
-            out.append(counts[i : i + 1])
+            out["kl_count"] = counts[i : i + 1]
         per_seq = [_seq_sums(t, ids, num_seqs, rows) for t, rows in zip(v[k0:], v_rows[k0:])]
         per_seq += [_seq_sums(t, ids, num_seqs) for t in (*z[k0:], *(t * t for t in z[k0:]), *k3)]
-        out.append(torch.stack(per_seq).view(4, len(k3), -1))
-    out.append((nonfinite_a * torch.cat([n_mask.reshape(1).float(), counts])).sum(1))
+        out["kl_seq"] = torch.stack(per_seq).view(4, len(k3), -1)
+    out["nonfinite"] = (nonfinite_a * torch.cat([n_mask.reshape(1).float(), counts])).sum(1)
     clipped = None
     if i_adv >= 0:
         sign = torch.sign(z[i_adv])
-        out.append(counts[i_adv] - (sign * sign).sum(-1).sum())
+        out["adv_zero"] = counts[i_adv] - (sign * sign).sum(-1).sum()
         if s.clip_row >= 0:
             j = s.clip_row
             clipped = ((z[j] - s.clip_b) * sign > s.clip_a).float()
             n_clipped = clipped.sum(-1).sum()
             n_low = (n_clipped - (clipped * sign).sum(-1).sum()) * 0.5
-            out += [(v[j] * v[i_adv]).sum(-1).sum(), n_low, n_clipped - n_low]
+            out["clip_count"], out["clip_low"], out["clip_high"] = (v[j] * v[i_adv]).sum(-1).sum(), n_low, \
+                n_clipped - n_low
     if s.lag:
         lag = (gate - torch.round(full(versions).float())) + current_version
         fl = _finite(lag)
         zl = torch.where(fl, lag, 0.0)
-        out += [zl.sum(-1).sum(), torch.where(fl, lag, -INF).amax(-1).amax()]
+        out["lag_sum"], out["lag_max"] = zl.sum(-1).sum(), torch.where(fl, lag, -INF).amax(-1).amax()
         slots = s.lag_hi - s.lag_lo + 2
         slot = (torch.clamp(zl, s.lag_lo, s.lag_hi) - (s.lag_lo + slots - 1)) * fl.float()
         if s.lag == "counts":
-            out.append(slot.int() + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False))
+            out["lag_slots"] = slot.int() + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False)
         else:
             slot = slot + v[s.rows.index("ratio")] * (-2.0 * slots)
             if clipped is not None:
                 slot = slot + clipped * float(slots)
             offset = slot.int()
             base = lag_slot_offset((s.lag_lo, s.lag_hi), regions=True)
-            cell = cells[s.ratio_cell] + (LOG_RATIO.bins * base - s.ratio_start) + offset * LOG_RATIO.bins
-            out += [cell, offset + base, k3[0].double()]
-    return tuple(out)
+            out["lag_cells"] = cells[s.ratio_cell] + (LOG_RATIO.bins * base - s.ratio_start) + offset * LOG_RATIO.bins
+            out["lag_regions"], out["lag_k3"] = offset + base, k3[0].double()
+    return out
 
 
 @functools.lru_cache(maxsize=32)
@@ -231,51 +211,50 @@ def _kernel(s: Static):
 
 
 def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges) -> None:
-    """The compiled counterpart of ``probe_batch._probe_chunk``: same statistics, same ``ChunkStats`` calls."""
+    """The compiled counterpart of ``eager._probe_chunk``: same statistics, same ``ChunkStats`` calls (in the
+    eager engine's order, which fixes the layout), read from ``_chunk_math``'s outputs by name."""
     view, device = ch.block, b.device
-    out = iter(_kernel(s)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages),
-                          view(b.prox_logprobs), view(b.old_logprobs), view(b.ref_logprobs), view(b.versions),
-                          ch.seq_ids() if b.packed else None, b.num_seqs, int(b.current_version or 0),
-                          device_constant("nonfinite", plan, device)))
+    out = _kernel(s)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages), view(b.prox_logprobs),
+                     view(b.old_logprobs), view(b.ref_logprobs), view(b.versions),
+                     ch.seq_ids() if b.packed else None, b.num_seqs, int(b.current_version or 0),
+                     device_constant("nonfinite", plan, device))
     names = plan.names
-    acc.sum(keys.TOKENS.count, next(out))
-    lengths = next(out)
-    if s.lengths:
-        ch.add_seq_sums(acc.seq("length"), lengths)
-    acc.sum_rows(names["count"], next(out))
-    acc.sum_rows(names["sum"], next(out))
-    acc.max_rows(names["max"], next(out))
-    acc.min_rows(names["min"], next(out))
-    if plan.has("adv"):
-        acc.sum(keys.ADV.sum, next(out))
-        acc.sum(keys.ADV.sumsq, next(out))
-    if s.cells[1]:
-        idx, n_invalid = next(out), next(out)
-        if s.n_hist:  # whole [r, T] outputs keep the compiled loops fused; flattened here (views, or one copy)
-            idx = idx[0].reshape(-1) if len(idx) == 1 else torch.cat([t.reshape(-1) for t in idx])
-            cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[: s.n_hist]))
-            acc.hist(names["hist"], cells, device_constant("hists", plan, device)[5][: s.n_hist], n_invalid)
-    if s.log_ratios < len(s.rows):
-        if s.n_ratio:
-            acc.sum_rows(names["ratio_sum"], next(out))
-        if s.kl_first < len(s.rows):
-            if plan.has("ratio"):
-                acc.sum_rows(names["kl_count"], next(out))
-            nk = len(s.rows) - s.kl_first
-            ch.add_seq_sums(acc.seq("kl", 4 * nk).view(4, nk, -1), next(out))
-    acc.sum_rows(names["nonfinite"], next(out))
-    if plan.has("adv"):
-        acc.sum(keys.ADV.zero, next(out))
-        if s.clip_row >= 0:
-            acc.sum(keys.CLIP.count, next(out))
-            acc.sum(keys.CLIP.low, next(out))
-            acc.sum(keys.CLIP.high, next(out))
+    acc.sum(keys.TOKENS.count, out["tokens"])
+    if "lengths" in out:
+        ch.add_seq_sums(acc.seq("length"), out["lengths"])
+    acc.sum_rows(names["count"], out["counts"])
+    acc.sum_rows(names["sum"], out["sums"])
+    acc.max_rows(names["max"], out["maxes"])
+    acc.min_rows(names["min"], out["mins"])
+    if "adv_sum" in out:
+        acc.sum(keys.ADV.sum, out["adv_sum"])
+        acc.sum(keys.ADV.sumsq, out["adv_sumsq"])
+    if s.n_hist:  # whole [r, T] outputs keep the compiled loops fused; flattened here (views, or one copy)
+        idx = out["hist_cells"]
+        idx = idx[0].reshape(-1) if len(idx) == 1 else torch.cat([t.reshape(-1) for t in idx])
+        cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[: s.n_hist]))
+        acc.hist(names["hist"], cells, device_constant("hists", plan, device)[5][: s.n_hist], out["hist_invalid"])
+    if "ratio_sums" in out:
+        acc.sum_rows(names["ratio_sum"], out["ratio_sums"])
+    if "kl_count" in out:
+        acc.sum_rows(names["kl_count"], out["kl_count"])
+    if "kl_seq" in out:
+        nk = len(s.rows) - s.kl_first
+        ch.add_seq_sums(acc.seq("kl", 4 * nk).view(4, nk, -1), out["kl_seq"])
+    acc.sum_rows(names["nonfinite"], out["nonfinite"])
+    if "adv_zero" in out:
+        acc.sum(keys.ADV.zero, out["adv_zero"])
+    if "clip_count" in out:
+        acc.sum(keys.CLIP.count, out["clip_count"])
+        acc.sum(keys.CLIP.low, out["clip_low"])
+        acc.sum(keys.CLIP.high, out["clip_high"])
     if s.lag:
-        acc.sum(keys.LAG.sum, next(out))
-        acc.max(keys.LAG.max, next(out))
+        acc.sum(keys.LAG.sum, out["lag_sum"])
+        acc.max(keys.LAG.max, out["lag_max"])
         slots = lag_slots(edges)
-        if s.lag == "counts":
-            acc.sum(keys.LAG.slots, count_cells(next(out).reshape(-1), slots))
+        if "lag_slots" in out:
+            acc.sum(keys.LAG.slots, count_cells(out["lag_slots"].reshape(-1), slots))
         else:
-            acc.sum(keys.LAG.cells, count_cells(next(out).reshape(-1), 3 * slots * LOG_RATIO.bins))
-            acc.sum(keys.LAG.cells_k3, count_cells(next(out).reshape(-1), 3 * slots, weights=next(out).reshape(-1)))
+            acc.sum(keys.LAG.cells, count_cells(out["lag_cells"].reshape(-1), 3 * slots * LOG_RATIO.bins))
+            acc.sum(keys.LAG.cells_k3, count_cells(out["lag_regions"].reshape(-1), 3 * slots,
+                                                   weights=out["lag_k3"].reshape(-1)))

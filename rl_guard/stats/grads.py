@@ -167,17 +167,18 @@ def segments_for(weights: list[float], lengths: list[int], device) -> Segments:
 
 
 @torch.no_grad()
-def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -> Partial:
+def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None, host: bool = True) -> Partial:
     """Sufficient statistics of the gradients, grouped as the optimizer groups them.
 
     ``param_groups``: lists of parameters (``param_groups_of``) or a ``GradientSource``. ``sharded``: None to
-    detect (see the module docstring), True / False to force sum / max merging across ranks.
+    detect (see the module docstring), True / False to force sum / max merging across ranks. ``host``: CPU
+    gradients read in place by numpy where they allow it (False: the torch path a GPU's gradients take).
     """
     pairs, merge_sum = local_grads(param_groups, sharded)
     scale = float(getattr(param_groups, "scale", 1.0))
     tensors, weights, spans = flatten(pairs)
     device = tensors[0].device if tensors else None
-    if _on_host(device, weights, pre_clip_norm):
+    if host and _on_host(device, weights, pre_clip_norm):
         return _host_partial(tensors, spans, merge_sum, scale, _host_number(pre_clip_norm))
     p = Partial()
     # Entries are written as 1-element float64 vectors, the form ``Partial.add_*`` gives them.
@@ -209,11 +210,10 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
 
 def _on_host(device, weights: list[float], pre_clip_norm) -> bool:
     """Whether numpy computes the figures in place (``_host_partial``): CPU gradients with unit merge weights and
-    a pre-clip norm that is a number or one value in host memory, while the host engine is on
-    (``host_engine.CPU_MAX_TOKENS`` > 0; off, CPU tensors are handled as a GPU's)."""
+    a pre-clip norm that is a number or one value in host memory."""
     if torch.is_tensor(pre_clip_norm) and (pre_clip_norm.device.type != "cpu" or pre_clip_norm.numel() != 1):
         return False
-    return device is not None and device.type == "cpu" and host_engine.CPU_MAX_TOKENS > 0 and \
+    return device is not None and device.type == "cpu" and \
         all(w == 1.0 for w in weights)
 
 

@@ -2,9 +2,9 @@
 
 On a small micro-batch the eager engine's cost is its ~200 torch operations (a few microseconds each of dispatch,
 for a few hundred tokens), not the arithmetic. On CPU the tensors already are host memory, so numpy reads them in
-place (no copy, nothing to synchronise) at a fraction of the cost per operation. This engine takes padded CPU
-batches of float32 fields up to ``CPU_MAX_TOKENS`` tokens without policy versions; everything else (GPU batches,
-packed or versioned batches, other dtypes, larger batches) stays with the chosen engine.
+place (no copy, nothing to synchronise) at a fraction of the cost per operation. This path takes padded CPU
+batches of float32 fields up to the engine's ``host_max_tokens`` tokens without policy versions; everything else
+(GPU batches, packed or versioned batches, other dtypes, larger batches) stays with the chosen engine.
 Per-sequence fields (``Guard.observe_sequences``: a generation batch's rewards) take it too. Per-sequence figures
 of up to ``PY_MAX_SEQUENCES`` sequences, there and in a micro-batch, are read as Python floats: one loop instead of
 ~20 numpy calls.
@@ -20,29 +20,24 @@ When the old log-probs are the log-probs themselves (TRL's default: one pass per
 ``old_per_token_logps``), every valid log-ratio is +0.0 and the KL and sequence-ratio figures follow from the
 valid-token counts (``_on_policy_ratio``: the same bits, a third fewer numpy calls).
 
-Failure policy as for the compiled engine: a failure turns it off for the rest of the process, with one warning,
-and the micro-batch is redone eagerly (input errors cannot reach it: a ``TokenBatch`` is validated when built).
+A failure here is raised; the engine object (``engines.EagerEngine``) warns once, turns this path off for itself
+and redoes the micro-batch with torch (input errors cannot reach it: a ``TokenBatch`` is validated when built).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import numpy as np
 import torch
 
 from . import keys
 from .constants import EXP_CLAMP
-from .kernels import loss_stats
 from .partial import Partial
 from .sketch import LOG_RATIO
 from .token_rows import device_constant
 
-# Measured against the eager engine (benchmarks/stats.py small_batch_ms): 3.0x faster at 64 tokens, 1.5x at 8K; above
-# this the per-element work dominates and the chosen engine takes the batch.
-CPU_MAX_TOKENS = 1 << 13
 # Per-sequence fields of up to this many values are read as Python floats: a generation batch's rewards are a few
 # dozen values, where each of the ~20 numpy calls costs more than one loop over all of them.
 PY_MAX_SEQUENCES = 256
@@ -52,14 +47,13 @@ FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logpr
 LAYOUT_FIELDS = ("mask", *FLOAT_FIELDS, "lengths", "truncated", "rewards")  # the fields the layout depends on
 CPU = torch.device("cpu")
 _layouts: dict = {}  # signature -> the eager engine's layout and its packing offsets
-_failure: list[str] = []
 
 
-def takes(b) -> bool:
-    """Whether this engine computes micro-batch ``b`` (see the module docstring)."""
+def takes(b, max_tokens: int) -> bool:
+    """Whether this path computes micro-batch ``b`` (see the module docstring)."""
     lp = b.logprobs
-    return (not _failure and lp.device.type == "cpu" and b.cu_seqlens is None and b.versions is None
-            and 0 < lp.numel() <= CPU_MAX_TOKENS
+    return (lp.device.type == "cpu" and b.cu_seqlens is None and b.versions is None
+            and 0 < lp.numel() <= max_tokens
             and all(getattr(b, f) is None or getattr(b, f).dtype == torch.float32 for f in FLOAT_FIELDS))
 
 
@@ -69,18 +63,14 @@ def signature(b, seq_clip: bool, token_clip: bool) -> tuple:
     return fields, seq_clip, token_clip, b.allow_empty_mask
 
 
-def computed(sig: tuple, one_item_eager, compute) -> Partial | None:
+def computed(sig: tuple, one_item_eager, compute) -> Partial:
     """``compute(sig)``, this engine's statistics packed in the eager layout kept for ``sig``. The first time a
     ``sig`` is seen, ``one_item_eager()`` (the eager engine's still packed ``Partial`` of a one-item input with the
-    same fields) gives that layout. None after a failure, which turns this engine off: the caller computes eagerly."""
-    try:
-        if sig not in _layouts:
-            (sums, maxes), _, _ = one_item_eager().packed
-            _layouts[sig] = (sums, maxes, _offsets(sums), _offsets(maxes))
-        return compute(sig)
-    except Exception as e:  # noqa: BLE001 - a fault of this engine must cost speed, never the statistics
-        disable(e)
-        return None
+    same fields) gives that layout."""
+    if sig not in _layouts:
+        (sums, maxes), _, _ = one_item_eager().packed
+        _layouts[sig] = (sums, maxes, _offsets(sums), _offsets(maxes))
+    return compute(sig)
 
 
 def _offsets(layout) -> tuple:
@@ -91,28 +81,16 @@ def _offsets(layout) -> tuple:
     return tuple(out), at
 
 
-def disable(error: BaseException) -> None:
-    _failure.append(f"{type(error).__name__}: {error}".splitlines()[0][:300])
-    warnings.warn(f"rl_guard: the host engine for small CPU micro-batches failed ({_failure[0]}); using the eager "
-                  "engine for them (same statistics, slower)", RuntimeWarning, stacklevel=3)
-
-
 LOSS_LAYOUT = (((keys.LOSS.count, 1), (keys.LOSS.sum, 1), (keys.LOSS.nonfinite, 1)), ())  # kernels.loss_stats's
 _NO_MAXES = torch.zeros(0, dtype=torch.float64)
 
 
 def loss_partial(loss: torch.Tensor) -> Partial:
-    """``kernels.loss_stats`` of a micro-batch loss: read where it is when it is on the CPU (and this engine is on),
-    in the same layout."""
-    if not _failure and CPU_MAX_TOKENS > 0 and loss.device.type == "cpu":
-        try:
-            x = _np(loss).reshape(-1).astype(F64)
-            ok = np.isfinite(x)
-            sums = np.array([x.size, x.sum(where=ok), x.size - ok.sum()], dtype=F64)
-            return Partial.of_packed(LOSS_LAYOUT, torch.from_numpy(sums), _NO_MAXES)
-        except Exception as e:  # noqa: BLE001 - as for token statistics: cost speed, never the statistics
-            disable(e)
-    return loss_stats(Partial(), loss)
+    """``kernels.loss_stats`` of a CPU micro-batch loss, read where it is, in the same layout."""
+    x = _np(loss).reshape(-1).astype(F64)
+    ok = np.isfinite(x)
+    sums = np.array([x.size, x.sum(where=ok), x.size - ok.sum()], dtype=F64)
+    return Partial.of_packed(LOSS_LAYOUT, torch.from_numpy(sums), _NO_MAXES)
 
 
 def dot(x: np.ndarray, y: np.ndarray) -> float:
@@ -142,9 +120,9 @@ def probe(b, plan, sig: tuple, seq_clip: bool, token_clip: bool) -> Partial:
     return _packed(sig, s, mx, mn)
 
 
-def takes_sequences(fields: dict) -> bool:
-    """Whether this engine computes ``probe_batch.sequence_stats`` of these per-sequence tensors."""
-    return not _failure and all(t.device.type == "cpu" and 0 < t.numel() <= CPU_MAX_TOKENS for t in fields.values())
+def takes_sequences(fields: dict, max_tokens: int) -> bool:
+    """Whether this path computes the per-sequence statistics of these tensors."""
+    return all(t.device.type == "cpu" and 0 < t.numel() <= max_tokens for t in fields.values())
 
 
 def sequence_probe(fields: dict, sig: tuple) -> Partial:

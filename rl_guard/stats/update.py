@@ -95,7 +95,7 @@ class _Layout:
     ``[lo, hi)`` of the vector and its whole tensors the span ``[lo, mid)``. ``weights``: per sampled element,
     ``s`` (1 for a whole tensor) times the merge weight; None when all are 1."""
 
-    def __init__(self, pairs, structure: tuple, sample: int, seed: int, device):
+    def __init__(self, pairs, structure: tuple, sample: int, seed: int, device, host: bool = True):
         self.structure, self.device = structure, device
         self.storage: tuple | None = None
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
@@ -128,9 +128,9 @@ class _Layout:
             big_counts.append(len(sampled))
             self.spans.append((lo, mid, pos))
         self.size = pos
-        # host: numpy reads the weights where they are (CPU, a dtype numpy has, the host engine on: off, CPU
+        # host: numpy reads the weights where they are (CPU, a dtype numpy has, ``UpdateProbe.host``: off, CPU
         # tensors are handled as a GPU's); the figures are then host floats
-        self.host = device is not None and device.type == "cpu" and host_engine.CPU_MAX_TOKENS > 0 and \
+        self.host = host and device is not None and device.type == "cpu" and \
             all(dtype in HOST_DTYPES for group in structure for _, dtype, _ in group)
         self.weights: torch.Tensor | np.ndarray | None = None
         if any(w != 1.0 for w, _ in elem_w):
@@ -311,8 +311,9 @@ class UpdateProbe:
     """Call ``pre_step`` right before ``optimizer.step()`` (it returns the ``Partial`` to add to that step's
     statistics), ``post_step`` right after it, and ``resync`` after the weights were restored (a rollback)."""
 
-    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None):
+    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None, host: bool = True):
         self.sample, self.seed, self.sharded = sample, seed, sharded
+        self.host = host  # CPU weights read in place by numpy (False: the torch path a GPU's weights take)
         self._layout: _Layout | None = None
         self._seen: tuple | None = None  # the tensors (and addresses) the layout's views were made from
         self._before: Sampled | None = None        # sampled weights (float64) right before the last optimizer step
@@ -347,7 +348,7 @@ class UpdateProbe:
                 or seen[1] != [t.data_ptr() for t in tensors] or seen[2] != [len(g) for g in pairs]:
             structure, storage = _keys(pairs)
             if self._layout is None or self._layout.structure != structure:
-                self._layout = _Layout(pairs, structure, self.sample, self.seed, self._device(groups))
+                self._layout = _Layout(pairs, structure, self.sample, self.seed, self._device(groups), self.host)
             self._layout.bind(pairs, storage)
             self._seen = None if storage is None else (tensors, [t.data_ptr() for t in tensors],
                                                        [len(g) for g in pairs])

@@ -2,9 +2,9 @@
 the host engine for small CPU micro-batches report the same metrics every step as the eager engine and take the
 same actions, with each one really running (TRL's padded ``[B, T]`` tensors with integer masks).
 
-The arms: ``host`` is what the tiny model's micro-batches get by default (``host_engine.CPU_MAX_TOKENS``);
-``compiled`` lowers the compiled engine's CPU threshold and turns the host engine off so that they compile;
-``eager`` turns the host engine off."""
+The arms: ``host`` is what the tiny model's micro-batches get by default (the eager engine's host path,
+``engines.HOST_MAX_TOKENS``); ``compiled`` gives the guard a compiled engine with its CPU threshold lowered and no
+host path, so that they compile; ``eager`` an eager engine without the host path."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from rl_guard import Guard
+from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.run import demo_config
 from rl_guard.glossary import comparable
 from rl_guard.stats import fused, host_engine
+from rl_guard.stats.engines import CompiledEngine, EagerEngine
 
 pytestmark = pytest.mark.slow
 STEPS = 4
 
 
 class _Arm:
-    """One engine arm: sets the thresholds and counts what really ran."""
+    """One engine arm: the guard's engine, and a count of what really ran."""
 
     def __init__(self, name: str, monkeypatch):
         self.name, self.monkeypatch, self.host_batches = name, monkeypatch, 0
@@ -34,15 +37,21 @@ class _Arm:
         monkeypatch.setattr(host_engine, "_token_stats", counted)
 
     def __enter__(self) -> str:
-        m = self.monkeypatch
-        m.setattr(fused, "CPU_MIN_TOKENS", 1 if self.name == "compiled" else fused.CPU_MIN_TOKENS)
-        m.setattr(host_engine, "CPU_MAX_TOKENS", 1 << 13 if self.name == "host" else 0)
         self.calls = fused._kernel.cache_info()
         return "compiled" if self.name == "compiled" else "eager"
 
+    def callback(self, config: str, tmp) -> RLGuardCallback:
+        guard = Guard.from_yaml(config, run_dir=str(tmp / "guard"), open_run_dir=False)
+        if self.name == "compiled":
+            guard.engine = CompiledEngine(host_max_tokens=0, cpu_min_tokens=1)
+        elif self.name == "eager":
+            guard.engine = EagerEngine(host_max_tokens=0)
+        self.engine = guard.engine
+        return RLGuardCallback(guard)
+
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
-            assert not fused._failure and not host_engine._failure
+            assert getattr(self.engine, "failure", None) is None and self.engine.host_failure is None
             compiled = fused._kernel.cache_info().hits > self.calls.hits
             assert compiled == (self.name == "compiled")  # no silent fallback passes for the arm's own result
             assert (self.host_batches > 0) == (self.name == "host")
@@ -55,7 +64,8 @@ def _runs(grpo_run, tmp_path, monkeypatch, arms, guard=None, **kw):
         with arm as engine:
             config = guard(engine) if guard else demo_config(kw.get("action", "rollback"), console_every=None,
                                                                 stats_engine=engine)
-            out[name] = grpo_run(tmp_path / name, kw.get("steps", STEPS), guard=config, **kw.get("trainer", {}))
+            out[name] = grpo_run(tmp_path / name, kw.get("steps", STEPS), guard=arm.callback(config, tmp_path / name),
+                                 **kw.get("trainer", {}))
     return out
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from sync_detector import SyncDetector
 
-from rl_guard import glossary
+from rl_guard import Guard, glossary
+from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.run import demo_config
 from rl_guard.stats import host_engine
-from sync_detector import SyncDetector
 
 STEPS = 8
 TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer (rl_guard.stats.accumulate.to_host)
@@ -37,9 +38,11 @@ def healthy(grpo_run, tmp_path_factory):
     try:
         # The run holds the guard to a GPU's discipline: its small CPU micro-batches would otherwise go to the host
         # engine, which reads them where they already are (host memory: nothing to wait for) and never runs on a GPU.
-        with SyncDetector() as detector, pytest.MonkeyPatch.context() as m:
-            m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
-            run = grpo_run(tmp_path_factory.mktemp("healthy"), STEPS, guard=demo_config("rollback", console_every=None))
+        with SyncDetector() as detector:
+            tmp = tmp_path_factory.mktemp("healthy")
+            guard = Guard.from_yaml(demo_config("rollback", console_every=None), run_dir=str(tmp / "guard"),
+                                    open_run_dir=False).use_host_reads(False)
+            run = grpo_run(tmp, STEPS, guard=RLGuardCallback(guard))
     finally:
         StepAccumulator.finish = original_finish
     # Syncs whose nearest caller outside torch is the guard (TRL's and the model's own are not the guard's).

@@ -17,21 +17,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the sync
 
 import dist_scenarios as sc
 from rank_launch import finish
-from rl_guard import Guard
-from rl_guard.stats import host_engine
 from sync_detector import DEFAULT_SITES, RANK_HEADER, SyncDetector
+
+from rl_guard import Guard
 
 
 def main() -> None:
     rank, world, init_file, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(1)
-    host_engine.CPU_MAX_TOKENS = 0  # the tensors stand for a GPU's, where the host engine never runs
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard.from_yaml(sc.MERGE_CFG, run_dir=out / f"run{rank}").attach(model, opt)
+    guard.use_host_reads(False)  # the tensors stand for a GPU's, where numpy never reads them in place
     det = SyncDetector(documented={**DEFAULT_SITES, **RANK_HEADER})
     record = []
     for step in range(steps):

@@ -191,10 +191,10 @@ def packed_from(d: dict) -> dict:
     return out
 
 
-def step(batches, cv=12, **kw):
+def step(batches, cv=12, engine="eager", **kw):
     acc = StepAccumulator()
     for b in batches:
-        acc.add(probe_batch(TokenBatch(**b, current_version=cv if "versions" in b else None, **kw)))
+        acc.add(probe_batch(TokenBatch(**b, current_version=cv if "versions" in b else None, **kw), engine=engine))
     return summarize(acc.finish())[0]
 
 

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_stats import (FLOAT_SUMS, assert_engines_agree, check, compiled_calls, make_padded, np_dict,
-                             packed_from, reference, with_per_sequence_fields)
+from reference_stats import (
+    FLOAT_SUMS,
+    assert_engines_agree,
+    check,
+    compiled_calls,
+    make_padded,
+    np_dict,
+    packed_from,
+    reference,
+    with_per_sequence_fields,
+)
 
 from rl_guard import Guard
 from rl_guard.glossary import comparable
-from rl_guard.stats import fused, host_engine
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.engines import CompiledEngine, EagerEngine
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
@@ -26,20 +35,16 @@ CV = 12
 ALL_FIELDS = ("old", "ref", "entropy", "adv", "versions")
 
 
-@pytest.fixture(autouse=True)
-def _cpu_side_eager(monkeypatch):
-    """The CPU side of each comparison runs the eager engine, not the host engine small CPU batches go to."""
-    monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
-
-
 def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, **kw) -> dict:
+    """The CPU side of each comparison runs the eager engine, not the host path small CPU batches go to."""
     on = {k: v.to(device) for k, v in d.items()}
     b = TokenBatch(**on, current_version=CV if "versions" in d else None, **kw)
     acc = StepAccumulator()
     before = compiled_calls()
-    acc.add(probe_batch(b, chunk_tokens=chunk, engine=engine))
+    used = CompiledEngine(host_max_tokens=0) if engine == "compiled" else EagerEngine(host_max_tokens=0)
+    acc.add(probe_batch(b, chunk_tokens=chunk, engine=used))
     if engine == "compiled" and device == "cuda":  # it compiled and ran: no fallback hides behind the comparison
-        assert not fused._failure and compiled_calls() > before
+        assert getattr(used, "failure", None) is None and compiled_calls() > before
     return acc.finish()
 
 
@@ -75,11 +80,13 @@ def test_cuda_chunks_packed_rows_sequence_level_and_nonfinite_inputs(engine):
 def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[list, list, torch.nn.Module]:
     yaml = tmp_path / f"{device}-{engine}.yaml"
     yaml.write_text(f"version: 1\nstats_engine: {engine}\nsinks: []\n"
-                    "rules:\n  - {name: nan_grad, metric: rl_guard/grad/nonfinite, op: '>', threshold: 0, action: skip_step}\n")
+                    "rules:\n  - {name: nan_grad, metric: rl_guard/grad/nonfinite, op: '>', threshold: 0,\n"
+                    "     action: skip_step}\n")
     torch.manual_seed(0)  # the same weights on both devices: built on CPU, then moved
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = Guard.from_yaml(yaml, run_dir=tmp_path / f"run-{device}-{engine}").attach(model, opt)
+    guard.use_host_reads(False)  # the CPU side as a GPU's: no host path
     g = torch.Generator().manual_seed(1)
     actions, metrics = [], []
     for step in range(4):
@@ -99,7 +106,7 @@ def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[lis
         guard.step_done()
         actions.append(decision.action)
         metrics.append(comparable(guard.last_metrics))
-    assert guard.internal_failures == 0
+    assert guard.internal_failures == 0 and getattr(guard.engine, "failure", None) is None
     guard.close()
     return actions, metrics, model
 
@@ -108,7 +115,7 @@ def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[lis
 def test_a_guard_on_cuda_reports_and_decides_what_it_does_on_cpu(tmp_path, engine):
     before = compiled_calls()
     cuda_actions, cuda_metrics, cuda_model = _guarded_run(tmp_path, "cuda", engine, nan_step=2)
-    assert not fused._failure and (compiled_calls() > before) == (engine == "compiled")
+    assert (compiled_calls() > before) == (engine == "compiled")
     cpu_actions, cpu_metrics, cpu_model = _guarded_run(tmp_path, "cpu", "eager", nan_step=2)
     assert cuda_actions == cpu_actions == [None, None, "skip_step", None]
     for step, (c, e) in enumerate(zip(cuda_metrics, cpu_metrics)):

@@ -1,4 +1,5 @@
-"""The compiled statistics engine (``stats_engine: compiled``, rl_guard/stats/fused.py), really compiled here.
+"""The compiled statistics engine (``stats_engine: compiled``, rl_guard/stats/fused.py and engines.py), really
+compiled here.
 
 Against the eager engine: the same statistics layout (so micro-batches and ranks of either engine merge), the same
 counts, histogram cells, extremes and non-finite counts bit for bit, the float sums to float32 accuracy; and
@@ -17,34 +18,47 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_stats import (FLOAT_SUMS, assert_engines_agree, check, compiled_calls, make_padded, np_dict,
-                             packed_from, reference, with_per_sequence_fields)
+from reference_stats import (
+    FLOAT_SUMS,
+    assert_engines_agree,
+    check,
+    compiled_calls,
+    make_padded,
+    np_dict,
+    packed_from,
+    reference,
+    with_per_sequence_fields,
+)
 
 from rl_guard import Guard
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
 from rl_guard.glossary import comparable
-from rl_guard.stats import fused, host_engine
+from rl_guard.stats import fused
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
+from rl_guard.stats.engines import CompiledEngine, EagerEngine
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _small_batches_compiled_too(monkeypatch):
-    """The test batches are small; on CPU those normally go to the host engine (``host_engine.CPU_MAX_TOKENS``) or
-    stay eager (``fused.CPU_MIN_TOKENS``)."""
-    monkeypatch.setattr(fused, "CPU_MIN_TOKENS", 1)
-    monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
 CV = 12
 
 
-def _run(d: dict, engine: str, chunk=None, **kw):
+def small_compiled() -> CompiledEngine:
+    """The test batches are small; on CPU those normally go to the host path (``host_max_tokens``) or stay eager
+    (``cpu_min_tokens``): this engine compiles them all."""
+    return CompiledEngine(host_max_tokens=0, cpu_min_tokens=1)
+
+
+ENGINES = {"compiled": small_compiled(), "eager": EagerEngine(host_max_tokens=0)}
+
+
+def _run(d: dict, engine, chunk=None, **kw):
     b = TokenBatch(**d, current_version=CV if "versions" in d else None, **kw)
-    p = probe_batch(b, chunk_tokens=chunk, engine=engine)
+    p = probe_batch(b, chunk_tokens=chunk, engine=ENGINES.get(engine, engine) if isinstance(engine, str) else engine)
     layout = p.packed[0]
     acc = StepAccumulator()
     acc.add(p)
@@ -53,10 +67,10 @@ def _run(d: dict, engine: str, chunk=None, **kw):
 
 def _compare(d: dict, chunk=None, **kw) -> dict:
     """Compiled vs eager on one micro-batch; returns the compiled engine's metrics."""
-    assert not fused._failure
+    engine = small_compiled()
     calls = compiled_calls()
-    lay_c, c = _run(d, "compiled", chunk, **kw)
-    assert not fused._failure and compiled_calls() > calls  # it compiled and ran: no fallback hides behind it
+    lay_c, c = _run(d, engine, chunk, **kw)
+    assert engine.failure is None and compiled_calls() > calls  # it compiled and ran: no fallback hides behind it
     lay_e, e = _run(d, "eager", chunk, **kw)
     assert lay_c == lay_e
     assert_engines_agree(c, e, FLOAT_SUMS, atol=1e-6)
@@ -117,6 +131,8 @@ def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_pa
         model = torch.nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         guard = Guard.from_yaml(yaml, run_dir=tmp_path / engine).attach(model, opt)
+        if engine == "compiled":
+            guard.engine = small_compiled()
         out = []
         for step in range(3):
             d = make_padded(10 + step, fields=("old", "ref", "entropy", "adv", "versions"))
@@ -128,13 +144,13 @@ def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_pa
             opt.zero_grad()
             guard.step_done()
             out.append(comparable(guard.last_metrics))
-        assert guard.internal_failures == 0
+        assert guard.internal_failures == 0 and getattr(guard.engine, "failure", None) is None
         guard.close()
         return out
 
     calls = fused._kernel.cache_info()
     compiled = run("compiled")
-    assert not fused._failure and fused._kernel.cache_info().hits > calls.hits  # the compiled engine really ran
+    assert fused._kernel.cache_info().hits > calls.hits  # the compiled engine really ran
     for c, e in zip(compiled, run("eager")):
         assert c.keys() == e.keys()
         for key in e:
@@ -148,18 +164,18 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import numpy as np
         from reference_stats import make_padded
-        from rl_guard.stats import fused, host_engine
         from rl_guard.stats.batch import BatchError, TokenBatch
+        from rl_guard.stats.engines import CompiledEngine
         from rl_guard.stats.probe_batch import probe_batch
-        fused.CPU_MIN_TOKENS = 1
+        engine, other = CompiledEngine(cpu_min_tokens=1), CompiledEngine(cpu_min_tokens=1)
         d = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = [probe_batch(TokenBatch(**d, current_version=12), engine="compiled") for _ in range(2)]
+            got = [probe_batch(TokenBatch(**d, current_version=12), engine=engine) for _ in range(2)]
         want = probe_batch(TokenBatch(**d, current_version=12), engine="eager")
         messages = [str(w.message) for w in caught if "stats_engine 'compiled' is unavailable" in str(w.message)]
         assert len(messages) == 1, messages
-        assert fused._failure
+        assert engine.failure and other.failure is None  # per engine: another guard's engine is not turned off
         for p in got:
             assert p.packed[0] == want.packed[0]
             assert np.array_equal(p.packed[1].numpy(), want.packed[1].numpy())
@@ -178,19 +194,20 @@ def test_an_input_error_is_raised_and_does_not_turn_the_engine_off(monkeypatch):
 
     monkeypatch.setattr(fused, "probe_chunk", bad_batch)
     d = make_padded(0, fields=("old", "adv"))
+    engine = small_compiled()
     with pytest.raises(BatchError):
-        probe_batch(TokenBatch(**d), engine="compiled")
-    assert not fused._failure
+        probe_batch(TokenBatch(**d), engine=engine)
+    assert engine.failure is None
 
 
-def test_small_cpu_micro_batches_stay_eager(monkeypatch):
-    monkeypatch.setattr(fused, "CPU_MIN_TOKENS", 1 << 13)
+def test_small_cpu_micro_batches_stay_eager():
+    engine = CompiledEngine(host_max_tokens=0)
     small = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))  # 240 tokens
     calls = compiled_calls()
-    _run(small, "compiled")
+    _run(small, engine)
     assert compiled_calls() == calls
     big = {k: v.repeat(1, 40) if v.dim() == 2 else v for k, v in small.items()}  # 9,600 tokens
-    _run(big, "compiled")
+    _run(big, engine)
     assert compiled_calls() > calls
 
 
@@ -200,4 +217,4 @@ def test_a_bad_stats_engine_names_the_key_line_and_allowed_values(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(yaml)
     text = str(err.value)
-    assert "stats_engine" in text and "line 3" in text and "eager, compiled" in text
+    assert "stats_engine" in text and "line 3" in text and "auto, eager, compiled" in text

@@ -1,4 +1,4 @@
-"""The host engine for small CPU micro-batches (rl_guard/stats/host_engine.py).
+"""The host path for small CPU micro-batches (rl_guard/stats/host_engine.py, the eager engine's in engines.py).
 
 Against the eager engine on the same micro-batch: the same statistics layout (micro-batches and ranks of either
 engine merge), the same counts, histogram cells, extremes and non-finite counts, the float sums to float32
@@ -16,24 +16,31 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_stats import (assert_engines_agree, check, make_padded, np_dict, packed_from, reference,
-                             with_per_sequence_fields)
+from reference_stats import (
+    assert_engines_agree,
+    check,
+    make_padded,
+    np_dict,
+    packed_from,
+    reference,
+    with_per_sequence_fields,
+)
 
 from rl_guard.stats import host_engine
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.engines import HOST_MAX_TOKENS, EagerEngine
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "seq_ratio.")  # summed in float64 here, float32 in eager
+TORCH = EagerEngine(host_max_tokens=0)  # the eager engine without its host path: what a GPU's batches get
 
 
 def _count_calls(m, name: str) -> list:
-    """Count the calls of ``host_engine.<name>`` (a silent fallback must not pass for a host result), with the
-    engine on."""
+    """Count the calls of ``host_engine.<name>`` (a silent fallback must not pass for a host result)."""
     calls, real = [], getattr(host_engine, name)
     m.setattr(host_engine, name, lambda *a, **k: calls.append(1) or real(*a, **k))
-    m.setattr(host_engine, "_failure", [])
     return calls
 
 
@@ -53,11 +60,10 @@ def _compare(d: dict, host_calls, monkeypatch, **kw) -> dict:
     """Host vs eager on one micro-batch; returns the host engine's metrics."""
     b = TokenBatch(**d, **kw)
     before = len(host_calls)
-    host = probe_batch(b)
-    assert len(host_calls) == before + 1 and not host_engine._failure
-    with monkeypatch.context() as m:
-        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
-        eager = probe_batch(b)
+    engine = EagerEngine()
+    host = probe_batch(b, engine=engine)
+    assert len(host_calls) == before + 1 and engine.host_failure is None
+    eager = probe_batch(b, engine=TORCH)
     assert host.packed[0] == eager.packed[0]
     h = _finish(host)
     assert_engines_agree(h, _finish(eager), FLOAT_SUMS, atol=1e-5)
@@ -126,7 +132,7 @@ def test_host_equals_eager_on_any_small_batch(batch):
 def test_batches_it_does_not_take_go_to_the_chosen_engine(host_calls):
     d = make_padded(0, B=4, T=16, fields=("old", "adv", "versions"))
     small = TokenBatch(**{k: v for k, v in d.items() if k != "versions"})
-    assert host_engine.takes(small)
+    assert host_engine.takes(small, HOST_MAX_TOKENS)
     versioned = TokenBatch(**d, current_version=12)
     packed = TokenBatch(**{k: v for k, v in packed_from(d).items() if k != "versions"})
     bf16 = TokenBatch(**{**{k: v for k, v in d.items() if k != "versions"},
@@ -135,7 +141,7 @@ def test_batches_it_does_not_take_go_to_the_chosen_engine(host_calls):
     on_device = TokenBatch(logprobs=torch.zeros(2, 3, device="meta"), mask=torch.ones(2, 3, dtype=torch.bool,
                                                                                         device="meta"))
     for b in (versioned, packed, bf16, TokenBatch(**large), on_device):
-        assert not host_engine.takes(b)
+        assert not host_engine.takes(b, HOST_MAX_TOKENS)
     for b in (versioned, packed, bf16, TokenBatch(**large)):
         probe_batch(b)
         probe_batch(b)
@@ -145,18 +151,17 @@ def test_batches_it_does_not_take_go_to_the_chosen_engine(host_calls):
 def test_a_failure_inside_turns_it_off_with_one_warning_and_the_eager_statistics(host_calls, monkeypatch):
     d = make_padded(1, B=4, T=16, fields=("old", "ref", "entropy", "adv"))
     b = TokenBatch(**d)
-    with monkeypatch.context() as m:
-        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
-        want = _finish(probe_batch(b))
+    want = _finish(probe_batch(b, engine=TORCH))
 
     def broken(*args, **kwargs):
         raise FloatingPointError("injected")
 
     monkeypatch.setattr(host_engine, "_token_stats", broken)
-    with pytest.warns(RuntimeWarning, match="host engine .* failed .*injected") as caught:
-        got = _finish(probe_batch(b))
-        again = _finish(probe_batch(b))
-    assert len(caught) == 1 and host_engine._failure and not host_engine.takes(b)
+    engine, other = EagerEngine(), EagerEngine()
+    with pytest.warns(RuntimeWarning, match="host path .* failed .*injected") as caught:
+        got = _finish(probe_batch(b, engine=engine))
+        again = _finish(probe_batch(b, engine=engine))
+    assert len(caught) == 1 and engine.host_failure and other.host_failure is None  # per engine: one guard's
     for out in (got, again):
         assert out.keys() == want.keys()
         for key in want:
@@ -201,10 +206,10 @@ def test_sequence_statistics_on_the_host_equal_eager(fields):
         calls = _count_calls(m, "sequence_probe")
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            host = sequence_stats(**fields)
-        assert calls == [1] and not host_engine._failure
-        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
-        eager = sequence_stats(**fields)
+            engine = EagerEngine()
+            host = sequence_stats(**fields, engine=engine)
+        assert calls == [1] and engine.host_failure is None
+        eager = sequence_stats(**fields, engine=TORCH)
     assert calls == [1] and host.packed[0] == eager.packed[0]
     assert_engines_agree(_finish(host), _finish(eager), (".sum", ".sumsq"), atol=1e-9)
 
@@ -222,14 +227,13 @@ def test_old_log_probs_that_are_the_log_probs_give_the_same_bits_as_a_copy(batch
     copied = TokenBatch(**{**d, "logprobs": lp, "old_logprobs": lp.detach().clone()}, **kw)
     with pytest.MonkeyPatch.context() as m:
         calls = _count_calls(m, "_on_policy_ratio")
-        fast, general = probe_batch(shared), probe_batch(copied)
+        engine = EagerEngine()
+        fast, general = probe_batch(shared, engine=engine), probe_batch(copied, engine=engine)
         assert len(calls) == (kw["importance_sampling_level"] == "token" or not kw["clipped_loss"])  # GSPO: general
-        assert not host_engine._failure
+        assert engine.host_failure is None
     (layout, sums, maxes), (layout2, sums2, maxes2) = fast.packed, general.packed
     assert layout == layout2
     for a, b in ((sums, sums2), (maxes, maxes2)):
         assert np.array_equal(a.numpy().view(np.int64), b.numpy().view(np.int64))  # bit for bit, NaN and -0.0 too
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(host_engine, "CPU_MAX_TOKENS", 0)
-        eager = probe_batch(shared)
+    eager = probe_batch(shared, engine=TORCH)
     assert_engines_agree(_finish(fast), _finish(eager), FLOAT_SUMS, atol=1e-5)

@@ -18,32 +18,46 @@ from reference_stats import check, make_padded, np_dict, packed_from, reference,
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.engines import CompiledEngine, EagerEngine
 from rl_guard.stats.grads import param_groups_of, probe_grads
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.kernels import loss_stats
 from rl_guard.stats.partial import Partial
+from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.sketch import QUANTILE_NAMES
 from rl_guard.stats.summarize import summarize
 
+# The reference against every engine explicitly: the eager engine with its host path (small CPU batches without
+# versions take it), the eager engine's torch path alone, and the compiled engine (``slow``: it compiles).
+ENGINES = [pytest.param(EagerEngine, id="eager-host"), pytest.param(lambda: EagerEngine(host_max_tokens=0), id="eager"),
+           pytest.param(lambda: CompiledEngine(host_max_tokens=0, cpu_min_tokens=1), id="compiled",
+                        marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("make_engine", ENGINES)
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "adv"), ("old", "prox", "adv", "entropy"), ("ref", "entropy")])
-def test_all_metrics_match_reference(seed, fields):
+@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "adv"),
+                                    ("old", "prox", "adv", "entropy"), ("ref", "entropy")])
+def test_all_metrics_match_reference(seed, fields, make_engine):
     d = make_padded(seed, fields=fields)
-    got = step([d])
+    engine = make_engine()
+    got = step([d], engine=engine)
+    assert getattr(engine, "failure", None) is None and engine.host_failure is None
     check(got, reference(np_dict(d), cv=12))
     assert got["rl_guard/tokens/microbatches"] == 1
 
 
-def test_gspo_sequence_level_clip_and_lag():
+@pytest.mark.parametrize("make_engine", ENGINES)
+def test_gspo_sequence_level_clip_and_lag(make_engine):
     d = make_padded(7, B=8, T=30, spread=0.6)
-    got = step([d], importance_sampling_level="sequence")
+    got = step([d], engine=make_engine(), importance_sampling_level="sequence")
     check(got, reference(np_dict(d), cv=12, level="sequence"))
     assert 0 < got["rl_guard/clip/region_frac"] < 1  # the case really exercises clipping
 
 
-def test_per_sequence_advantages_versions_and_given_lengths():
+@pytest.mark.parametrize("make_engine", ENGINES)
+def test_per_sequence_advantages_versions_and_given_lengths(make_engine):
     d = with_per_sequence_fields(3)
-    check(step([d]), reference(np_dict(d), cv=12))
+    check(step([d], engine=make_engine()), reference(np_dict(d), cv=12))
 
 
 def test_extremes_of_one_signed_data_ignore_masked_tokens():

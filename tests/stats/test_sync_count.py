@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from sync_detector import SyncDetector
 
 from rl_guard import Guard
 from rl_guard.control.state import TrainState
-from rl_guard.stats import accumulate, host_engine, kernels, sketch
+from rl_guard.stats import accumulate, kernels, sketch
 from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.engines import EagerEngine
 from rl_guard.stats.on_device import device_vector, host_to_device
 from rl_guard.stats.probe_batch import probe_batch
-from sync_detector import SyncDetector
 
 ASYNC = Path(__file__).resolve().parents[2] / "rl_guard" / "presets" / "async.yaml"
 TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer: .cpu() of the packed vector, .numpy() of the copy
@@ -30,11 +31,9 @@ STEPS, MICRO = 4, 4
 SNAPSHOT_STEP = 2  # snapshots: {healthy_steps: 3, every: 10} in the async preset
 
 
-@pytest.fixture(autouse=True)
-def _as_on_a_gpu(monkeypatch):
-    """The CPU tensors here stand for a GPU's: small CPU micro-batches and losses would otherwise go to the host
-    engine, which reads them where they already are (host memory) and never runs on a GPU."""
-    monkeypatch.setattr(host_engine, "CPU_MAX_TOKENS", 0)
+# The CPU tensors here stand for a GPU's: small CPU micro-batches, losses, gradients and weights would otherwise be
+# read by numpy where they already are (host memory), which never happens on a GPU.
+AS_ON_A_GPU = EagerEngine(host_max_tokens=0)
 
 
 def micro_batch(seed: int, packed: bool = False, device="cpu") -> TokenBatch:
@@ -63,6 +62,7 @@ class Loop:
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
         self.opt = torch.optim.AdamW([{"params": self.model[0].parameters()}, {"params": self.model[2].parameters()}])
         self.guard = Guard.from_yaml(ASYNC, run_dir=tmp_path / "run").attach(self.model, self.opt)
+        self.guard.use_host_reads(False)
 
     def step_inputs(self, step: int) -> list:
         # Built outside the detector: the caller's data, not the guard's work.
@@ -224,7 +224,7 @@ def test_a_blocking_copy_from_host_to_a_device_tensor_is_caught():
 def test_the_step_transfer_is_recognised_only_inside_to_host():
     det = SyncDetector()
     acc = accumulate.StepAccumulator()
-    acc.add(probe_batch(micro_batch(0)))
+    acc.add(probe_batch(micro_batch(0), engine=AS_ON_A_GPU))
     with det:
         acc.finish()
         acc.pack()[1].cpu().numpy()  # the same calls elsewhere are not the documented transfer
