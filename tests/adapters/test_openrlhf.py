@@ -169,7 +169,8 @@ def test_rollback_restores_through_strategy_load_ckpt(tmp_path):
     _micro_step(actor, strategy, guard, loss_fn, other, gen)           # bad batch: rollback via load_ckpt
     assert guard.controller.rollbacks == 1
     assert all(torch.equal(snapshot[k], v) for k, v in actor.state_dict().items())
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["rl_guard_step1"]
+    # the starting state (0) and the healthy snapshot restored (1): the tags the guard still offers
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["rl_guard_step0", "rl_guard_step1"]
 
 
 def test_halt_saves_through_save_ckpt_and_raises(tmp_path):

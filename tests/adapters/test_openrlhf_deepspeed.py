@@ -42,7 +42,7 @@ def test_real_deepspeed_zero_skip_and_rollback(results, config):
     assert out["unchanged"] and out["lr_unchanged"] and out["overflow_reset"] and out["no_leak"]
     # rollback: strategy.load_ckpt of the healthy snapshot saved by strategy.save_ckpt, guard state inside
     assert out["rollbacks"] == 1 and out["moved"] and out["restored"] and out["client_state_has_guard"]
-    assert out["tags"] == ["rl_guard_step1"]
+    assert out["tags"] == ["rl_guard_step0", "rl_guard_step1"]  # the starting state and the healthy snapshot
 
 
 @pytest.mark.parametrize("config", CONFIGS)
