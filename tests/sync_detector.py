@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import rl_guard
 from rl_guard.control.state import TrainState
-from rl_guard.stats import accumulate, ranks, scratch, sketch
+from rl_guard.stats import accumulate, ranks, sketch
 
 aten = torch.ops.aten
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -301,9 +301,6 @@ class SyncDetector:
         self.events.append(Sync(kind, op, file, line, function, site, tuple(callers)))
 
     def __enter__(self) -> SyncDetector:
-        # Chunk buffers kept from before this detector existed were never seen being made on the data's device:
-        # drop them, so that the probes make (and mark) their own.
-        scratch.Scratch._kept.__dict__.clear()
         self._modes = (_Functions(self), _Kernels(self))
         for m in self._modes:
             m.__enter__()

@@ -5,11 +5,12 @@ eager | compiled``; each guard holds its own, with its own fallback; ``probe_bat
 ``partial`` (the sufficient statistics) -> ``accumulate`` (the step's running sum, packed for one transfer) ->
 ``ranks`` (cross-rank merge) -> ``summarize`` (host formulas). The engines' paths:
 
-- eager: ``eager`` walks ``chunks`` (fixed-size token ranges) and runs ``token_rows`` (every field of a chunk
-  as one row of a stacked buffer in ``scratch``'s reused buffers), ``token_probes`` (clipping, lag) and ``kernels``
-  (the allocating probes of the rarer paths: GSPO's second pass, per-sequence fields, the loss);
-- compiled: ``fused`` (one chunk's statistics as one pure function with named outputs, under ``torch.compile``);
-- host: ``host_engine`` (small CPU micro-batches computed in place by numpy, packed in the eager layout).
+- eager and compiled: ``eager`` walks ``chunks`` (fixed-size token ranges) and runs ``families`` (every token
+  family's per-chunk sufficient statistics, one pure function with named outputs: the one definition) on each,
+  as it is or under ``torch.compile``; ``token_rows`` (which rows a batch has, their names), ``token_probes`` (lag
+  buckets) and ``kernels`` (per-sequence fields, the sequence ratio, the loss) finish a micro-batch;
+- host: ``host_engine`` (small CPU micro-batches computed in place by numpy, packed in the eager layout: a
+  transcription of ``families`` held to it bit for bit by the tests).
 
 ``sketch`` holds the quantile histogram, ``grads`` and ``update`` the gradient and update probes (each choosing its
 own host or device path), ``culprits`` the per-sequence extremes, ``keys`` every internal key and ``constants``

@@ -85,21 +85,6 @@ class Chunk:
         row = self.start // T
         return per_seq[row : row + 1].expand(self.n)
 
-    def seq_add(self, acc: torch.Tensor, values: torch.Tensor) -> None:
-        """Adds the per-sequence sums of the chunk's token ``values`` (``[..., n]``) into ``acc`` (``[..., S]``,
-        float64)."""
-        if self.b.packed:
-            acc.index_add_(acc.dim() - 1, self.seq_ids(), values.to(acc.dtype))
-            return
-        if self.rows is not None:
-            r0, r1 = self.rows
-            rows = values.view(*values.shape[:-1], r1 - r0, self.b.logprobs.shape[1])
-            sums = rows.sum(-1, dtype=torch.int32) if rows.dtype == torch.bool else rows.sum(-1)
-        else:
-            sums = values.count_nonzero(-1) if values.dtype == torch.bool else values.sum(-1)
-            sums = sums.unsqueeze(-1)
-        self.add_seq_sums(acc, sums)
-
     def add_seq_sums(self, acc: torch.Tensor, sums: torch.Tensor) -> None:
         """Adds this chunk's per-sequence ``sums`` into ``acc``: ``[..., r]`` for its padded rows (one row for a
         column block), ``[..., S]`` for a packed batch."""
@@ -113,14 +98,16 @@ class Chunk:
             r1 = r0 + 1
         (acc if (r0, r1) == (0, acc.shape[-1]) else acc[..., r0:r1]).add_(sums)
 
-    def block(self, t: torch.Tensor | None) -> torch.Tensor | None:
+    def block(self, t: torch.Tensor | None, per_seq: bool | None = None) -> torch.Tensor | None:
         """This chunk of a per-token field as 2-D, in its own dtype: ``[r, T]`` for whole padded rows, ``[1, n]``
         for a column block or a packed range; a per-sequence field as ``[r, 1]`` / ``[1, 1]`` (to broadcast), or
-        gathered per token ``[1, n]`` in a packed batch."""
+        gathered per token ``[1, n]`` in a packed batch (``per_seq``: which one ``t`` is, if its shape may not
+        tell)."""
         if t is None:
             return None
         b = self.b
-        per_seq = t.dim() == 1 and tuple(t.shape) != tuple(b.logprobs.shape)
+        if per_seq is None:
+            per_seq = t.dim() == 1 and tuple(t.shape) != tuple(b.logprobs.shape)
         if b.packed:
             return (self.seq_gather(t) if per_seq else self._slice(t)).view(1, -1)
         if self.rows is not None:

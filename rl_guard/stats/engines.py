@@ -1,9 +1,10 @@
 """The token-statistics engines as objects, chosen by ``stats_engine: auto | eager | compiled``.
 
-- ``eager``: torch operations on reused chunk buffers (``eager.py``). Small CPU micro-batches (up to
+- ``eager``: the one definition (``families.chunk_stats``) run chunk by chunk as plain torch operations
+  (``eager.py``). Small CPU micro-batches (up to
   ``HOST_MAX_TOKENS`` tokens, float32 fields, padded, no policy versions) are computed in place by numpy
   (``host_engine.py``): the same statistics in the same layout, at a fraction of ~200 torch calls' dispatch cost.
-- ``compiled``: one chunk's probes fused by ``torch.compile`` (``fused.py``: C++ on CPU, Triton on CUDA). CPU
+- ``compiled``: the same function under ``torch.compile`` (C++ loops on CPU, Triton on CUDA). CPU
   micro-batches under ``COMPILED_CPU_MIN_TOKENS`` tokens stay eager (a compiled call's fixed cost exceeds its gain).
 - ``auto``: ``compiled`` on a CUDA device where Triton is importable (there every eager operation is a kernel
   launch, ~150-200 per micro-batch, whatever its size), ``eager`` elsewhere (on CPU a first compile costs 10-30 s
@@ -83,9 +84,9 @@ class EagerEngine:
     def describe(self, device) -> str:
         """What computes the token statistics on ``device``, in one sentence."""
         if torch.device(device).type == "cpu" and self._host_on():
-            return (f"eager (torch operations on reused chunk buffers; micro-batches of up to {self.host_max_tokens} "
-                    "tokens computed in place by numpy)")
-        return "eager (torch operations on reused chunk buffers)"
+            return (f"eager (plain torch operations; micro-batches of up to {self.host_max_tokens} tokens computed "
+                    "in place by numpy)")
+        return "eager (plain torch operations)"
 
     def _host_on(self) -> bool:
         return self.host_max_tokens > 0 and self.host_failure is None
@@ -101,7 +102,7 @@ class EagerEngine:
 
 
 class CompiledEngine(EagerEngine):
-    """``stats_engine: compiled``: the eager engine's paths, but chunks go through ``fused.py``'s compiled function;
+    """``stats_engine: compiled``: the eager engine's paths, but each chunk's ``families.chunk_stats`` compiled;
     CPU micro-batches under ``cpu_min_tokens`` tokens and everything after a compiler failure stay eager."""
 
     name = "compiled"

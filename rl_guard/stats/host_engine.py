@@ -15,7 +15,7 @@ For each combination of fields the eager engine probes a one-token batch with th
 kept; every micro-batch is computed here by name and packed into that layout (so a given batch always gets the
 same engine, whatever came before it). Counts, histogram cells, extremes and non-finite counts equal the eager
 engine's; float sums are taken in float64 here (the eager engine sums some in float32), so they agree to float32
-accuracy. Formulas: ``token_rows.py``, ``token_probes.py``, ``kernels.py``.
+accuracy. Formulas: ``families.py``, ``kernels.py``.
 When the old log-probs are the log-probs themselves (TRL's default: one pass per rollout batch, no
 ``old_per_token_logps``), every valid log-ratio is +0.0 and the KL and sequence-ratio figures follow from the
 valid-token counts (``_on_policy_ratio``: the same bits, a third fewer numpy calls).
@@ -295,7 +295,7 @@ def _token_rows(b, plan):
 
 def _advantages(s, b, plan, z, v, counts, token_clip: bool) -> None:
     """Advantage sums in float64, the zero advantages, and PPO's clip regions: with s = sign(A) both are one
-    comparison, s * (lr - b) > a, a -+ b being the two log thresholds (``token_probes.clip_into``)."""
+    comparison, s * (lr - b) > a, a -+ b being the two log thresholds (``families._clip``)."""
     i = plan.at("adv")
     zd = z[i].astype(F64).ravel()
     s[keys.ADV.sum], s[keys.ADV.sumsq] = zd.sum(), float(np.dot(zd, zd))

@@ -1,20 +1,12 @@
-"""Pure device-side probes: chunks of token tensors -> sufficient statistics (sums, maxima, histogram counts).
+"""The per-sequence probes (lengths, rewards, the GSPO sequence ratio), the loss, and the rank count: sufficient
+statistics of small vectors, appended to a ``ChunkStats`` (sums, maxima, minima stored negated, histogram counts)
+so that micro-batches and ranks merge exactly. Nothing here reads a device value on the host. Statistics use finite
+values only; non-finite inputs are counted under ``input/<field>/nonfinite``. The per-token families are
+``families.py``'s; the host formulas that turn all of them into metrics are ``summarize.py``'s.
 
-A micro-batch is probed chunk by chunk (``chunks.py``); every probe appends its chunk's contribution to a
-``ChunkStats``, which reduces them once into a ``Partial``: entries reduced by sum (counts, sums, sums of squares,
-histogram cells) and entries reduced by max (maxima, and minima stored negated), so micro-batches and ranks merge
-exactly. Nothing here reads a device value on the host. Statistics use finite values only; non-finite inputs are
-counted under ``input/<field>/nonfinite``. The host formulas that turn these into metrics live in ``summarize.py``.
-
-Validity travels inside the values: a per-token tensor is NaN wherever the token is masked out or an input is
-non-finite (``validate_``), next to a 0/1 float validity ``v``. Float arithmetic, ``nan_to_num`` and ``nansum``
-are several times cheaper per element than boolean masks and ``torch.where`` on CPU, and NaN never survives into a
-sum, extreme or histogram: sums use the zero-filled copy, extremes fill NaN with -inf/+inf, and histograms count
-the zero-filled copy and take the invalid tokens back out of the zero cell (``ChunkStats.hist``).
-
-The common per-chunk families run on reused chunk buffers: the per-field rows (log-probs, ratios, KL, entropy,
-advantages) in ``token_rows.py``, clipping and lag in ``token_probes.py``. The allocating probes here serve the
-rarer paths: GSPO's second pass and the per-sequence fields (lengths, rewards, the sequence ratio).
+Validity travels inside the values: a vector is NaN wherever an entry is invalid (``validate_``), next to a 0/1
+float validity ``v``; NaN never survives into a sum, extreme or histogram (sums use the zero-filled copy, extremes
+fill NaN with -inf/+inf, histograms take the invalid entries back out of the zero cell: ``ChunkStats.hist``).
 """
 
 from __future__ import annotations
@@ -31,11 +23,6 @@ from .partial import Partial
 from .sketch import LOG_RATIO, SketchSpec, cell_index, count_cells
 
 F64 = torch.float64
-
-
-def count(mask: torch.Tensor) -> torch.Tensor:
-    """Number of true entries (``count_nonzero`` is ~2x faster than ``sum`` on bool tensors)."""
-    return mask.count_nonzero()
 
 
 def validate_(y: torch.Tensor) -> torch.Tensor:
@@ -96,7 +83,7 @@ def log_ratio_terms(lr: torch.Tensor):
 
 def ratio_stats(acc: ChunkStats, name: str, lr, v, z=None, e=None, hist: bool = True) -> None:
     """Ratio r = exp(lr) over the valid entries of an allocated vector (the per-sequence ratio; token chunks use
-    ``token_probes.ratio_into``): count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
+    ``families.chunk_stats``): count, sum r, min/max log r, log-ratio histogram (quantiles of r)."""
     key = keys.of(name)
     if z is None:
         z, e = log_ratio_terms(lr)
@@ -114,24 +101,6 @@ def zero_filled_hist(acc: ChunkStats, name: str, z, spec: SketchSpec, n_invalid)
     acc.hist(name, count_cells(cell_index(z, spec), spec.bins), spec.bins // 2, n_invalid)
 
 
-def clip_stats(acc: ChunkStats, clip_lr, adv, n_valid, eps_low: float, eps_high: float) -> torch.Tensor:
-    """PPO clip fractions: low (r < 1 - eps_low and A < 0), high (r > 1 + eps_high and A > 0); returns region.
-
-    ``clip_lr`` is the log-ratio, 0 or NaN where invalid (never clipped); ``adv`` is NaN where invalid;
-    ``n_valid`` counts the tokens where both are valid. With s = sign(A) both conditions are one float comparison,
-    s * (lr - b) > a, where a -+ b are the two log thresholds (a >= 0, so A = 0 never clips)."""
-    lo, hi = math.log1p(-eps_low), math.log1p(eps_high)
-    a, b = (hi - lo) / 2, (hi + lo) / 2
-    s = adv.sign()
-    clipped = (clip_lr - b).mul_(s) > a
-    n_low = count(clipped & (s < 0))
-    n_clipped = count(clipped)
-    acc.sum(keys.CLIP.count, n_valid)
-    acc.sum(keys.CLIP.low, n_low)
-    acc.sum(keys.CLIP.high, n_clipped - n_low)
-    return clipped
-
-
 def lag_lut(edges, device) -> torch.Tensor:
     """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
     masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
@@ -147,19 +116,6 @@ def _lag_lut(edges: tuple, device: torch.device) -> torch.Tensor:
         lut += lags >= e
     lut[-1:].fill_(len(edges))  # not ``lut[-1] = n``: on a GPU that copies n from the host and waits
     return lut
-
-
-def lag_buckets(versions: torch.Tensor, current_version: int, gate, edges, lut) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy lag ``current_version - round(versions)`` (fp32: exact below 2^24; NaN where masked out or the
-    version is non-finite) and its bucket (int32; ``len(edges)`` where the lag is NaN)."""
-    lag, _ = gated(versions.round().neg_().add_(current_version), gate)
-    idx = lag.clamp(edges[0], edges[-1]).nan_to_num_(nan=edges[-1] + 1).sub_(edges[0]).to(torch.int32)
-    return lag, lut.index_select(0, idx)  # index_select: several times faster than lut[idx] on CPU
-
-
-def clip_by_lag(acc: ChunkStats, bucket, clipped, nb: int) -> None:
-    """Clipped tokens per lag bucket (GSPO's second pass; the token-level path counts them in ``lag_stats``)."""
-    acc.sum(keys.LAG.clip, count_cells(torch.where(clipped, bucket, nb), nb + 1)[:nb])
 
 
 def loss_stats(p: Partial, loss: torch.Tensor) -> Partial:

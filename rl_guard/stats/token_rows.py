@@ -1,19 +1,11 @@
-"""Stacked token probes: every per-token field of a chunk is one row of a ``[rows, n]`` buffer, so one operation
-(one kernel launch, one dispatch) serves all of them.
+"""Which per-token rows a micro-batch has (``RowPlan``), their statistics' names and device constants, and the
+per-sequence finishing of the KL family.
 
 Rows, in this order (absent fields drop out): ``adv``, ``logp`` (the sampled tokens' log-probs), ``entropy``,
 ``importance_weight`` (log pi/pi_prox), ``behave_imp_weight`` (log pi_prox/pi_behave), ``ratio`` (log pi/pi_old)
 and ``kl_ref`` (log pi_ref/pi). The order makes every group a contiguous block: value sums (logp, entropy),
 extremes (all but kl_ref), histograms (entropy .. ratio, one cell index with per-row constants), log-ratios
-(importance_weight .. kl_ref), KL estimators (ratio, kl_ref). Each row is non-finite exactly where its token is
-invalid (masked out, or an input it is made of is NaN/inf): the mask's gate (0 or -inf) is added to the
-log-probs, and every log-ratio is a difference with them.
-
-Why: on a small micro-batch the cost is the number of operations (each one a dispatch and, on a GPU, a launch),
-not the arithmetic; stacking makes it independent of how many fields the batch carries (~200 operations for a
-whole TRL micro-batch against ~320 field by field). A large chunk makes the same passes over memory as field-by-field
-probes, but each operation touches several rows at once; on CPU that larger working set costs cache misses
-(``benchmarks/stats.py``: ~15 % slower at 4M tokens than field-by-field probes).
+(importance_weight .. kl_ref), KL estimators (ratio, kl_ref). The formulas are ``families.py``'s.
 """
 
 from __future__ import annotations
@@ -21,17 +13,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from . import keys
-from .chunks import Chunk, ChunkStats, row_layout
-from .constants import EXP_CLAMP
+from .chunks import ChunkStats, row_layout
 from .on_device import device_vector, host_to_device
-from .scratch import Scratch
-from .sketch import ENTROPY, LOG_RATIO, cell_index_with, count_cells
+from .sketch import ENTROPY, LOG_RATIO
 
 F32, F64, I32 = torch.float32, torch.float64, torch.int32
 NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))  # 0xFF800000 as a signed int32
@@ -158,136 +147,6 @@ def device_constant(kind: str, plan: RowPlan | None, device: torch.device):
     return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
             col([spec.shift for spec in specs], I32), col([spec.base for spec in specs], I32),
             col(middles, I32), device_vector(middles, device, torch.int64))
-
-
-def gate_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's mask gate (0.0 where a token reaches the loss, -inf where it does not), written as the bits of
-    -inf or 0: three integer passes, where a float division or ``torch.where`` costs several times more on CPU.
-    Returns the gate and the chunk's mask count (also added to ``acc``, with the per-sequence lengths when the
-    batch does not give them)."""
-    m = ch.raw(b.mask)
-    mi = ws("mask", I32).copy_(m if m.dtype == torch.bool else m != 0)
-    n_mask = mi.sum()
-    acc.sum(keys.TOKENS.count, n_mask)
-    if b.lengths is None:
-        ch.seq_add(acc.seq("length"), mi)
-    return mi.sub_(1).bitwise_and_(NEG_INF_BITS).view(F32), n_mask
-
-
-def _put(out: torch.Tensor, t: torch.Tensor, gate: torch.Tensor, b, ch: Chunk) -> None:
-    """``out = t + gate`` for a per-token or per-sequence field ``t`` (broadcast, no gather, for whole rows)."""
-    if t.dim() == 1 and not b.packed and ch.rows is not None and tuple(t.shape) != tuple(b.logprobs.shape):
-        r0, r1 = ch.rows
-        torch.add(t[r0:r1, None], gate.view(r1 - r0, -1), out=out.view(r1 - r0, -1))
-    else:
-        torch.add(ch.token(t), gate, out=out)
-
-
-def rows_into(acc: ChunkStats, ws: Scratch, b, ch: Chunk, plan: RowPlan, gate: torch.Tensor, n_mask) -> dict:
-    """Fill the rows and add every row statistic of the chunk to ``acc``. Returns what later probes of the chunk
-    read: ``z`` (rows zero-filled), ``v`` (validity 0/1), ``counts`` and, with a KL row, ``k3``."""
-    n, nrows = ch.n, len(plan.rows)
-    y = ws.rows("y", nrows)
-    lp = y[plan.at("logp")]
-    torch.add(ch.raw(b.logprobs), gate, out=lp)
-    if plan.has("entropy"):
-        torch.add(ch.raw(b.entropy), gate, out=y[plan.at("entropy")])
-    if plan.has("adv"):
-        _put(y[plan.at("adv")], b.advantages, gate, b, ch)
-    if plan.has("importance_weight"):
-        torch.sub(lp, ch.raw(b.prox_logprobs), out=y[plan.at("importance_weight")])
-    if plan.has("ratio"):
-        torch.sub(lp, ch.raw(b.old_logprobs), out=y[plan.at("ratio")])
-    if plan.has("behave_imp_weight"):  # invalid wherever pi/pi_prox or pi/pi_old is: x * 0 is NaN there
-        bw, t = y[plan.at("behave_imp_weight")], ws("bw.t")
-        torch.sub(ch.raw(b.prox_logprobs), ch.raw(b.old_logprobs), out=bw)
-        bw.add_(torch.mul(y[plan.at("importance_weight")], 0.0, out=t)).add_(torch.mul(y[plan.at("ratio")], 0.0, out=t))
-    if plan.has("kl_ref"):
-        torch.sub(ch.raw(b.ref_logprobs), lp, out=y[plan.at("kl_ref")])
-
-    vz = ws.rows("vz", 2 * nrows)  # validity rows, then the zero-filled rows: the KL sums read both at once
-    v, z = vz[:nrows], vz[nrows:]
-    torch.nan_to_num(y, 0.0, 0.0, 0.0, out=z)
-    torch.eq(y, z, out=v)  # y == zero-filled y exactly at the finite entries
-    counts = v.sum(1)
-    names = plan.names
-    acc.sum_rows(names["count"], counts)
-    acc.sum_rows(names["sum"], z[slice(*plan.values)].sum(1))
-    _extremes(acc, ws, y[: plan.n_extremes], names)
-    out: dict[str, Any] = {"z": z, "v": v, "counts": counts}
-    if plan.has("adv"):
-        # std = sqrt(E[x^2] - mean^2) cancels when |mean| >> std: both sums in float64 keep it accurate
-        zd = ws("f64", F64).copy_(z[plan.at("adv")])
-        acc.sum(keys.ADV.sum, zd.sum())
-        acc.sum(keys.ADV.sumsq, torch.dot(zd, zd))
-    cells = _hists(acc, ws, plan, z, counts, n)
-    if plan.has("ratio"):  # the ratio row's cells, offset by where they start: the lag probe reuses them
-        j = plan.cell_rows.index("ratio")
-        assert cells is not None  # the ratio row has a histogram
-        out["ratio_cells"] = (cells[j], plan.hist_starts[j])
-    r0 = plan.log_ratios
-    if r0 < nrows:
-        # expm1 keeps r - 1 and k3 = (r - 1) - log r accurate for |log r| ~ 1e-4 where exp(x) - 1 cancels in fp32
-        e = torch.clamp(z[r0:], max=EXP_CLAMP, out=ws.rows("e", nrows - r0)).expm1_()
-        nr = len(plan.ratio_families)
-        if nr:  # sum r = sum (r - 1) + count: no cancellation for r ~ 1
-            acc.sum_rows(names["ratio_sum"], e[:nr].sum(1).add_(counts[r0 : r0 + nr]))
-        if plan.kl_first < nrows:
-            out["k3"] = _kl_rows(acc, ws, ch, plan, vz, e[plan.kl_first - r0 :], counts)
-    c = torch.cat([n_mask.reshape(1), counts])
-    # a product and a sum, not a matrix-vector product: autocast would run that in half precision
-    acc.sum_rows(names["nonfinite"], (device_constant("nonfinite", plan, counts.device) * c).sum(1))
-    return out
-
-
-def _extremes(acc: ChunkStats, ws: Scratch, y: torch.Tensor, names: dict) -> None:
-    """Largest and smallest finite entry of every row (-inf / +inf where a row has none)."""
-    if y.shape[1] == 0:
-        acc.max_rows(names["max"], y.new_full((y.shape[0],), -math.inf))
-        acc.min_rows(names["min"], y.new_full((y.shape[0],), math.inf))
-        return
-    ext = ws.rows("extreme", y.shape[0])
-    acc.max_rows(names["max"], torch.nan_to_num(y, -math.inf, -math.inf, -math.inf, out=ext).amax(1))
-    acc.min_rows(names["min"], torch.nan_to_num(y, math.inf, math.inf, math.inf, out=ext).amin(1))
-
-
-def _hists(acc: ChunkStats, ws: Scratch, plan: RowPlan, z, counts, n: int) -> torch.Tensor | None:
-    """Histograms of the entropy and log-ratio rows (``sketch.cell_index`` with each row's own constants): one
-    cell index over the block and one count, each row's cells after the previous row's (the ratio row is not
-    counted here when the lag cells count it). Returns the cell indices (``[rows, n]`` int32, each row offset by
-    its start)."""
-    rows = plan.cell_rows
-    if not rows:
-        return None
-    h0, h = plan.at(rows[0]), len(rows)
-    scale, top, shift, base, middle, zero_cells = device_constant("hists", plan, z.device)
-    idx = cell_index_with(z[h0 : h0 + h], scale, top, shift, base, middle,
-                          out=(ws.rows("cell.a", h), ws.rows("cell", h, I32), ws.rows("cell.sign", h, I32)))
-    k = len(plan.hist_rows)
-    if k:
-        cells = count_cells(idx[:k].view(-1), sum(spec.bins for spec in plan.hist_specs[:k]))
-        acc.hist(plan.names["hist"], cells, zero_cells[:k], torch.rsub(counts[h0 : h0 + k], n))
-    return idx
-
-
-def _kl_rows(acc: ChunkStats, ws: Scratch, ch: Chunk, plan: RowPlan, vz, e, counts) -> torch.Tensor:
-    """KL estimators of the ratio and reference rows: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r.
-    Per-sequence sums of (valid tokens, log r, (log r)^2, k3) go into one ``[4, rows, S]`` accumulator, from which
-    ``kl_finish`` takes the token sums and the mean and max over sequences. Returns k3 (0 where invalid)."""
-    nrows, k0 = len(plan.rows), plan.kl_first
-    nk = nrows - k0
-    if plan.has("ratio"):  # the ratio row's count is kl_old's too
-        i = plan.at("ratio")
-        acc.sum_rows(plan.names["kl_count"], counts[i : i + 1].clone())
-    vz_kl = vz.view(2, nrows, -1)[:, k0:]  # (valid tokens, log r) of the KL rows
-    zk = vz_kl[1]
-    sq_k3 = ws.rows("sq_k3", 2 * nk).view(2, nk, -1)
-    torch.mul(zk, zk, out=sq_k3[0])
-    k3 = torch.sub(e, zk, out=sq_k3[1])
-    seq = acc.seq("kl", 4 * nk).view(4, nk, -1)
-    ch.seq_add(seq[:2], vz_kl)
-    ch.seq_add(seq[2:], sq_k3)
-    return k3
 
 
 def kl_finish(acc: ChunkStats, plan: RowPlan) -> None:

@@ -16,7 +16,7 @@ from rl_guard import Guard
 from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.run import demo_config
 from rl_guard.glossary import comparable
-from rl_guard.stats import fused, host_engine
+from rl_guard.stats import families, host_engine
 from rl_guard.stats.engines import CompiledEngine, EagerEngine
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ class _Arm:
         monkeypatch.setattr(host_engine, "_token_stats", counted)
 
     def __enter__(self) -> str:
-        self.calls = fused._kernel.cache_info()
+        self.calls = families._compiled.cache_info()
         return "compiled" if self.name == "compiled" else "eager"
 
     def callback(self, config: str, tmp) -> RLGuardCallback:
@@ -52,7 +52,7 @@ class _Arm:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             assert getattr(self.engine, "failure", None) is None and self.engine.host_failure is None
-            compiled = fused._kernel.cache_info().hits > self.calls.hits
+            compiled = families._compiled.cache_info().hits > self.calls.hits
             assert compiled == (self.name == "compiled")  # no silent fallback passes for the arm's own result
             assert (self.host_batches > 0) == (self.name == "host")
 
@@ -98,7 +98,7 @@ def test_engine_acts_like_the_eager_one_on_a_ratio_drift(engine, grpo_run, tmp_p
 def test_trl_defaults_with_the_shipped_preset_as_is(engine, grpo_run, tmp_path, monkeypatch):
     """TRL's own defaults (beta=0, num_iterations=1, one step per generation, max_grad_norm=1.0) and the shipped
     grpo.yaml unmodified but for the engine: the engines report the same metrics and take the same actions."""
-    preset = (Path(fused.__file__).parents[1] / "presets" / "grpo.yaml").read_text()
+    preset = (Path(families.__file__).parents[1] / "presets" / "grpo.yaml").read_text()
     runs = _runs(grpo_run, tmp_path, monkeypatch, (engine, "eager"), guard=lambda e: preset + f"\nstats_engine: {e}\n",
                  trainer=dict(beta=0.0, num_iterations=1, steps_per_generation=1, max_grad_norm=1.0))
     _same_metrics(runs[engine], runs["eager"])

@@ -42,10 +42,10 @@ def test_guard_cycle_runs_every_family_without_internal_failure():
 
 @pytest.mark.slow
 def test_guard_cycle_with_the_compiled_engine_runs_without_internal_failure():
-    from rl_guard.stats import fused
+    from rl_guard.stats import families
 
     _, cuda = _modules()
-    calls = fused._kernel.cache_info()
+    calls = families._compiled.cache_info()
     out = cuda.guard_cycle_syncs(1 << 15, steps=2, device="cpu", stats_engine="compiled")  # 8K-token micro-batches
     assert out["internal_failures"] == 0 and len(out["per_step"]) == 2
-    assert out["engine_failure"] is None and fused._kernel.cache_info().hits > calls.hits
+    assert out["engine_failure"] is None and families._compiled.cache_info().hits > calls.hits

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_guard.stats import fused
+from rl_guard.stats import families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES
@@ -25,7 +25,7 @@ FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "cells_k3", "seq_ratio.")
 
 def compiled_calls() -> int:
     """Calls of the compiled engine's kernel so far: it grows only when the compiled engine really ran."""
-    info = fused._kernel.cache_info()
+    info = families._compiled.cache_info()
     return info.hits + info.misses
 
 

@@ -1,5 +1,5 @@
-"""The compiled statistics engine (``stats_engine: compiled``, rl_guard/stats/fused.py and engines.py), really
-compiled here.
+"""The compiled statistics engine (``stats_engine: compiled``: rl_guard/stats/families.py under torch.compile,
+engines.py), really compiled here.
 
 Against the eager engine: the same statistics layout (so micro-batches and ranks of either engine merge), the same
 counts, histogram cells, extremes and non-finite counts bit for bit, the float sums to float32 accuracy; and
@@ -34,7 +34,7 @@ from rl_guard import Guard
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
 from rl_guard.glossary import comparable
-from rl_guard.stats import fused
+from rl_guard.stats import families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
 from rl_guard.stats.engines import CompiledEngine, EagerEngine
@@ -148,9 +148,9 @@ def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_pa
         guard.close()
         return out
 
-    calls = fused._kernel.cache_info()
+    calls = families._compiled.cache_info()
     compiled = run("compiled")
-    assert fused._kernel.cache_info().hits > calls.hits  # the compiled engine really ran
+    assert families._compiled.cache_info().hits > calls.hits  # the compiled engine really ran
     for c, e in zip(compiled, run("eager")):
         assert c.keys() == e.keys()
         for key in e:
@@ -192,7 +192,7 @@ def test_an_input_error_is_raised_and_does_not_turn_the_engine_off(monkeypatch):
     def bad_batch(*args, **kwargs):
         raise BatchError("logprobs must be ...")
 
-    monkeypatch.setattr(fused, "probe_chunk", bad_batch)
+    monkeypatch.setattr(families, "probe_chunk", bad_batch)
     d = make_padded(0, fields=("old", "adv"))
     engine = small_compiled()
     with pytest.raises(BatchError):

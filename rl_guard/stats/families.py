@@ -1,20 +1,40 @@
-"""The compiled engine (``stats_engine: compiled``): one chunk's token probes as one pure function that
-``torch.compile`` fuses into a few loops over the chunk (C++ on CPU, Triton on CUDA).
+"""Every token family's per-chunk sufficient statistics, defined once: ``chunk_stats``, a pure function of one
+chunk's inputs returning named outputs. The eager engine runs it as it is, the compiled engine under
+``torch.compile`` (C++ loops on CPU, Triton on CUDA: a few fused loops that read each input once or twice);
+``probe_chunk`` adds its outputs to a ``ChunkStats`` by name, in one order, so either way a micro-batch has the same
+statistics layout (ranks and micro-batches of both engines merge).
 
-It computes what ``token_rows.rows_into`` and the clip and lag probes of ``eager`` compute, returns them by
-name, and hands them to the same ``ChunkStats`` calls in the same order, so a compiled micro-batch has the same
-statistics layout as an eager one (ranks and micro-batches of either engine merge). The eager engine makes ~100
-passes over a chunk's memory (one per operation and row); the fused loops read each input once or twice and write
-only the integer cell indices that the exact counting (``count_cells``, kept eager) needs. Counts, histogram cells,
-extremes and non-finite counts are identical to the eager engine's; float sums agree to float32 accuracy (another
-summation order, and k3 from its series, ``_k3``).
+A token is valid for a row when its mask is 1 and every input the row is made of is finite: the mask's gate (0 or
+-inf) is added to the log-probs and every log-ratio is a difference with them, so a row is non-finite exactly where
+its token is invalid. The families and their outputs:
 
-Written for the compiler: per field on ``[r, T]`` tensors, finiteness as ``t - t == 0`` and k3 without ``expm1``
-(the compiler turns ``isnan`` into a scalar loop and ``expm1`` into ``exp(x) - 1``, which cancels in float32).
+- tokens: ``tokens`` (mask count); ``lengths`` (per-sequence mask counts, when the batch gives no lengths).
+- rows, in ``token_rows.ROW_ORDER``: ``adv``, ``logp``, ``entropy``, ``importance_weight`` (log pi/pi_prox),
+  ``behave_imp_weight`` (log pi_prox/pi_old, invalid where either of the other two log-ratios is), ``ratio``
+  (log pi/pi_old), ``kl_ref`` (log pi_ref/pi): ``counts`` (valid tokens per row), ``sums`` (logp, entropy),
+  ``maxes`` / ``mins`` (every row but kl_ref), ``nonfinite`` (per input field, the tokens valid before the field is
+  taken into account and not after: ``token_rows.NONFINITE``).
+- adv: ``adv_sum``, ``adv_sumsq`` (float64: std = sqrt(E[x^2] - mean^2) would cancel in float32), ``adv_zero``.
+- sketches (``sketch.py``): ``hist_cells``, the cell index of every entropy and log-ratio token (each row's cells
+  after the previous row's; invalid tokens counted as 0) and ``hist_invalid``, the zero fills to take back out of
+  each row's zero cell.
+- ratio families: ``ratio_sums``, sum r = sum (log r + k3) + count (r - 1 = log r + k3: no cancellation at r ~ 1).
+- KL (kl_old on the ratio row, kl_ref): ``kl_count`` (kl_old's), ``kl_seq``, the per-sequence sums ``[4, rows, S]``
+  of (valid tokens, log r, (log r)^2, k3) from which ``token_rows.kl_finish`` takes k1 = -log r,
+  k2 = (log r)^2 / 2 and k3 = (r - 1) - log r per token and per sequence.
+- clip (PPO, token level): ``clip_count``, ``clip_low``, ``clip_high``. With s = sign(A) both regions are one
+  comparison, s * (log r - b) > a, where a -+ b are the two log thresholds (a > |b|: a zero-filled log-ratio or
+  A = 0 never clips); the split follows from sum(s * clipped) = high - low.
+- lag: ``lag_sum``, ``lag_max`` of current_version - round(versions), and per token a slot (the lag clamped into the
+  buckets' range, or the last slot when invalid): ``lag_slots`` without a log-ratio, else ``lag_cells`` (the ratio
+  row's cell plus bins x (slot + slots x region), region 0 valid, 1 valid and clipped, 2 invalid ratio),
+  ``lag_regions`` and ``lag_k3``, mapped to buckets by ``token_probes.lag_finish``.
 
-Costs: a first call compiles for ~10-30 s (once per process and combination of fields and dtypes; shapes are
-dynamic), CPU needs a C++ compiler and CUDA needs Triton. Which micro-batches are compiled, and the fallback to the
-eager engine after a failure, are the engine object's (``engines.CompiledEngine``).
+Written for the compiler, which also suits the eager run: per field on ``[r, T]`` tensors, finiteness as
+``t - t == 0`` and k3 from its series below |log r| = 0.5 (the compiler turns ``isnan`` into a scalar loop and
+``expm1`` into ``exp(x) - 1``, which cancels in float32). A compile costs ~10-30 s, once per process and combination
+of fields and dtypes (shapes are dynamic); which micro-batches are compiled, and the fallback to running the function
+as it is after a failure, are the engine object's (``engines.CompiledEngine``).
 """
 
 from __future__ import annotations
@@ -29,14 +49,14 @@ import torch
 from . import keys
 from .constants import EXP_CLAMP
 from .sketch import LOG_RATIO, cell_index_with, count_cells
-from .token_probes import lag_slot_offset, lag_slots
+from .token_probes import by_bucket, lag_slot_offset, lag_slots
 from .token_rows import RowPlan, device_constant
 
 INF = math.inf
 
 
 class Static(NamedTuple):
-    """Everything the fused function branches on (compile-time constants): the row plan's groups as indices."""
+    """Everything ``chunk_stats`` branches on (constants to the compiler): the row plan's groups as indices."""
 
     rows: tuple[str, ...]
     values: tuple[int, int]
@@ -100,11 +120,10 @@ def _seq_sums(x: torch.Tensor, ids, num_seqs, row_sums=None) -> torch.Tensor:
     return torch.zeros(num_seqs, dtype=torch.float64, device=x.device).index_add_(0, ids, x.reshape(-1).double())
 
 
-def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a,
+def chunk_stats(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a,
                 *, s: Static):
     """The statistics of one chunk (inputs ``[r, T]``: whole padded rows; packed chunks ``[1, n]`` with sequence
-    ``ids``), by name (a name is present only when its statistic is computed for these fields). See ``token_rows``
-    and ``token_probes`` for the formulas.
+    ``ids``), by name (a name is present only when its statistic is computed for these fields: module docstring).
 
     Written field by field on ``[r, T]`` tensors, every reduction first along each row (``_rows``): the compiler
     then fuses all of them into one loop nest that reads each input once, and the per-sequence sums come out of the
@@ -140,8 +159,10 @@ def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
     ext = ys[: s.n_ext]
     out = {"tokens": n_mask, "counts": counts,
            "sums": torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
-           "maxes": torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)]),
-           "mins": torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)])}
+           "maxes": torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)]) if n
+           else torch.full((len(ext),), -INF, device=lp.device),  # an empty chunk (an empty batch): no extremes
+           "mins": torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)]) if n
+           else torch.full((len(ext),), INF, device=lp.device)}
     if s.lengths:
         out["lengths"] = _seq_sums(m.int(), ids, num_seqs)
     i_adv = s.rows.index("adv") if "adv" in s.rows else -1
@@ -173,18 +194,14 @@ def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
         out["adv_zero"] = counts[i_adv] - (sign * sign).sum(-1).sum()
         if s.clip_row >= 0:
             j = s.clip_row
-            clipped = ((z[j] - s.clip_b) * sign > s.clip_a).float()
-            n_clipped = clipped.sum(-1).sum()
-            n_low = (n_clipped - (clipped * sign).sum(-1).sum()) * 0.5
-            out["clip_count"], out["clip_low"], out["clip_high"] = (v[j] * v[i_adv]).sum(-1).sum(), n_low, \
-                n_clipped - n_low
+            clipped = _clip(out, z[j], sign, s)
+            out["clip_count"] = (v[j] * v[i_adv]).sum(-1).sum()
     if s.lag:
         lag = (gate - torch.round(full(versions).float())) + current_version
         fl = _finite(lag)
         zl = torch.where(fl, lag, 0.0)
         out["lag_sum"], out["lag_max"] = zl.sum(-1).sum(), torch.where(fl, lag, -INF).amax(-1).amax()
-        slots = s.lag_hi - s.lag_lo + 2
-        slot = (torch.clamp(zl, s.lag_lo, s.lag_hi) - (s.lag_lo + slots - 1)) * fl.float()
+        slots, slot = _lag_slot(zl, fl, s)
         if s.lag == "counts":
             out["lag_slots"] = slot.int() + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False)
         else:
@@ -198,26 +215,83 @@ def _chunk_math(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
     return out
 
 
+def _clip(out: dict, z, sign, s: Static) -> torch.Tensor:
+    """PPO's clip regions of the zero-filled log-ratio ``z`` against the advantage ``sign`` (0 where invalid) into
+    ``out`` (``clip_low``, ``clip_high``); returns the clipped tokens as 0/1 floats (module docstring)."""
+    clipped = ((z - s.clip_b) * sign > s.clip_a).float()
+    n_clipped = clipped.sum(-1).sum()
+    n_low = (n_clipped - (clipped * sign).sum(-1).sum()) * 0.5  # sum(sign * clipped) = high - low
+    out["clip_low"], out["clip_high"] = n_low, n_clipped - n_low
+    return clipped
+
+
+def _lag_slot(zl, fl, s: Static):
+    """(slots, each token's slot offset ``slot - (slots - 1)`` as a float): ``slot`` is the zero-filled lag ``zl``
+    clamped into the buckets' range, minus its start; the last slot (offset 0) where the lag is invalid (``fl``)."""
+    slots = s.lag_hi - s.lag_lo + 2
+    return slots, (torch.clamp(zl, s.lag_lo, s.lag_hi) - (s.lag_lo + slots - 1)) * fl.float()
+
+
+def gspo_clip_stats(lp, mask, old, adv, versions, seq_lr, current_version: int, *, s: Static) -> dict:
+    """GSPO's sequence-level clipping (a second pass: it needs each sequence's whole log-ratio ``seq_lr``, given per
+    token): every valid token of a sequence is clipped by the sequence's ratio and its own advantage's sign.
+    Outputs ``clip_count``, ``clip_low``, ``clip_high`` and, with ``versions``, ``lag_clip_slots`` (each clipped
+    token's lag slot, the others in an extra last slot)."""
+    m = mask if mask.dtype == torch.bool else mask != 0
+    gate = torch.where(m, 0.0, -INF)
+    shape = lp.shape
+    full = lambda t: t if t.shape == shape else t.expand(shape)  # noqa: E731 - per-sequence fields broadcast
+    fin_lr = _finite((lp.float() + gate) - full(old))
+    a = full(adv).float() + gate
+    fin_a = _finite(a)
+    out: dict = {"clip_count": (fin_lr & fin_a).float().sum(-1).sum()}
+    clipped = _clip(out, torch.where(fin_lr, full(seq_lr).float(), 0.0), torch.sign(torch.where(fin_a, a, 0.0)), s)
+    if versions is not None:
+        lag = (gate - torch.round(full(versions).float())) + current_version
+        fl = _finite(lag)
+        slots, slot = _lag_slot(torch.where(fl, lag, 0.0), fl, s)
+        out["lag_clip_slots"] = torch.where(clipped > 0, slot.int() + (slots - 1), slots)
+    return out
+
+
+def probe_gspo_chunk(acc, b, ch, seq_lr, s: Static, lut, nb: int) -> None:
+    """``gspo_clip_stats`` of one chunk added to ``acc``; clipped tokens per lag bucket (``lut``: slot -> bucket)."""
+    view = ch.block
+    out = gspo_clip_stats(view(b.logprobs), view(b.mask), view(b.old_logprobs), view(b.advantages), view(b.versions),
+                          ch.block(seq_lr, per_seq=True), int(b.current_version or 0), s=s)
+    acc.sum(keys.CLIP.count, out["clip_count"])
+    acc.sum(keys.CLIP.low, out["clip_low"])
+    acc.sum(keys.CLIP.high, out["clip_high"])
+    if "lag_clip_slots" in out:
+        per_slot = count_cells(out["lag_clip_slots"].reshape(-1), lut.numel() + 1)[:-1]
+        acc.sum(keys.LAG.clip, by_bucket(per_slot, lut, nb, 0)[:nb])
+
+
+def kernel(s: Static, compiled: bool):
+    """``chunk_stats`` for one ``Static``: the function itself (the eager engine) or compiled (the compiled one)."""
+    return _compiled(s) if compiled else functools.partial(chunk_stats, s=s)
+
+
 @functools.lru_cache(maxsize=32)
-def _kernel(s: Static):
-    """The compiled function for one ``Static``. Each gets its own copy of ``_chunk_math``'s code object: the
+def _compiled(s: Static):
+    """The compiled function for one ``Static``. Each gets its own copy of ``chunk_stats``'s code object: the
     compiler keeps a bounded number of versions per code object (8 by default; each combination of fields needs
     2-4) and, with ``fullgraph``, fails beyond it, which would turn the engine off; combinations must not share
     one."""
-    code = _chunk_math.__code__.replace(co_name=f"_chunk_math_{_kernel.cache_info().currsize}")
-    fn = types.FunctionType(code, _chunk_math.__globals__, code.co_name)
+    code = chunk_stats.__code__.replace(co_name=f"chunk_stats_{_compiled.cache_info().currsize}")
+    fn = types.FunctionType(code, chunk_stats.__globals__, code.co_name)
     fn.__kwdefaults__ = {"s": s}  # a constant to the compiler (a partial would share one wrapper's code object)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges) -> None:
-    """The compiled counterpart of ``eager._probe_chunk``: same statistics, same ``ChunkStats`` calls (in the
-    eager engine's order, which fixes the layout), read from ``_chunk_math``'s outputs by name."""
+def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool) -> None:
+    """One chunk's statistics (``chunk_stats``, run as it is or compiled) added to ``acc`` by name, in a fixed
+    order: the layout of a micro-batch's ``Partial`` is the same whichever way it ran."""
     view, device = ch.block, b.device
-    out = _kernel(s)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages), view(b.prox_logprobs),
-                     view(b.old_logprobs), view(b.ref_logprobs), view(b.versions),
-                     ch.seq_ids() if b.packed else None, b.num_seqs, int(b.current_version or 0),
-                     device_constant("nonfinite", plan, device))
+    out = kernel(s, compiled)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages),
+                              view(b.prox_logprobs), view(b.old_logprobs), view(b.ref_logprobs), view(b.versions),
+                              ch.seq_ids() if b.packed else None, b.num_seqs, int(b.current_version or 0),
+                              device_constant("nonfinite", plan, device))
     names = plan.names
     acc.sum(keys.TOKENS.count, out["tokens"])
     if "lengths" in out:

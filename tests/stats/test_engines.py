@@ -1,0 +1,72 @@
+"""The engine objects (rl_guard/stats/engines.py): what ``stats_engine: auto`` picks on CPU and CUDA and says at
+attach, and a failure that stays with the engine (one guard) that met it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from reference_stats import make_padded
+
+from rl_guard import Guard
+from rl_guard.stats import families
+from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.engines import AutoEngine, CompiledEngine, EagerEngine, make_engine
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_auto_picks_compiled_on_cuda_with_triton_and_eager_elsewhere(triton):
+    auto = AutoEngine()
+    auto._triton = triton  # this engine's view of the installation, as it found it when made
+    assert auto.pick("cpu") is auto.eager
+    assert auto.pick("cuda") is (auto.compiled if triton else auto.eager)
+    said = auto.describe("cuda")
+    assert said.startswith("auto -> compiled" if triton else "auto -> eager") and "cuda" in said
+    assert ("kernel launch" in said) == triton and ("Triton" in said)
+    assert auto.describe("cpu").startswith("auto -> eager") and "first compile" in auto.describe("cpu")
+
+
+def test_make_engine_by_name():
+    assert type(make_engine("eager")) is EagerEngine and type(make_engine("compiled")) is CompiledEngine
+    assert type(make_engine("auto")) is AutoEngine
+    with pytest.raises(ValueError, match="auto, eager, compiled"):
+        make_engine("fused")
+
+
+def test_the_guard_says_its_engine_once_at_attach(tmp_path, capsys):
+    yaml = tmp_path / "g.yaml"
+    yaml.write_text("version: 1\nsinks: []\n")
+    model = torch.nn.Linear(2, 2)
+    guard = Guard.from_yaml(yaml, run_dir=tmp_path / "run").attach(model)
+    guard.attach(model)
+    err = capsys.readouterr().err
+    assert err.count("stats_engine auto -> eager") == 1 and "numpy" in err
+    assert isinstance(guard.engine, AutoEngine)
+    guard.close()
+
+
+def test_a_compiler_failure_stays_with_its_engine(monkeypatch):
+    """One engine's compiled path fails: it warns once and computes eagerly from then on; another engine in the
+    same process (another guard's) still compiles."""
+    real = families.kernel
+
+    def broken(s, compiled):
+        if compiled:
+            raise RuntimeError("no compiler here")
+        return real(s, compiled)
+
+    b = TokenBatch(**make_padded(0, fields=("old", "adv")))
+    want = EagerEngine(host_max_tokens=0).probe(b)
+    first, second = CompiledEngine(host_max_tokens=0, cpu_min_tokens=1), CompiledEngine(host_max_tokens=0,
+                                                                                        cpu_min_tokens=1)
+    with monkeypatch.context() as m:
+        m.setattr(families, "kernel", broken)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [first.probe(b) for _ in range(3)]
+    assert len([w for w in caught if "no compiler here" in str(w.message)]) == 1
+    assert first.failure and "no compiler here" in first.failure and second.failure is None
+    assert not first.takes(b) and second.takes(b)
+    for p in got:
+        assert p.packed[0] == want.packed[0] and torch.equal(p.packed[1], want.packed[1])
