@@ -35,7 +35,7 @@ import torch
 from . import keys
 from .constants import EXP_CLAMP
 from .partial import Partial
-from .sketch import LOG_RATIO
+from .sketch import LOG_RATIO, cell_index_numpy
 from .token_rows import device_constant
 
 # Per-sequence fields of up to this many values are read as Python floats: a generation batch's rewards are a few
@@ -331,18 +331,11 @@ def _sequence_fields(s, mx, mn, lengths, truncated, rewards) -> None:
         s[keys.input_nonfinite("rewards")] = rewards.size - count
 
 
-def _cells(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:
-    """``sketch.cell_index_with`` on float32 values: the same float32 arithmetic and bit shifts (the constants are
-    numbers, or ``[rows, 1, 1]`` arrays giving each row of ``x`` its own sketch)."""
-    a = np.minimum(np.abs(x) + scale, top)
-    k = (a.view(np.int32) >> shift) - base
-    return (k ^ (x.view(np.int32) >> 31)) + middle
-
-
 @functools.lru_cache(maxsize=64)
 def _hist_constants(plan) -> tuple:
     """``token_rows.device_constant("hists")`` on the CPU as numpy, the columns shaped ``[rows, 1, 1]`` for
-    ``[rows, B, T]`` values: the sketch constants of ``_cells``, the zero cells, and the joint count's size."""
+    ``[rows, B, T]`` values: the sketch constants of ``cell_index_numpy``, the zero cells, and the joint count's
+    size."""
     *columns, zero_cells = device_constant("hists", plan, CPU)
     return (*(c.numpy()[:, :, None] for c in columns), zero_cells.numpy(), sum(spec.bins for spec in plan.hist_specs))
 
@@ -355,7 +348,7 @@ def _hists(s, plan, z, counts, n: int) -> None:
         return
     h0, h = plan.at(rows[0]), len(rows)
     scale, top, shift, base, middle, zero_cells, total = _hist_constants(plan)
-    joint = np.bincount(_cells(z[h0 : h0 + h], scale, top, shift, base, middle).ravel(), minlength=total)
+    joint = np.bincount(cell_index_numpy(z[h0 : h0 + h], scale, top, shift, base, middle).ravel(), minlength=total)
     joint = joint.astype(F64)
     joint[zero_cells] -= n - counts[h0 : h0 + h]
     at = 0
@@ -419,8 +412,8 @@ def _ratio_stats(s, mx, mn, name: str, lr, v) -> None:
     s[key.count], s[key.sum] = count, e.sum() + count
     mx[key.logmax], mn[key.logmin] = _nan_max(lr), _nan_min(lr)
     spec = LOG_RATIO
-    cells = np.bincount(_cells(z.astype(F32), F32(spec.scale), F32(spec.top), spec.shift, spec.base, spec.bins // 2),
-                        minlength=spec.bins).astype(F64)
+    index = cell_index_numpy(z.astype(F32), F32(spec.scale), F32(spec.top), spec.shift, spec.base, spec.bins // 2)
+    cells = np.bincount(index, minlength=spec.bins).astype(F64)
     cells[LOG_RATIO.bins // 2] -= z.size - count
     s[key.hist] = cells
 

@@ -126,6 +126,13 @@ def cell_index_with(xf: torch.Tensor, scale, top, shift, base, middle, out=None)
     return k.sub_(base).bitwise_xor_(sign).add_(middle)
 
 
+def cell_index_numpy(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:
+    """``cell_index_with`` of float32 numpy values (the host path): the same float32 arithmetic and bit shifts."""
+    a = np.minimum(np.abs(x) + scale, top)
+    k = (a.view(np.int32) >> shift) - base
+    return (k ^ (x.view(np.int32) >> 31)) + middle
+
+
 def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Exact counts (int64 ``[size]``) of an index tensor with values in ``[0, size)``; with ``weights``, the sum of
     the weights that land in each cell instead (float64).
