@@ -304,11 +304,16 @@ def _advantages(s, b, plan, z, v, counts, token_clip: bool) -> None:
     if not token_clip or plan.clip_row < 0:
         return
     j = plan.clip_row
+    _clip(s, b, z[j], sign, float((v[j] * v[i]).sum(dtype=F64)))
+
+
+def _clip(s, b, z, sign, n_valid: float) -> None:
+    """``families._clip`` in numpy: ``z`` the zero-filled log-ratio, ``sign`` the advantage's (0 where invalid)."""
     lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
-    clipped = ((z[j] - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)).astype(F32)
+    clipped = ((z - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)).astype(F32)
     n_clipped = float(clipped.sum(dtype=F64))
     n_low = (n_clipped - float((clipped * sign).sum(dtype=F64))) * 0.5
-    s[keys.CLIP.count] = float((v[j] * v[i]).sum(dtype=F64))
+    s[keys.CLIP.count] = n_valid
     s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low
 
 
@@ -427,10 +432,5 @@ def _seq_clip(s, b, lp, old, gate, adv, s_lr) -> None:
     a = a + a * F32(0.0)
     v_adv = (a == a).astype(F32)
     clip_lr = s_lr.astype(F32)[:, None] + lr * F32(0.0)
-    lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
-    sign = np.sign(a)
-    clipped = (clip_lr - F32((hi + lo) / 2)) * sign > F32((hi - lo) / 2)
-    n_low = float((clipped & (sign < 0)).sum())
-    n_clipped = float(clipped.sum())
-    s[keys.CLIP.count] = float((v * v_adv).sum(dtype=F64))
-    s[keys.CLIP.low], s[keys.CLIP.high] = n_low, n_clipped - n_low
+    _clip(s, b, np.where(clip_lr == clip_lr, clip_lr, F32(0.0)), np.sign(np.where(a == a, a, F32(0.0))),
+          float((v * v_adv).sum(dtype=F64)))
