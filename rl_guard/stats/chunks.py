@@ -43,17 +43,6 @@ class Chunk:
         self.n = stop - start
         self._ids: torch.Tensor | None = None
 
-    def token(self, t: torch.Tensor) -> torch.Tensor:
-        """This chunk of a per-token tensor (or of a per-sequence one, broadcast) as flat fp32."""
-        b = self.b
-        if tuple(t.shape) == (b.num_seqs,) and t.shape != b.logprobs.shape:
-            return self.seq_gather(t).float()
-        return self._slice(t).float()
-
-    def raw(self, t: torch.Tensor) -> torch.Tensor:
-        """This chunk of a per-token tensor in its own dtype."""
-        return self._slice(t)
-
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         if self.b.packed:
             return t[self.start : self.stop]
