@@ -7,7 +7,7 @@
 - ``compiled``: the same function under ``torch.compile`` (C++ loops on CPU, Triton on CUDA). CPU
   micro-batches under ``COMPILED_CPU_MIN_TOKENS`` tokens stay eager (a compiled call's fixed cost exceeds its gain).
 - ``auto``: ``compiled`` on a CUDA device where Triton is importable (there every eager operation is a kernel
-  launch, ~150-200 per micro-batch, whatever its size), ``eager`` elsewhere (on CPU a first compile costs 10-30 s
+  launch, ~300-500 per micro-batch, whatever its size), ``eager`` elsewhere (on CPU a first compile costs 10-30 s
   and needs a C++ compiler, and a typical CPU run's micro-batches are small enough to stay eager or on the host
   anyway). ``describe`` says which, and why; the guard says it once when it is attached.
 
@@ -171,7 +171,7 @@ class AutoEngine:
     def describe(self, device) -> str:
         dev = torch.device(device)
         if dev.type == "cuda":
-            why = ("each eager operation is a kernel launch, ~150-200 per micro-batch" if self._triton
+            why = ("each eager operation is a kernel launch, ~300-500 per micro-batch" if self._triton
                    else "Triton, which the compiled engine needs on CUDA, is not installed")
         else:
             why = "on CPU a first compile costs 10-30 s and small micro-batches gain nothing from it"
