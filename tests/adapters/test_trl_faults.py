@@ -74,7 +74,7 @@ def test_ratio_drift_halts_with_a_loadable_checkpoint(grpo_run, step_states, sam
     acted = {i["rule"]: i for i in run.incidents() if i["action"] != "warn"}
     assert acted and {i["step"] for i in acted.values()} == {4}  # the trainer's step 4 began at global_step 3
     assert set(acted) <= {"update_too_far", "ratio_extreme", "behaviour_mismatch", "weights_changed_outside_optimizer",
-                          "logprob_jump", "entropy_spike"}, acted
+                          "logprob_jump", "entropy_spike", "weights_corrupted", "param_norm_jump"}, acted
     assert "weights_changed_outside_optimizer" in acted  # the weights moved without an optimizer step
     assert {i["action"] for i in acted.values()} == {"checkpoint_and_halt"}
     assert run.trainer.state.global_step == 4  # stopped at the step that fired, not max_steps
