@@ -37,8 +37,9 @@ def _pip_find_links() -> list[str]:
     that keeps a local torch build there should not download a multi-GB one."""
     links = os.environ.get("PIP_FIND_LINKS", "").split()
     try:
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             timeout=60).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
     for line in out.splitlines():
@@ -51,8 +52,9 @@ def _pip_find_links() -> list[str]:
 FIND_LINKS = _pip_find_links()
 
 
-def _install(session: nox.Session, name: str, *requirements: str, no_deps: bool = False,
-             no_build_isolation: bool = False) -> None:
+def _install(
+    session: nox.Session, name: str, *requirements: str, no_deps: bool = False, no_build_isolation: bool = False
+) -> None:
     constraints = CONSTRAINTS / f"{name}.txt"
     args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
     if os.environ.get("RL_GUARD_RELOCK") != "1":
@@ -66,8 +68,16 @@ def _install(session: nox.Session, name: str, *requirements: str, no_deps: bool 
 
 def _relock(session: nox.Session, name: str) -> None:
     if os.environ.get("RL_GUARD_RELOCK") == "1":
-        frozen = session.run("uv", "pip", "freeze", "--python", session.virtualenv.location, "--exclude-editable",
-                             silent=True, external=True)
+        frozen = session.run(
+            "uv",
+            "pip",
+            "freeze",
+            "--python",
+            session.virtualenv.location,
+            "--exclude-editable",
+            silent=True,
+            external=True,
+        )
         CONSTRAINTS.mkdir(exist_ok=True)
         header = f"# nox session '{name}' (python {PYTHON}); rewrite with RL_GUARD_RELOCK=1 nox -s {name}\n"
         # A local build's tag (torch 2.13.0+cpu) is dropped: the pin must resolve on PyPI too.
@@ -77,8 +87,16 @@ def _relock(session: nox.Session, name: str) -> None:
 
 def _pytest(session: nox.Session, *paths: str) -> None:
     # CI=true: a skipped test fails unless it is marked gpu and no GPU is present (tests/conftest.py).
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *paths, *session.posargs,
-                env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        *paths,
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"},
+    )
 
 
 @nox.session(python=PYTHON)
@@ -112,11 +130,45 @@ def verl(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def areal(session: nox.Session) -> None:
     """AReaL 1.0.4's FSDP engine and controller (transformers <= 5.3)."""
-    _install(session, "areal", "-e", ".", "transformers==5.3.0", "peft<=0.18.1", "torchdata", "datasets",
-             "aiohttp>=3.13.3,<4", "pydantic", "pyyaml", "omegaconf==2.4.0.dev2", "hydra-core==1.4.0.dev1", "orjson",
-             "msgspec", "zstandard", "psutil", "einops", "httpx", "pyzmq", "uvloop", "tenacity", "flask", "colorlog",
-             "lark", "ray", "numba", "pillow", "aiofiles", "openai", "swanlab==0.6.12", "trackio", "wandb",
-             "tensorboardx", "tabulate", "pybase64", *TEST_TOOLS)
+    _install(
+        session,
+        "areal",
+        "-e",
+        ".",
+        "transformers==5.3.0",
+        "peft<=0.18.1",
+        "torchdata",
+        "datasets",
+        "aiohttp>=3.13.3,<4",
+        "pydantic",
+        "pyyaml",
+        "omegaconf==2.4.0.dev2",
+        "hydra-core==1.4.0.dev1",
+        "orjson",
+        "msgspec",
+        "zstandard",
+        "psutil",
+        "einops",
+        "httpx",
+        "pyzmq",
+        "uvloop",
+        "tenacity",
+        "flask",
+        "colorlog",
+        "lark",
+        "ray",
+        "numba",
+        "pillow",
+        "aiofiles",
+        "openai",
+        "swanlab==0.6.12",
+        "trackio",
+        "wandb",
+        "tensorboardx",
+        "tabulate",
+        "pybase64",
+        *TEST_TOOLS,
+    )
     _install(session, "areal", AREAL, no_deps=True)
     _relock(session, "areal")
     _pytest(session, "tests/adapters/areal")
@@ -125,9 +177,28 @@ def areal(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def openrlhf(session: nox.Session) -> None:
     """OpenRLHF 0.11.2's actor under DeepSpeed on CPU (transformers 5.15, Ray)."""
-    _install(session, "openrlhf", "-e", ".", "transformers==5.15.0", "ray==2.55.0", "peft", "accelerate", "datasets",
-             "einops", "jsonlines", "optree", "torchdata", "tqdm", "pylatexenc", "aiohttp", "pillow", "setuptools",
-             "wheel", *TEST_TOOLS)
+    _install(
+        session,
+        "openrlhf",
+        "-e",
+        ".",
+        "transformers==5.15.0",
+        "ray==2.55.0",
+        "peft",
+        "accelerate",
+        "datasets",
+        "einops",
+        "jsonlines",
+        "optree",
+        "torchdata",
+        "tqdm",
+        "pylatexenc",
+        "aiohttp",
+        "pillow",
+        "setuptools",
+        "wheel",
+        *TEST_TOOLS,
+    )
     _install(session, "openrlhf", DEEPSPEED, no_build_isolation=True)
     _install(session, "openrlhf", OPENRLHF, no_deps=True)
     _relock(session, "openrlhf")
@@ -146,9 +217,18 @@ def latest(session: nox.Session) -> None:
     session.install(*args, "--upgrade", "--no-deps", "openrlhf", "areal")
     session.install(*args, "--upgrade", "--no-build-isolation", "deepspeed", env={"DS_BUILD_OPS": "0"})
     session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/adapters", "tests/engines",
-                *(f"--ignore={suite}" for suite in FRAMEWORK_SUITES), *session.posargs,
-                env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/adapters",
+        "tests/engines",
+        *(f"--ignore={suite}" for suite in FRAMEWORK_SUITES),
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV},
+    )
 
 
 @nox.session(python=PYTHON, default=False)
@@ -157,5 +237,13 @@ def latest_verl(session: nox.Session) -> None:
     args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
     session.install(*args, "--upgrade", "-e", ".", "verl", "uvicorn", "fastapi", *TEST_TOOLS)
     session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests/adapters/verl", *session.posargs,
-                env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "tests/adapters/verl",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV},
+    )

@@ -36,11 +36,16 @@ CONFIG = "version: 1\nsinks: []\n"
 
 def _batch(g: torch.Generator, B: int, T: int) -> TokenBatch:
     logp = -3.0 * torch.rand(B, T, generator=g)
-    return TokenBatch(logp, torch.rand(B, T, generator=g) < 0.9,
-                      old_logprobs=logp + 0.02 * torch.randn(B, T, generator=g),
-                      ref_logprobs=logp + 0.05 * torch.randn(B, T, generator=g),
-                      entropy=2.0 * torch.rand(B, T, generator=g), advantages=torch.randn(B, generator=g),
-                      rewards=torch.rand(B, generator=g), truncated=torch.rand(B, generator=g) < 0.2)
+    return TokenBatch(
+        logp,
+        torch.rand(B, T, generator=g) < 0.9,
+        old_logprobs=logp + 0.02 * torch.randn(B, T, generator=g),
+        ref_logprobs=logp + 0.05 * torch.randn(B, T, generator=g),
+        entropy=2.0 * torch.rand(B, T, generator=g),
+        advantages=torch.randn(B, generator=g),
+        rewards=torch.rand(B, generator=g),
+        truncated=torch.rand(B, generator=g) < 0.2,
+    )
 
 
 def _worker(rank: int, args, init: str, out: str) -> None:
@@ -93,11 +98,21 @@ def _worker(rank: int, args, init: str, out: str) -> None:
     skip = 3  # warm-up steps
     coll, steps, bare, merge = timed["collectives"][skip:], step_times[skip:], bare[skip:], merge[skip:]
     rest = [s - c for s, c in zip(steps, coll)]
-    result = {"rank": rank, "world": args.world, "tokens_per_rank": args.batch * args.seq, "steps": args.steps,
-              "max_numel": n_max, "sum_numel": n_sums, "max_bytes": n_max * 8, "sum_bytes": n_sums * 8,
-              "merge_ms": 1e3 * statistics.median(merge), "bare_allreduce_ms": 1e3 * statistics.median(bare),
-              "in_situ_ms": 1e3 * statistics.median(coll), "rest_ms": 1e3 * statistics.median(rest),
-              "step_ms": 1e3 * statistics.median(steps)}
+    result = {
+        "rank": rank,
+        "world": args.world,
+        "tokens_per_rank": args.batch * args.seq,
+        "steps": args.steps,
+        "max_numel": n_max,
+        "sum_numel": n_sums,
+        "max_bytes": n_max * 8,
+        "sum_bytes": n_sums * 8,
+        "merge_ms": 1e3 * statistics.median(merge),
+        "bare_allreduce_ms": 1e3 * statistics.median(bare),
+        "in_situ_ms": 1e3 * statistics.median(coll),
+        "rest_ms": 1e3 * statistics.median(rest),
+        "step_ms": 1e3 * statistics.median(steps),
+    }
     result["ratio"] = result["merge_ms"] / result["rest_ms"]
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -115,14 +130,19 @@ def main(argv=None) -> int:
         mp.spawn(_worker, args=(args, f"file://{tmp}/pg", tmp), nprocs=args.world, join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
     r0 = ranks[0]
-    print(f"{args.world} gloo processes, {r0['tokens_per_rank']} tokens per rank per step, "
-          f"median of {args.steps} steps")
-    print(f"payload per step: MAX {r0['max_numel']} float64 = {r0['max_bytes']} B, "
-          f"SUM {r0['sum_numel']} float64 = {r0['sum_bytes']} B")
+    print(
+        f"{args.world} gloo processes, {r0['tokens_per_rank']} tokens per rank per step, median of {args.steps} steps"
+    )
+    print(
+        f"payload per step: MAX {r0['max_numel']} float64 = {r0['max_bytes']} B, "
+        f"SUM {r0['sum_numel']} float64 = {r0['sum_bytes']} B"
+    )
     for r in ranks:
-        print(f"rank {r['rank']}: merge {r['merge_ms']:.3f} ms (bare all-reduces {r['bare_allreduce_ms']:.3f} ms, "
-              f"in situ {r['in_situ_ms']:.3f} ms), rest of the guard step {r['rest_ms']:.3f} ms, "
-              f"ratio merge/rest {r['ratio']:.3f}")
+        print(
+            f"rank {r['rank']}: merge {r['merge_ms']:.3f} ms (bare all-reduces {r['bare_allreduce_ms']:.3f} ms, "
+            f"in situ {r['in_situ_ms']:.3f} ms), rest of the guard step {r['rest_ms']:.3f} ms, "
+            f"ratio merge/rest {r['ratio']:.3f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"ranks": ranks, "ratio_max": max(r["ratio"] for r in ranks)}, indent=1))
     return 0

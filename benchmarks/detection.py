@@ -95,9 +95,15 @@ FAULTS = {
     "early_inf_grad": Fault("inf_grad", None, 0, 16, False, EARLY),
     "early_adam_v_wiped": Fault("adam_v", 1e-8, 2, 16, False, EARLY),
     # a linear warm-up from 0 to 100x the runs' rate over 20 steps, the schedule a user set (from step 1)
-    "warmup_to_100x": Fault("schedule", None, 0, 30, True, EARLY,
-                            (("learning_rate", 0.3), ("warmup_steps", 20),
-                             ("lr_scheduler_type", "constant_with_warmup"))),
+    "warmup_to_100x": Fault(
+        "schedule",
+        None,
+        0,
+        30,
+        True,
+        EARLY,
+        (("learning_rate", 0.3), ("warmup_steps", 20), ("lr_scheduler_type", "constant_with_warmup")),
+    ),
     "element_1e30": Fault("element", 1e30, ABRUPT_AT, 24, False, EARLY, model="wide"),
     "element_sign_flip": Fault("element_sign", None, ABRUPT_AT, 24, False, EARLY, model="wide"),
     "adam_v_wiped": Fault("adam_v", 1e-8, ABRUPT_AT, 24, False, EARLY),
@@ -107,8 +113,18 @@ QUICK_FAULTS = ("lr_x1e4", "lr_x3_per_step", "nan_rewards")
 COLLAPSE_ENTROPY = 0.05  # nats per token: a policy this sure of every token (ln 14 = 2.6 at uniform) has collapsed
 # TRL's defaults except what a CPU run needs: a tiny batch, short completions, and a learning rate that moves a
 # tiny model (TRL's 1e-6 would leave it untouched for hundreds of steps).
-BASE = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True, bf16=False,
-            report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=3e-3)
+BASE = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=8,
+    use_cpu=True,
+    bf16=False,
+    report_to=[],
+    save_strategy="no",
+    logging_steps=1,
+    disable_tqdm=True,
+    learning_rate=3e-3,
+)
 
 
 def _finite_recorder():
@@ -200,29 +216,42 @@ def run_once(model_paths: dict, config: str, fault: str, seed: int, steps: int, 
     from rl_guard.demo.tiny import length_penalty_reward, prompt_dataset, repeat_last_digit_reward
     from rl_guard.sinks.jsonl import read_jsonl
 
-    spec = FAULTS[fault] if fault != "healthy" else Fault("none", None, 0, steps, False,
-                                                          model="wide" if config == "wide_model" else "tiny")
-    injector = FaultInjector(spec.kind if spec.kind not in BENCH_KINDS else "none", at_step=spec.at,
-                             factor=spec.factor)
+    spec = (
+        FAULTS[fault]
+        if fault != "healthy"
+        else Fault("none", None, 0, steps, False, model="wide" if config == "wide_model" else "tiny")
+    )
+    injector = FaultInjector(spec.kind if spec.kind not in BENCH_KINDS else "none", at_step=spec.at, factor=spec.factor)
     recorder = _finite_recorder()(stop=not guarded)
     run_dir = work / f"{config}-{fault}-{seed}-{'guarded' if guarded else 'twin'}"
     guard = RLGuardCallback(str(PRESET), run_dir=str(run_dir / "guard")) if guarded else None
     settings = {**BASE, **(CONFIGS[config] if config in CONFIGS else HEALTHY_VARIANTS[config]), **dict(spec.args)}
     args = GRPOConfig(output_dir=str(run_dir / "trainer"), max_steps=steps, seed=seed, **settings)
     torch.manual_seed(seed)
-    trainer = GRPOTrainer(model=str(model_paths[spec.model]), args=args, train_dataset=prompt_dataset(256, seed=seed),
-                          reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
-                          callbacks=[injector, _bench_faults(spec, seed)] + ([guard] if guard else []) + [recorder])
+    trainer = GRPOTrainer(
+        model=str(model_paths[spec.model]),
+        args=args,
+        train_dataset=prompt_dataset(256, seed=seed),
+        reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
+        callbacks=[injector, _bench_faults(spec, seed)] + ([guard] if guard else []) + [recorder],
+    )
     trainer.pop_callback(PrinterCallback)
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
-    row = {"config": config, "fault": fault, "seed": seed, "guarded": guarded, "steps_run": trainer.state.global_step,
-           "fault_step": spec.at + 1 if fault != "healthy" else None, "first_nonfinite": recorder.step,
-           "collapse": _collapse(trainer.state.log_history),
-           "weights_finite": all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
-           "wall_s": round(time.perf_counter() - started, 2)}
+    row = {
+        "config": config,
+        "fault": fault,
+        "seed": seed,
+        "guarded": guarded,
+        "steps_run": trainer.state.global_step,
+        "fault_step": spec.at + 1 if fault != "healthy" else None,
+        "first_nonfinite": recorder.step,
+        "collapse": _collapse(trainer.state.log_history),
+        "weights_finite": all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
     if guarded:
         path = run_dir / "guard" / "incidents.jsonl"
         incidents = read_jsonl(path) if path.exists() else []
@@ -255,18 +284,33 @@ def evaluate(pairs: list[tuple[dict, dict]], healthy: list[dict]) -> dict:
         failed_at, failure = twin_failure(twin)
         lead = failed_at - guarded["action_step"] if hit and failed_at is not None else None
         if gradual:  # a twin that never failed counts its last step + 1
-            leads.append(None if not hit else (failed_at if failed_at is not None else twin["steps_run"] + 1)
-                         - guarded["action_step"])
+            leads.append(
+                None
+                if not hit
+                else (failed_at if failed_at is not None else twin["steps_run"] + 1) - guarded["action_step"]
+            )
         else:
             delays.append(delay)
-        rows.append({**guarded, "detected": hit, "delay": delay, "twin_first_nonfinite": twin["first_nonfinite"],
-                     "twin_collapse": twin["collapse"], "twin_failure": failure, "twin_failed_at": failed_at,
-                     "lead": lead, "gradual": gradual})
+        rows.append(
+            {
+                **guarded,
+                "detected": hit,
+                "delay": delay,
+                "twin_first_nonfinite": twin["first_nonfinite"],
+                "twin_collapse": twin["collapse"],
+                "twin_failure": failure,
+                "twin_failed_at": failed_at,
+                "lead": lead,
+                "gradual": gradual,
+            }
+        )
     false_actions = sum(len(h["actions"]) for h in healthy)
     by_fault: dict[str, dict] = {}
     for r in rows:
-        f = by_fault.setdefault(r["fault"], {"runs": 0, "detected": 0, "max_delay": None, "min_lead": None,
-                                             "twin_failures": [], "first_actions": []})
+        f = by_fault.setdefault(
+            r["fault"],
+            {"runs": 0, "detected": 0, "max_delay": None, "min_lead": None, "twin_failures": [], "first_actions": []},
+        )
         f["runs"] += 1
         f["detected"] += r["detected"]
         if r["delay"] is not None:
@@ -290,27 +334,41 @@ def evaluate(pairs: list[tuple[dict, dict]], healthy: list[dict]) -> dict:
 
 
 def table(result: dict) -> str:
-    out = ["| fault class | runs | detected | fault -> action (worst) | lead (smallest) | twins' failure | "
-           "first actions |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| fault class | runs | detected | fault -> action (worst) | lead (smallest) | twins' failure | "
+        "first actions |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, f in result["by_fault"].items():
         actions = ", ".join(sorted({a for a in f["first_actions"] if a}))
-        out.append(f"| {name} | {f['runs']} | {f['detected']} | {f['max_delay']} | {f['min_lead']} | "
-                   f"{', '.join(f['twin_failures'])} | {actions} |")
+        out.append(
+            f"| {name} | {f['runs']} | {f['detected']} | {f['max_delay']} | {f['min_lead']} | "
+            f"{', '.join(f['twin_failures'])} | {actions} |"
+        )
     by_config: dict[str, list] = {}
     for r in result["runs"]:
         by_config.setdefault(r["config"], []).append(r)
     for config, rows in by_config.items():
-        out += [f"\n### {config}", "", "| fault | seed | detected | action | fault -> action (steps) | lead over twin "
-                "| twin's failure | weights finite |", "|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"\n### {config}",
+            "",
+            "| fault | seed | detected | action | fault -> action (steps) | lead over twin "
+            "| twin's failure | weights finite |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             if r["fault"] == "healthy":
                 acts = ", ".join(f"{s}:{rule}->{a}" for s, rule, a in r["actions"]) or "none"
-                out.append(f"| healthy ({r['steps_run']} steps) | {r['seed']} | actions: {acts} | "
-                           f"{r['warnings']} warnings | | | | {r['weights_finite']} |")
+                out.append(
+                    f"| healthy ({r['steps_run']} steps) | {r['seed']} | actions: {acts} | "
+                    f"{r['warnings']} warnings | | | | {r['weights_finite']} |"
+                )
                 continue
             failure = r["twin_failure"] + (f" at {r['twin_failed_at']}" if r["twin_failed_at"] is not None else "")
-            out.append(f"| {r['fault']} | {r['seed']} | {'yes' if r['detected'] else 'NO'} | {r['action']} | "
-                       f"{r['delay']} | {r['lead']} | {failure} | {r['weights_finite']} |")
+            out.append(
+                f"| {r['fault']} | {r['seed']} | {'yes' if r['detected'] else 'NO'} | {r['action']} | "
+                f"{r['delay']} | {r['lead']} | {failure} | {r['weights_finite']} |"
+            )
     return "\n".join(out)
 
 
@@ -323,8 +381,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--healthy-steps", type=int, default=None, help="healthy-run length (default 100; quick 30)")
     ap.add_argument("--configs", nargs="*", default=None, choices=list(CONFIGS))
     ap.add_argument("--faults", nargs="*", default=None, choices=list(FAULTS))
-    ap.add_argument("--variants", nargs="*", default=None, choices=list(HEALTHY_VARIANTS),
-                    help="healthy-only variants (default all; quick none)")
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=None,
+        choices=list(HEALTHY_VARIANTS),
+        help="healthy-only variants (default all; quick none)",
+    )
     a = ap.parse_args(argv)
     import torch
 
@@ -350,17 +413,32 @@ def main(argv=None) -> dict:
                 t = run_once(models, config, fault, seed, spec.steps, False, work)
                 pairs.append((g, t))
                 failed_at, failure = twin_failure(t)
-                print(f"{config:>12} {fault:>18} seed {seed}: action {g['action']} at {g['action_step']} "
-                      f"(fault {g['fault_step']}); twin: {failure} at {failed_at}", file=sys.stderr)
+                print(
+                    f"{config:>12} {fault:>18} seed {seed}: action {g['action']} at {g['action_step']} "
+                    f"(fault {g['fault_step']}); twin: {failure} at {failed_at}",
+                    file=sys.stderr,
+                )
         for seed in healthy_seeds:
             h = run_once(models, config, "healthy", seed, healthy_steps, True, work)
             healthy.append(h)
-            print(f"{config:>12} {'healthy':>18} seed {seed}: actions {h['actions']}, {h['warnings']} warnings",
-                  file=sys.stderr)
+            print(
+                f"{config:>12} {'healthy':>18} seed {seed}: actions {h['actions']}, {h['warnings']} warnings",
+                file=sys.stderr,
+            )
     result = evaluate(pairs, healthy)
     print(table(result))
-    summary = {k: result[k] for k in ("recall", "max_action_delay_abrupt", "min_lead_gradual",
-                                      "false_actions_healthy", "healthy_runs", "healthy_steps", "healthy_warnings")}
+    summary = {
+        k: result[k]
+        for k in (
+            "recall",
+            "max_action_delay_abrupt",
+            "min_lead_gradual",
+            "false_actions_healthy",
+            "healthy_runs",
+            "healthy_steps",
+            "healthy_warnings",
+        )
+    }
     print(json.dumps(summary))
     emit_json(a.json, result, indent=1)
     return result

@@ -87,19 +87,33 @@ def _inputs(setup: str, gen: torch.Generator):
     demo = setup == "demo"
     old = lp + torch.randn(B, T, generator=gen) * 0.01 if demo else lp  # TRL's defaults: on-policy, the ratio is 1
     ref = lp + torch.randn(B, T, generator=gen) * 0.05 if demo else None  # beta=0: no reference model
-    batch = TokenBatch(logprobs=lp, mask=mask, old_logprobs=old, ref_logprobs=ref,
-                       entropy=torch.rand(B, T, generator=gen), advantages=torch.randn(B, generator=gen),
-                       lengths=mask.sum(1), truncated=torch.zeros(B, dtype=torch.bool), eps_low=0.2, eps_high=0.2,
-                       clipped_loss=True)  # TRL's dapo loss clips
+    batch = TokenBatch(
+        logprobs=lp,
+        mask=mask,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        entropy=torch.rand(B, T, generator=gen),
+        advantages=torch.randn(B, generator=gen),
+        lengths=mask.sum(1),
+        truncated=torch.zeros(B, dtype=torch.bool),
+        eps_low=0.2,
+        eps_high=0.2,
+        clipped_loss=True,
+    )  # TRL's dapo loss clips
     rewards = torch.rand(B, generator=gen)
     lengths = batch.lengths.tolist()
-    samples = SampleBatch(rewards=rewards.numpy(), group_ids=np.arange(B) // group,
-                          reward_components={"repeat_last_digit_reward": rewards.numpy(),
-                                             "length_penalty_reward": np.zeros(B)},
-                          lengths=lengths, truncated=batch.truncated.tolist(),
-                          texts=[" ".join("7" * n) for n in lengths],
-                          prompts=["1 2 3 4 5"] * B, rollout_tokens=sum(lengths), episodes=B,
-                          funnel={"sampled": B, "reward_available": B})
+    samples = SampleBatch(
+        rewards=rewards.numpy(),
+        group_ids=np.arange(B) // group,
+        reward_components={"repeat_last_digit_reward": rewards.numpy(), "length_penalty_reward": np.zeros(B)},
+        lengths=lengths,
+        truncated=batch.truncated.tolist(),
+        texts=[" ".join("7" * n) for n in lengths],
+        prompts=["1 2 3 4 5"] * B,
+        rollout_tokens=sum(lengths),
+        episodes=B,
+        funnel={"sampled": B, "reward_available": B},
+    )
     return batch, rewards, samples
 
 
@@ -126,7 +140,7 @@ def machine(repeats: int = 60) -> dict:
                 start = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - start)
-            out[f"{name}_us_{state}"] = round(1e6 * statistics.median(times[repeats // 4:]), 2)
+            out[f"{name}_us_{state}"] = round(1e6 * statistics.median(times[repeats // 4 :]), 2)
     return out
 
 
@@ -188,11 +202,16 @@ def run(setup: str = "demo", steps: int = 200, cold: bool = False, work: Path | 
     guard.close()
     per_call = {}
     for call, values in times.items():
-        kept = values[len(values) // 4:]
+        kept = values[len(values) // 4 :]
         per_call[call] = 1e3 * statistics.median(kept) * len(values) / steps if kept else 0.0
-    kept = host_over_outside[len(host_over_outside) // 4:]
-    return {"per_call": per_call, "total": sum(per_call.values()), "steps": steps, "run_dir": str(guard.run_dir),
-            "host_ms_over_outside": statistics.median(kept) if kept else None}
+    kept = host_over_outside[len(host_over_outside) // 4 :]
+    return {
+        "per_call": per_call,
+        "total": sum(per_call.values()),
+        "steps": steps,
+        "run_dir": str(guard.run_dir),
+        "host_ms_over_outside": statistics.median(kept) if kept else None,
+    }
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -216,13 +235,17 @@ def main(argv=None) -> dict:
     finally:
         torch.set_num_threads(threads)
     result = {
-        "setup": args.setup, "steps": args.steps, "threads": args.threads,
-        "guard_ms_per_step_warm": round(warm["total"], 3), "guard_ms_per_step_cold": round(cold["total"], 3),
+        "setup": args.setup,
+        "steps": args.steps,
+        "threads": args.threads,
+        "guard_ms_per_step_warm": round(warm["total"], 3),
+        "guard_ms_per_step_cold": round(cold["total"], 3),
         "cold_over_warm": round(cold["total"] / warm["total"], 2),
         "per_call_ms_warm": {k: round(v, 3) for k, v in warm["per_call"].items()},
         "per_call_ms_cold": {k: round(v, 3) for k, v in cold["per_call"].items()},
-        "host_ms_over_outside": {name: _round(r["host_ms_over_outside"], 3) for name, r in (("warm", warm),
-                                                                                            ("cold", cold))},
+        "host_ms_over_outside": {
+            name: _round(r["host_ms_over_outside"], 3) for name, r in (("warm", warm), ("cold", cold))
+        },
         "machine": probe,
     }
     print(f"guard ms per step ({args.setup}, {args.steps} steps, median per call):")
@@ -230,21 +253,31 @@ def main(argv=None) -> dict:
     for call in CALLS:
         print(f"  {call:<12} {warm['per_call'][call]:7.3f} {cold['per_call'][call]:7.3f}")
     print(f"  {'total':<12} {warm['total']:7.3f} {cold['total']:7.3f}   cold / warm = {result['cold_over_warm']}")
-    print("this machine, one operation in us (warm / cold): " + ", ".join(
-        f"{name} {probe[name + '_us_warm']:.1f} / {probe[name + '_us_cold']:.1f}"
-        for name in ("torch_op", "numpy_op", "python_loop")))
+    print(
+        "this machine, one operation in us (warm / cold): "
+        + ", ".join(
+            f"{name} {probe[name + '_us_warm']:.1f} / {probe[name + '_us_cold']:.1f}"
+            for name in ("torch_op", "numpy_op", "python_loop")
+        )
+    )
     ratios = result["host_ms_over_outside"]
     if None not in ratios.values():
-        print(f"the guard's own rl_guard/guard/host_ms over its calls timed from outside (median per cycle): "
-              f"warm {ratios['warm']:.3f}, cold {ratios['cold']:.3f} (at most 1: the outside timer adds a little "
-              "around each call)")
+        print(
+            f"the guard's own rl_guard/guard/host_ms over its calls timed from outside (median per cycle): "
+            f"warm {ratios['warm']:.3f}, cold {ratios['cold']:.3f} (at most 1: the outside timer adds a little "
+            "around each call)"
+        )
         if min(ratios.values()) < HOST_MS_FLOOR:
-            print(f"note: below {HOST_MS_FLOOR}: the guard's clock misses part of the time spent in its calls, or "
-                  "the machine was loaded")
+            print(
+                f"note: below {HOST_MS_FLOOR}: the guard's clock misses part of the time spent in its calls, or "
+                "the machine was loaded"
+            )
     slower = [name for name in ("torch_op", "numpy_op") if probe[f"{name}_us_cold"] < probe[f"{name}_us_warm"]]
     if slower:
-        print(f"note: {', '.join(slower)} ran faster cold than warm: the disturbance did not evict what it needs "
-              "here, or the machine was loaded")
+        print(
+            f"note: {', '.join(slower)} ran faster cold than warm: the disturbance did not evict what it needs "
+            "here, or the machine was loaded"
+        )
     emit_json(args.json, result)
     return result
 

@@ -74,10 +74,15 @@ def main(argv=None) -> dict:
         fp.append(t1 - t0)
         norm.append(time.perf_counter() - t1)
     ms = lambda xs: round(1e3 * statistics.median(xs), 3)  # noqa: E731
-    out = {"parameters": sum(p.numel() for p in params), "large_tensors": len(layout.big),
-           "probe_ms_with": ms(with_fp[10:]), "probe_ms_without": ms(without[10:]),
-           "integrity_ms_per_step": round(ms(with_fp[10:]) - ms(without[10:]), 3),
-           "fingerprint_pass_ms": ms(fp), "norm_pass_ms": ms(norm)}
+    out = {
+        "parameters": sum(p.numel() for p in params),
+        "large_tensors": len(layout.big),
+        "probe_ms_with": ms(with_fp[10:]),
+        "probe_ms_without": ms(without[10:]),
+        "integrity_ms_per_step": round(ms(with_fp[10:]) - ms(without[10:]), 3),
+        "fingerprint_pass_ms": ms(fp),
+        "norm_pass_ms": ms(norm),
+    }
     for k, v in out.items():
         print(f"{k}: {v}")
     emit_json(a.json, out)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 
 def add_json_argument(ap: argparse.ArgumentParser, what: str = "the results") -> None:
-    ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                    help=f"write {what} as JSON to FILE (stdout without FILE)")
+    ap.add_argument(
+        "--json", nargs="?", const="-", metavar="FILE", help=f"write {what} as JSON to FILE (stdout without FILE)"
+    )
 
 
 def emit_json(dest: str | None, data, indent: int = 2) -> None:

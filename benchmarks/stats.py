@@ -104,8 +104,10 @@ def count_host_reads():
     from another device). On CPU nothing is really transferred, but the same calls would sync a GPU."""
     counts = {"transfers": 0, "other": 0}
     transferred: set = set()
-    orig = {n: getattr(torch.Tensor, n)
-            for n in ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "to")}
+    orig = {
+        n: getattr(torch.Tensor, n)
+        for n in ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "to")
+    }
 
     def cpu(self, *a, **k):
         counts["transfers"] += 1
@@ -128,6 +130,7 @@ def count_host_reads():
         def wrapped(self, *a, **k):
             counts["other"] += 1
             return orig[name](self, *a, **k)
+
         return wrapped
 
     patches = {"cpu": cpu, "numpy": numpy, "to": to}
@@ -193,18 +196,38 @@ def run(sizes: dict, repeats: int, clock: str = "cpu", memory: bool = True, engi
             result[f"naive_error_{label}"] = timed["errors"]["naive"]
         for engine in engines:
             full, full_median = best[engine], median[engine]
-            row = dict(size=label, engine=engine, tokens=tokens, clock=clock, full_s=full, floor_s=best["floor"],
-                       naive_s=best["naive"], full_median_s=full_median, naive_median_s=median["naive"],
-                       speedup_vs_naive=best["naive"] / full if best["naive"] else None,
-                       speedup_vs_naive_median=median["naive"] / full_median if median["naive"] else None,
-                       floor_ratio=full / best["floor"], floor_median_s=median["floor"],
-                       floor_ratio_median=full_median / median["floor"], full_ns_per_token=full / tokens * 1e9,
-                       full_wall_s=_stat(t[engine]["wall"], min), naive_wall_s=_stat(t["naive"]["wall"], min))
+            row = dict(
+                size=label,
+                engine=engine,
+                tokens=tokens,
+                clock=clock,
+                full_s=full,
+                floor_s=best["floor"],
+                naive_s=best["naive"],
+                full_median_s=full_median,
+                naive_median_s=median["naive"],
+                speedup_vs_naive=best["naive"] / full if best["naive"] else None,
+                speedup_vs_naive_median=median["naive"] / full_median if median["naive"] else None,
+                floor_ratio=full / best["floor"],
+                floor_median_s=median["floor"],
+                floor_ratio_median=full_median / median["floor"],
+                full_ns_per_token=full / tokens * 1e9,
+                full_wall_s=_stat(t[engine]["wall"], min),
+                naive_wall_s=_stat(t["naive"]["wall"], min),
+            )
             if memory:
                 row["peak_extra_mem_ratio"] = peak_live_bytes(fns[engine]) / (4 * tokens)
             rows.append(row)
-            for key in ("speedup_vs_naive", "speedup_vs_naive_median", "floor_ratio", "floor_ratio_median",
-                        "peak_extra_mem_ratio", "full_s", "naive_s", "floor_s"):
+            for key in (
+                "speedup_vs_naive",
+                "speedup_vs_naive_median",
+                "floor_ratio",
+                "floor_ratio_median",
+                "peak_extra_mem_ratio",
+                "full_s",
+                "naive_s",
+                "floor_s",
+            ):
                 if key in row:
                     result[f"{key}_{label}_{engine}"] = row[key]
                     if engine == engines[0]:
@@ -225,18 +248,26 @@ def print_table(result: dict) -> None:
         return "fails" if v is None else format(v, fmt)
 
     load = result.get("load_average")
-    print(f"{result['torch_threads']} intra-op thread(s), {result['clock']} time, best of {result['repeats']} "
-          f"interleaved runs after one warm-up each" + (f"; load average {load[0]:.1f}" if load else ""))
-    print(f"{'tokens':>7} {'engine':>9} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} "
-          f"{'speedup_vs_naive':>17} {'(median)':>9} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}")
+    print(
+        f"{result['torch_threads']} intra-op thread(s), {result['clock']} time, best of {result['repeats']} "
+        f"interleaved runs after one warm-up each" + (f"; load average {load[0]:.1f}" if load else "")
+    )
+    print(
+        f"{'tokens':>7} {'engine':>9} {'full ms':>9} {'ns/token':>9} {'floor ms':>9} {'naive ms':>10} "
+        f"{'speedup_vs_naive':>17} {'(median)':>9} {'floor_ratio':>12} {'peak_mem_x_fp32':>16}"
+    )
     for r in result["rows"]:
         naive = f(r["naive_s"] and r["naive_s"] * 1e3, ".1f")
         mem = format(r["peak_extra_mem_ratio"], ".2f") if "peak_extra_mem_ratio" in r else "-"
-        print(f"{r['size']:>7} {r['engine']:>9} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} "
-              f"{r['floor_s'] * 1e3:>9.1f} {naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} "
-              f"{f(r['speedup_vs_naive_median'], '.1f'):>9} {r['floor_ratio']:>12.2f} {mem:>16}")
-    print(f"host transfers per step: {result['transfers_per_step']} (other host reads: "
-          f"{result['other_host_reads_per_step']})")
+        print(
+            f"{r['size']:>7} {r['engine']:>9} {r['full_s'] * 1e3:>9.1f} {r['full_ns_per_token']:>9.1f} "
+            f"{r['floor_s'] * 1e3:>9.1f} {naive:>10} {f(r['speedup_vs_naive'], '.1f'):>17} "
+            f"{f(r['speedup_vs_naive_median'], '.1f'):>9} {r['floor_ratio']:>12.2f} {mem:>16}"
+        )
+    print(
+        f"host transfers per step: {result['transfers_per_step']} (other host reads: "
+        f"{result['other_host_reads_per_step']})"
+    )
 
 
 def main(argv=None, sizes: dict | None = None) -> dict:
@@ -244,12 +275,20 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="1M and 4M tokens only, fewer repeats (about a minute)")
     ap.add_argument("--sizes", help=f"comma-separated sizes out of {', '.join(SIZES)} (default 1M,4M,16M)")
     add_json_argument(ap)
-    ap.add_argument("--threads", default="1", help="torch intra-op threads; a list (1,2) runs each in turn and "
-                    "reports the first at the top level (default 1)")
+    ap.add_argument(
+        "--threads",
+        default="1",
+        help="torch intra-op threads; a list (1,2) runs each in turn and "
+        "reports the first at the top level (default 1)",
+    )
     ap.add_argument("--repeats", type=int, help="timed runs of each path (default 5, quick 3)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (benchmarks/stats_cuda.py)")
-    ap.add_argument("--engine", default="compiled,eager", help="stats engines to time, the first one's figures also at "
-                    "the top level of the JSON (default compiled,eager; compiled needs a C++ compiler on CPU)")
+    ap.add_argument(
+        "--engine",
+        default="compiled,eager",
+        help="stats engines to time, the first one's figures also at "
+        "the top level of the JSON (default compiled,eager; compiled needs a C++ compiler on CPU)",
+    )
     args = ap.parse_args(argv)
     engines = tuple(args.engine.split(","))
     unknown = [e for e in engines if e not in STATS_ENGINES]
@@ -269,16 +308,19 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     try:
         for n in thread_counts:
             torch.set_num_threads(n)
-            results[n] = run(sizes, repeats, clock="cpu" if n == 1 else "wall", memory=n == thread_counts[0],
-                             engines=engines)
+            results[n] = run(
+                sizes, repeats, clock="cpu" if n == 1 else "wall", memory=n == thread_counts[0], engines=engines
+            )
             print_table(results[n])
     finally:
         torch.set_num_threads(threads)
     result = dict(results[thread_counts[0]])
     result["small_batch_ms"] = small_batches(repeats)
     for label, row in result["small_batch_ms"].items():
-        print(f"{label:>4} tokens, probe only: host engine {row['host']:.3f} ms, eager {row['eager']:.3f} ms "
-              f"({row['eager_over_host']:.1f}x)")
+        print(
+            f"{label:>4} tokens, probe only: host engine {row['host']:.3f} ms, eager {row['eager']:.3f} ms "
+            f"({row['eager_over_host']:.1f}x)"
+        )
     if len(thread_counts) > 1:
         result["by_threads"] = {str(n): r for n, r in results.items()}
     emit_json(args.json, result)

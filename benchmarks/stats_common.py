@@ -93,8 +93,10 @@ def naive_step(d: dict, eps_low: float = 0.2, eps_high: float = 0.2, edges=DEFAU
     n_seq = m.sum(1)
     seq_lr = torch.where(m, d["logprobs"] - d["old_logprobs"], 0.0).sum(1) / n_seq.clamp(min=1)
     family("seq_ratio", torch.exp(seq_lr[n_seq > 0]))
-    for name, lr_tok, lr_full in (("kl_old", log_r, d["logprobs"] - d["old_logprobs"]),
-                                  ("kl_ref", ref - lp, d["ref_logprobs"] - d["logprobs"])):
+    for name, lr_tok, lr_full in (
+        ("kl_old", log_r, d["logprobs"] - d["old_logprobs"]),
+        ("kl_ref", ref - lp, d["ref_logprobs"] - d["logprobs"]),
+    ):
         for k, f in (("k1", lambda x: -x), ("k2", lambda x: 0.5 * x * x), ("k3", lambda x: torch.expm1(x) - x)):
             out[f"{name}/{k}_mean"] = f(lr_tok).mean().item()
             per_seq = torch.where(m, f(lr_full), 0.0).sum(1)[n_seq > 0]

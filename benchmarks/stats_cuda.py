@@ -45,8 +45,12 @@ def _event_ms(fn) -> float:
 
 def time_paths(d: dict, repeats: int) -> dict:
     # the floor reads each whole tensor once: on a GPU, CPU-sized blocks would make it a count of kernel launches
-    fns = {"full": lambda: full_step(d), "compiled": lambda: full_step(d, "compiled"),
-           "floor": lambda: floor_pass(d, chunk=d["mask"].numel()), "naive": lambda: naive_step(d)}
+    fns = {
+        "full": lambda: full_step(d),
+        "compiled": lambda: full_step(d, "compiled"),
+        "floor": lambda: floor_pass(d, chunk=d["mask"].numel()),
+        "naive": lambda: naive_step(d),
+    }
     timed = time_interleaved(fns, repeats, measure=lambda fn: (_event_ms(fn),), clocks=("ms",))
     times, errors = {name: t["ms"] for name, t in timed["times"].items()}, timed["errors"]
     out = {f"{name}_ms": min(v) if v else None for name, v in times.items()}
@@ -63,8 +67,12 @@ def chunk_sweep(d: dict, repeats: int) -> dict:
     """ms per step (best of ``repeats``) of both engines with each of ``SWEEP_CHUNKS`` tokens per chunk, up to the
     batch's size: what the GPU chunk size (``rl_guard.stats.chunks.chunk_size``) trades against memory."""
     n = d["mask"].numel()
-    fns = {f"{engine}_{c >> 20}M": (lambda e=engine, c=c: full_step(d, e, chunk=c))
-           for engine in ("eager", "compiled") for c in SWEEP_CHUNKS if c <= n}
+    fns = {
+        f"{engine}_{c >> 20}M": (lambda e=engine, c=c: full_step(d, e, chunk=c))
+        for engine in ("eager", "compiled")
+        for c in SWEEP_CHUNKS
+        if c <= n
+    }
     timed = time_interleaved(fns, repeats, measure=lambda fn: (_event_ms(fn),), clocks=("ms",))
     return {name: min(t["ms"]) for name, t in timed["times"].items() if t["ms"]}
 
@@ -80,9 +88,11 @@ def profile_step(d: dict, engine: str, rows: int = 12) -> dict:
         torch.cuda.synchronize()
     events = prof.key_averages()
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"kernels": kernels,
-            "by_gpu_time": events.table(sort_by="self_device_time_total", row_limit=rows),
-            "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=rows)}
+    return {
+        "kernels": kernels,
+        "by_gpu_time": events.table(sort_by="self_device_time_total", row_limit=rows),
+        "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=rows),
+    }
 
 
 class _SyncCounter:
@@ -119,11 +129,12 @@ def _innermost_rl_guard_line() -> str:
     if not frames:
         return "outside rl_guard"
     f = frames[-1]
-    return f"{f.filename[f.filename.rindex(os.sep + 'rl_guard' + os.sep) + 1:]}:{f.lineno} {f.line}"
+    return f"{f.filename[f.filename.rindex(os.sep + 'rl_guard' + os.sep) + 1 :]}:{f.lineno} {f.line}"
 
 
-def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, device: str = "cuda",
-                      stats_engine: str = "eager") -> dict:
+def guard_cycle_syncs(
+    tokens: int, micro_batches: int = 4, steps: int = 3, device: str = "cuda", stats_engine: str = "eager"
+) -> dict:
     """Synchronisations per step of ``observe`` (all micro-batches) + ``check``, and of ``step_done``, with the
     guard's ``stats_engine`` set as given (a first step that compiles is counted like the others)."""
     import tempfile
@@ -139,8 +150,10 @@ def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, devic
     guard.engine = make_engine(stats_engine)
     d = make_inputs(tokens, device=device)
     rows = d["mask"].shape[0] // micro_batches
-    batches = [TokenBatch(**{k: v[i * rows:(i + 1) * rows] for k, v in d.items()}, current_version=CURRENT_VERSION)
-               for i in range(micro_batches)]
+    batches = [
+        TokenBatch(**{k: v[i * rows : (i + 1) * rows] for k, v in d.items()}, current_version=CURRENT_VERSION)
+        for i in range(micro_batches)
+    ]
     x = torch.randn(32, 64, device=device)
     per_step = []
     for _ in range(steps):
@@ -155,11 +168,15 @@ def guard_cycle_syncs(tokens: int, micro_batches: int = 4, steps: int = 3, devic
         opt.zero_grad()
         with _SyncCounter(device) as done:
             guard.step_done()
-        per_step.append({"observe_check": len(cycle.syncs), "step_done": len(done.syncs),
-                         "observe_check_calls": cycle.syncs})
+        per_step.append(
+            {"observe_check": len(cycle.syncs), "step_done": len(done.syncs), "observe_check_calls": cycle.syncs}
+        )
     guard.close()
-    return {"per_step": per_step, "internal_failures": guard.internal_failures,
-            "engine_failure": getattr(guard.engine, "failure", None)}
+    return {
+        "per_step": per_step,
+        "internal_failures": guard.internal_failures,
+        "engine_failure": getattr(guard.engine, "failure", None),
+    }
 
 
 def main(args) -> dict:
@@ -180,8 +197,10 @@ def main(args) -> dict:
         del d
         torch.cuda.empty_cache()
         naive = "fails" if row["naive_ms"] is None else f"{row['naive_ms']:.2f}"
-        print(f"{label}: full {row['full_ms']:.2f} ms/step (compiled {row['compiled_ms']:.2f}), floor "
-              f"{row['floor_ms']:.3f}, naive {naive} (CUDA events, best of {repeats})")
+        print(
+            f"{label}: full {row['full_ms']:.2f} ms/step (compiled {row['compiled_ms']:.2f}), floor "
+            f"{row['floor_ms']:.3f}, naive {naive} (CUDA events, best of {repeats})"
+        )
     largest = SIZES_GPU[names[-1]]
     d = make_inputs(largest, device="cuda")
     result["chunk_sweep"] = {"size": names[-1], **chunk_sweep(d, repeats)}
@@ -190,17 +209,20 @@ def main(args) -> dict:
         small = make_inputs(SIZES_GPU[label], device="cuda")
         for engine in ("eager", "compiled"):
             prof = result.setdefault("profile", {})[f"{label}_{engine}"] = profile_step(small, engine)
-            print(f"{label} {engine}: {prof['kernels']} kernels per step\n{prof['by_gpu_time']}\n"
-                  f"{prof['by_host_time']}")
+            print(
+                f"{label} {engine}: {prof['kernels']} kernels per step\n{prof['by_gpu_time']}\n{prof['by_host_time']}"
+            )
     del d, small
     torch.cuda.empty_cache()
     for engine, suffix in (("eager", ""), ("compiled", "_compiled")):
         sync = guard_cycle_syncs(SIZES_GPU[names[0]], stats_engine=engine)
         result[f"syncs{suffix}"] = sync
         result[f"syncs_observe_check{suffix}"] = max(s["observe_check"] for s in sync["per_step"])
-        print(f"stats_engine {engine}: synchronisations per observe -> check cycle ({names[0]} tokens, 4 "
-              f"micro-batches): {[s['observe_check'] for s in sync['per_step']]}; in step_done: "
-              f"{[s['step_done'] for s in sync['per_step']]}")
+        print(
+            f"stats_engine {engine}: synchronisations per observe -> check cycle ({names[0]} tokens, 4 "
+            f"micro-batches): {[s['observe_check'] for s in sync['per_step']]}; in step_done: "
+            f"{[s['step_done'] for s in sync['per_step']]}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -119,8 +119,19 @@ def floor_guard():
     return FloorGuard()
 
 
-PARTS = ("statistics", "grad_probe", "update_probe", "transfer", "summarize", "rules", "sinks", "diagnostics",
-         "snapshots", "adapter", "other")
+PARTS = (
+    "statistics",
+    "grad_probe",
+    "update_probe",
+    "transfer",
+    "summarize",
+    "rules",
+    "sinks",
+    "diagnostics",
+    "snapshots",
+    "adapter",
+    "other",
+)
 
 
 class _Breakdown:
@@ -165,18 +176,27 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
     from rl_guard.stats.update import UpdateProbe
 
     return [
-        (guard_module.Guard, "observe", "statistics"), (guard_module.Guard, "observe_sequences", "statistics"),
+        (guard_module.Guard, "observe", "statistics"),
+        (guard_module.Guard, "observe_sequences", "statistics"),
         (RLGuardCallback, "_token_batch", "statistics"),
-        (guard_module.Guard, "check", "other"), (guard_module.Guard, "step_done", "other"),
-        (guard_module.Guard, "observe_samples", "diagnostics"), (adapter, "samples_from_rewards", "diagnostics"),
+        (guard_module.Guard, "check", "other"),
+        (guard_module.Guard, "step_done", "other"),
+        (guard_module.Guard, "observe_samples", "diagnostics"),
+        (adapter, "samples_from_rewards", "diagnostics"),
         (RunDiagnostics, "update", "diagnostics"),
-        (guard_module, "probe_grads", "grad_probe"), (StepAccumulator, "finish", "transfer"),
-        (guard_module, "summarize", "summarize"), (Controller, "decide", "rules"),
-        (SinkSet, "log", "sinks"), (SinkSet, "incident", "sinks"), (SinkSet, "finish", "sinks"),
+        (guard_module, "probe_grads", "grad_probe"),
+        (StepAccumulator, "finish", "transfer"),
+        (guard_module, "summarize", "summarize"),
+        (Controller, "decide", "rules"),
+        (SinkSet, "log", "sinks"),
+        (SinkSet, "incident", "sinks"),
+        (SinkSet, "finish", "sinks"),
         (TrainState, "capture", "snapshots"),
-        (UpdateProbe, "pre_step", "update_probe"), (UpdateProbe, "post_step", "update_probe"),
+        (UpdateProbe, "pre_step", "update_probe"),
+        (UpdateProbe, "post_step", "update_probe"),
         (UpdateProbe, "resync", "update_probe"),
-        (RLGuardCallback, "on_pre_optimizer_step", "adapter"), (RLGuardCallback, "on_step_end", "adapter"),
+        (RLGuardCallback, "on_pre_optimizer_step", "adapter"),
+        (RLGuardCallback, "on_step_end", "adapter"),
         (RLGuardCallback, "_observe_rewards", "adapter"),
     ]
 
@@ -185,11 +205,12 @@ def _guard_patches(bd: _Breakdown) -> list[tuple[object, str, str]]:
 # nothing else: TRL's defaults as a user gets them (completions of up to 512 tokens, 8 generations per prompt, a log
 # every 10 steps, lr 1e-6). demo and trl-short take the demo's short rollouts (8 tokens, 4 generations, a log every
 # step): the largest share a fixed per-step cost can have.
-SHORT = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1,
-             learning_rate=3e-3)
+SHORT = dict(
+    per_device_train_batch_size=8, num_generations=4, max_completion_length=8, logging_steps=1, learning_rate=3e-3
+)
 TRAINER_SETUPS = {
     "demo": dict(SHORT, beta=0.04, num_iterations=2, steps_per_generation=2),  # the demo's trainer
-    "trl-short": dict(SHORT, beta=0.0, num_iterations=1),                     # TRL's loss defaults, short rollouts
+    "trl-short": dict(SHORT, beta=0.0, num_iterations=1),  # TRL's loss defaults, short rollouts
     "trl-defaults": {},
 }
 SETUPS = tuple(TRAINER_SETUPS)
@@ -206,9 +227,19 @@ def guard_config(setup: str, stats_engine: str = "eager") -> str:
     return PRESET.read_text(encoding="utf-8") + f"stats_engine: {stats_engine}\n"
 
 
-def _trainer(model_path: Path, dataset, steps: int, guarded: bool | str, work: Path, turns, seed: int = 0,
-             completion: int | None = None, lr: float | None = None, stats_engine: str = "eager",
-             setup: str = "demo"):
+def _trainer(
+    model_path: Path,
+    dataset,
+    steps: int,
+    guarded: bool | str,
+    work: Path,
+    turns,
+    seed: int = 0,
+    completion: int | None = None,
+    lr: float | None = None,
+    stats_engine: str = "eager",
+    setup: str = "demo",
+):
     """One arm's ``GRPOTrainer`` (``turns``: its lockstep callback, last, so that a step's slice takes in every
     callback's work of the step). ``guarded``: the guard, nothing, or ``"floor"`` (``floor_guard``)."""
     from transformers.trainer_callback import PrinterCallback
@@ -224,16 +255,30 @@ def _trainer(model_path: Path, dataset, steps: int, guarded: bool | str, work: P
     if lr is not None:
         trainer_setup["learning_rate"] = lr
     # bf16=False: TRL's default bf16 is for accelerators; on CPU every setup runs float32
-    args = GRPOConfig(output_dir=str(work / "trainer"), max_steps=steps, use_cpu=True, bf16=False, report_to=[],
-                      save_strategy="no", seed=seed, disable_tqdm=True, **trainer_setup)
+    args = GRPOConfig(
+        output_dir=str(work / "trainer"),
+        max_steps=steps,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=seed,
+        disable_tqdm=True,
+        **trainer_setup,
+    )
     if guarded == "floor":
         callbacks = [floor_guard()]
     elif guarded:
         callbacks = [adapter.RLGuardCallback(guard_config(setup, stats_engine), run_dir=str(work / "guard"))]
     else:
         callbacks = []
-    trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
-                          args=args, train_dataset=dataset, callbacks=[*callbacks, turns])
+    trainer = GRPOTrainer(
+        model=str(model_path),
+        reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
+        args=args,
+        train_dataset=dataset,
+        callbacks=[*callbacks, turns],
+    )
     trainer.pop_callback(PrinterCallback)
     return trainer
 
@@ -241,8 +286,18 @@ def _trainer(model_path: Path, dataset, steps: int, guarded: bool | str, work: P
 ROLLOUT_LOGS = ("reward", "completions/mean_length")  # what both arms must have logged alike (same rollouts)
 
 
-def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, seed: int = 0,
-              control: bool = False, floor: bool = False, method: str = "lockstep", **options) -> dict:
+def _one_pair(
+    model_path: Path,
+    dataset,
+    steps: int,
+    work: Path,
+    first: int,
+    seed: int = 0,
+    control: bool = False,
+    floor: bool = False,
+    method: str = "lockstep",
+    **options,
+) -> dict:
     """An unguarded (arm 0) and a guarded (arm 1) trainer in lockstep (``method``: or ``sequential``, one whole run
     after the other); ``first``: the arm that steps first. ``control``: arm 1 is unguarded too (an A/A pair: what the
     method reads when there is no difference); ``floor``: arm 1 runs ``floor_guard`` instead of the guard."""
@@ -253,9 +308,10 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
     cpu = shared_cpu() if method == "lockstep" and torch.get_num_threads() == 1 else None
     lockstep, bd, patched = Sequential() if method == "sequential" else Lockstep(cpu=cpu), _Breakdown(), []
     second = "floor" if floor else not control
-    trainers = [_trainer(model_path, dataset, steps, guarded, work / f"arm{arm}", lockstep.callbacks[arm],
-                         seed=seed, **options)
-                for arm, guarded in enumerate((False, second))]
+    trainers = [
+        _trainer(model_path, dataset, steps, guarded, work / f"arm{arm}", lockstep.callbacks[arm], seed=seed, **options)
+        for arm, guarded in enumerate((False, second))
+    ]
     for owner, name, part in _guard_patches(bd):  # only the guarded arm calls these
         original = getattr(owner, name)
         patched.append((owner, name, original))
@@ -270,13 +326,22 @@ def _one_pair(model_path: Path, dataset, steps: int, work: Path, first: int, see
     lines = incidents.read_text().splitlines() if incidents.exists() else []
     reported = guard_cost(work / "arm1" / "guard")
     logs = [[{k: e[k] for k in ROLLOUT_LOGS if k in e} for e in t.state.log_history if "reward" in e] for t in trainers]
-    arms = [{"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
-            for t, turns in zip(trainers, lockstep.callbacks)]
+    arms = [
+        {"wall": turns.wall, "cpu": turns.cpu, "steps": t.state.global_step}
+        for t, turns in zip(trainers, lockstep.callbacks)
+    ]
     floor_reads = sum(getattr(c, "reads", 0) for c in trainers[1].callback_handler.callbacks)
-    return {"arms": arms, "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]), "guard": bd.total,
-            "cpu": cpu, "floor_reads": floor_reads, "parts": dict(bd.parts), "same_rollouts": logs[0] == logs[1],
-            "acted": sum('"action": "warn"' not in line for line in lines),
-            "reported_ms": reported[0] if reported else None}
+    return {
+        "arms": arms,
+        "ratio": sum(arms[1]["wall"]) / sum(arms[0]["wall"]),
+        "guard": bd.total,
+        "cpu": cpu,
+        "floor_reads": floor_reads,
+        "parts": dict(bd.parts),
+        "same_rollouts": logs[0] == logs[1],
+        "acted": sum('"action": "warn"' not in line for line in lines),
+        "reported_ms": reported[0] if reported else None,
+    }
 
 
 def _median_known(values) -> float | None:
@@ -289,8 +354,9 @@ def _per_step(pairs: list[dict], field: str) -> float:
     return statistics.median(b / a for p in pairs for a, b in zip(p["arms"][0][field], p["arms"][1][field]))
 
 
-def _per_step_interval(pairs: list[dict], field: str, level: float = 0.95, resamples: int = 2000,
-                       seed: int = 0) -> list[float]:
+def _per_step_interval(
+    pairs: list[dict], field: str, level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> list[float]:
     """Percentile bootstrap interval of ``_per_step``: the pairs resampled with replacement (a pair, not a step, is
     the unit that repeats: its steps share one stretch of the machine's load). With few pairs it is coarse, and it
     can only be as wide as the pairs differ; one pair gives a point."""
@@ -304,9 +370,13 @@ def _ratios(pairs: list[dict]) -> dict:
     """The ratios of a set of pairs (guarded, control or floor): per step (wall, with its interval, and CPU time) and
     of total times (median and range over the pairs)."""
     totals = [p["ratio"] for p in pairs]
-    return {"ratio": _per_step(pairs, "wall"), "ratio_ci95": _per_step_interval(pairs, "wall"),
-            "ratio_cpu": _per_step(pairs, "cpu"), "ratio_total": statistics.median(totals),
-            "ratio_range": [min(totals), max(totals)]}
+    return {
+        "ratio": _per_step(pairs, "wall"),
+        "ratio_ci95": _per_step_interval(pairs, "wall"),
+        "ratio_cpu": _per_step(pairs, "cpu"),
+        "ratio_total": statistics.median(totals),
+        "ratio_range": [min(totals), max(totals)],
+    }
 
 
 def _trl_default(field: str):
@@ -321,32 +391,59 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="3 pairs of 8 steps (well under 2 minutes)")
     ap.add_argument("--runs", type=int, help="pairs of runs (default 5, quick 3)")
     ap.add_argument("--steps", type=int, help="optimizer steps per run (default 24, quick 8)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1; 0: torch's own default, as a user gets it)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1; 0: torch's own default, as a user gets it)",
+    )
     ap.add_argument("--hidden", type=int, default=32, help="the model's hidden size (default 32: the tiny model)")
     ap.add_argument("--layers", type=int, default=2, help="the model's layers (default 2)")
     ap.add_argument("--completion", type=int, help="max completion tokens (default: the setup's, 8 or TRL's 512)")
-    ap.add_argument("--lr", type=float, help="learning rate (default: the setup's, 3e-3 or TRL's 1e-6; lower it for "
-                    "larger models so that the guard does not act: a run it acts on does different work)")
-    ap.add_argument("--setup", nargs="+", default=list(DEFAULT_SETUPS), choices=SETUPS, metavar="SETUP",
-                    help="one or more of: trl-defaults (TRL's GRPOConfig defaults as a user gets them, with the "
-                    "shipped grpo preset), demo (the demo's trainer and guard configuration: 8-token rollouts, the "
-                    "largest share the guard's fixed cost takes), trl-short (TRL's loss defaults with the demo's "
-                    "short rollouts). Default: trl-defaults demo. The first gives the top-level figures, the others "
-                    "follow under other_setups")
-    ap.add_argument("--control", action="store_true",
-                    help="after each pair, an A/A pair (both arms unguarded): what the method reads when there is no "
-                    "difference, i.e. how finely it resolves a ratio on this machine")
-    ap.add_argument("--floor", action="store_true",
-                    help="after each pair, a pair whose second arm runs the least a guard acting before "
-                    "optimizer.step() must do (gradient norm and non-finite count, one host read) instead of the "
-                    "guard: what no such guard reads below here")
-    ap.add_argument("--sequential", action="store_true",
-                    help="each pair as two whole runs one after the other in this thread (order alternated), as a "
-                    "user runs one trainer, instead of lockstep: shows what depends on the thread that drives the "
-                    "trainer (torch's and BLAS's thread pools), at the price of the load's drift between the runs")
-    ap.add_argument("--stats-engine", default="eager", choices=STATS_ENGINES,
-                    help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        help="learning rate (default: the setup's, 3e-3 or TRL's 1e-6; lower it for "
+        "larger models so that the guard does not act: a run it acts on does different work)",
+    )
+    ap.add_argument(
+        "--setup",
+        nargs="+",
+        default=list(DEFAULT_SETUPS),
+        choices=SETUPS,
+        metavar="SETUP",
+        help="one or more of: trl-defaults (TRL's GRPOConfig defaults as a user gets them, with the "
+        "shipped grpo preset), demo (the demo's trainer and guard configuration: 8-token rollouts, the "
+        "largest share the guard's fixed cost takes), trl-short (TRL's loss defaults with the demo's "
+        "short rollouts). Default: trl-defaults demo. The first gives the top-level figures, the others "
+        "follow under other_setups",
+    )
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="after each pair, an A/A pair (both arms unguarded): what the method reads when there is no "
+        "difference, i.e. how finely it resolves a ratio on this machine",
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="after each pair, a pair whose second arm runs the least a guard acting before "
+        "optimizer.step() must do (gradient norm and non-finite count, one host read) instead of the "
+        "guard: what no such guard reads below here",
+    )
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="each pair as two whole runs one after the other in this thread (order alternated), as a "
+        "user runs one trainer, instead of lockstep: shows what depends on the thread that drives the "
+        "trainer (torch's and BLAS's thread pools), at the price of the load's drift between the runs",
+    )
+    ap.add_argument(
+        "--stats-engine",
+        default="eager",
+        choices=STATS_ENGINES,
+        help="the guard's stats_engine (default eager; compiled compiles during the warm-up runs)",
+    )
     add_json_argument(ap)
     args = ap.parse_args(argv)
     import torch
@@ -369,14 +466,23 @@ def main(argv=None) -> dict:
 def _compare_steps(results: list[dict]) -> None:
     """The setups' unguarded step times side by side; a note where shorter completions did not give the shorter
     step (the guard's fixed cost is then not read against the step it was meant for)."""
-    print("unguarded step: " + ", ".join(f"{r['setup']} {r['step_ms']['unguarded']:.1f} ms "
-                                         f"({r['model']['completion']}-token completions)" for r in results))
+    print(
+        "unguarded step: "
+        + ", ".join(
+            f"{r['setup']} {r['step_ms']['unguarded']:.1f} ms ({r['model']['completion']}-token completions)"
+            for r in results
+        )
+    )
     for short in results:
         for long in results:
-            if (short["model"]["completion"] < long["model"]["completion"]
-                    and short["step_ms"]["unguarded"] >= long["step_ms"]["unguarded"]):
-                print(f"note: {short['setup']}'s shorter completions did not give the shorter step "
-                      f"(against {long['setup']}): its completions ended early, or the load moved between the setups")
+            if (
+                short["model"]["completion"] < long["model"]["completion"]
+                and short["step_ms"]["unguarded"] >= long["step_ms"]["unguarded"]
+            ):
+                print(
+                    f"note: {short['setup']}'s shorter completions did not give the shorter step "
+                    f"(against {long['setup']}): its completions ended early, or the load moved between the setups"
+                )
 
 
 def measure(setup: str, args) -> dict:
@@ -390,13 +496,20 @@ def measure(setup: str, args) -> dict:
 
     print(f"setup {setup}:")
     work = Path(tempfile.mkdtemp(prefix="rl_guard_overhead_"))
-    completion = args.completion or TRAINER_SETUPS[setup].get("max_completion_length") or _trl_default(
-        "max_completion_length")
-    model_path = build_tiny_model(work / "model", seed=0, hidden=args.hidden, layers=args.layers,
-                                  max_positions=max(64, completion + 16))  # the prompts are 3 words
+    completion = (
+        args.completion or TRAINER_SETUPS[setup].get("max_completion_length") or _trl_default("max_completion_length")
+    )
+    model_path = build_tiny_model(
+        work / "model", seed=0, hidden=args.hidden, layers=args.layers, max_positions=max(64, completion + 16)
+    )  # the prompts are 3 words
     dataset = prompt_dataset(256, seed=0)
-    run_options = dict(completion=args.completion, lr=args.lr, stats_engine=args.stats_engine, setup=setup,
-                       method="sequential" if args.sequential else "lockstep")
+    run_options = dict(
+        completion=args.completion,
+        lr=args.lr,
+        stats_engine=args.stats_engine,
+        setup=setup,
+        method="sequential" if args.sequential else "lockstep",
+    )
     # warm-up: first-call costs (kernels, lazy imports) land in neither figure
     _one_pair(model_path, dataset, 2, work / "warmup", first=0, **run_options)
     pairs, controls, floors = [], [], []
@@ -404,30 +517,47 @@ def measure(setup: str, args) -> dict:
         pair = _one_pair(model_path, dataset, steps, work / f"run{i}", first=i % 2, **run_options)
         plain, guarded = pair["arms"]
         pairs.append(pair)
-        print(f"pair {i}: unguarded {sum(plain['wall']):.2f}s, guarded {sum(guarded['wall']):.2f}s over "
-              f"{guarded['steps']} steps (guard calls {pair['guard']:.3f}s), ratio {pair['ratio']:.3f}")
+        print(
+            f"pair {i}: unguarded {sum(plain['wall']):.2f}s, guarded {sum(guarded['wall']):.2f}s over "
+            f"{guarded['steps']} steps (guard calls {pair['guard']:.3f}s), ratio {pair['ratio']:.3f}"
+        )
         if args.control:  # right after the pair it controls: the same stretch of the machine's load
-            controls.append(_one_pair(model_path, dataset, steps, work / f"control{i}", first=i % 2, control=True,
-                                      **run_options))
+            controls.append(
+                _one_pair(model_path, dataset, steps, work / f"control{i}", first=i % 2, control=True, **run_options)
+            )
         if args.floor:
-            floors.append(_one_pair(model_path, dataset, steps, work / f"floor{i}", first=i % 2, floor=True,
-                                    **run_options))
+            floors.append(
+                _one_pair(model_path, dataset, steps, work / f"floor{i}", first=i % 2, floor=True, **run_options)
+            )
 
     out = {
         **{f"overhead_{name}": value for name, value in _ratios(pairs).items()},
         "guard_time_frac": statistics.median(p["guard"] / sum(p["arms"][1]["wall"]) for p in pairs),
-        "target": TARGET, "runs": runs, "steps": steps, "threads": torch.get_num_threads(),
-        "stats_engine": args.stats_engine, "setup": setup, "method": run_options["method"],
+        "target": TARGET,
+        "runs": runs,
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+        "stats_engine": args.stats_engine,
+        "setup": setup,
+        "method": run_options["method"],
         "pinned_cpu": pairs[0]["cpu"],  # the one CPU both lockstep arms ran on (None: left to the scheduler)
-        "model": {"hidden": args.hidden, "layers": args.layers, "completion": completion,
-                  "lr": args.lr or TRAINER_SETUPS[setup].get("learning_rate") or _trl_default("learning_rate")},
-        "guard_ms_per_step": {part: statistics.median(1e3 * p["parts"][part] / p["arms"][1]["steps"] for p in pairs)
-                              for part in PARTS},
+        "model": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "completion": completion,
+            "lr": args.lr or TRAINER_SETUPS[setup].get("learning_rate") or _trl_default("learning_rate"),
+        },
+        "guard_ms_per_step": {
+            part: statistics.median(1e3 * p["parts"][part] / p["arms"][1]["steps"] for p in pairs) for part in PARTS
+        },
         "unaccounted_ms_per_step": statistics.median(
             1e3 * (sum(p["arms"][1]["wall"]) - sum(p["arms"][0]["wall"]) - p["guard"]) / p["arms"][1]["steps"]
-            for p in pairs),
-        "step_ms": {arm: statistics.median(1e3 * statistics.fmean(p["arms"][i]["wall"]) for p in pairs)
-                    for i, arm in enumerate(("unguarded", "guarded"))},
+            for p in pairs
+        ),
+        "step_ms": {
+            arm: statistics.median(1e3 * statistics.fmean(p["arms"][i]["wall"]) for p in pairs)
+            for i, arm in enumerate(("unguarded", "guarded"))
+        },
         "guard_reported_ms": _median_known(p["reported_ms"] for p in pairs),
         "same_rollouts": all(p["same_rollouts"] for p in pairs),
         "guard_acted": sum(p["acted"] for p in pairs),
@@ -437,30 +567,40 @@ def measure(setup: str, args) -> dict:
         if extra:
             out[name] = {**_ratios(extra), "same_rollouts": all(c["same_rollouts"] for c in extra)}
     low, high = out["overhead_ratio_ci95"]
-    print(f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (95% interval over pairs "
-          f"{low:.3f}-{high:.3f}; target <= {TARGET}); "
-          f"CPU time {out['overhead_ratio_cpu']:.3f}; total time {out['overhead_ratio_total']:.3f} "
-          f"(pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}); "
-          f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded steps "
-          f"({runs} {run_options['method']} pairs x {steps} steps, {torch.get_num_threads()} torch thread(s))")
+    print(
+        f"median per-step ratio guarded/unguarded: {out['overhead_ratio']:.3f} (95% interval over pairs "
+        f"{low:.3f}-{high:.3f}; target <= {TARGET}); "
+        f"CPU time {out['overhead_ratio_cpu']:.3f}; total time {out['overhead_ratio_total']:.3f} "
+        f"(pairs {out['overhead_ratio_range'][0]:.3f}-{out['overhead_ratio_range'][1]:.3f}); "
+        f"time inside the guard {100 * out['guard_time_frac']:.1f}% of the guarded steps "
+        f"({runs} {run_options['method']} pairs x {steps} steps, {torch.get_num_threads()} torch thread(s))"
+    )
     out["guard_ms_per_step"]["total"] = sum(out["guard_ms_per_step"][part] for part in PARTS)
     print(f"guard ms per step (median over pairs; a step takes {out['step_ms']['unguarded']:.1f} ms unguarded):")
     for part, ms in out["guard_ms_per_step"].items():
         print(f"  {part:<12} {ms:7.3f}")
-    print(f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
-          "(guarded - unguarded step, beyond the guard's calls)")
+    print(
+        f"  {'unaccounted':<12} {out['unaccounted_ms_per_step']:7.3f} "
+        "(guarded - unguarded step, beyond the guard's calls)"
+    )
     if out["guard_reported_ms"] is not None:
         print(f"  {'as logged':<12} {out['guard_reported_ms']:7.3f} (rl_guard/guard/host_ms: the guard's calls only)")
-    for name, label in (("control", "control, both arms unguarded"),
-                        ("floor", "floor, the least a guard acting before the step does")):
+    for name, label in (
+        ("control", "control, both arms unguarded"),
+        ("floor", "floor, the least a guard acting before the step does"),
+    ):
         if name in out:
             c = out[name]
-            print(f"{label}: per-step {c['ratio']:.3f} ({c['ratio_ci95'][0]:.3f}-{c['ratio_ci95'][1]:.3f}), "
-                  f"CPU time {c['ratio_cpu']:.3f}, total time "
-                  f"{c['ratio_total']:.3f} (pairs {c['ratio_range'][0]:.3f}-{c['ratio_range'][1]:.3f})")
+            print(
+                f"{label}: per-step {c['ratio']:.3f} ({c['ratio_ci95'][0]:.3f}-{c['ratio_ci95'][1]:.3f}), "
+                f"CPU time {c['ratio_cpu']:.3f}, total time "
+                f"{c['ratio_total']:.3f} (pairs {c['ratio_range'][0]:.3f}-{c['ratio_range'][1]:.3f})"
+            )
     if out["guard_acted"] or not out["same_rollouts"]:
-        print(f"note: the guard acted {out['guard_acted']} time(s) (same rollouts in both arms: "
-              f"{out['same_rollouts']}); those runs did different work")
+        print(
+            f"note: the guard acted {out['guard_acted']} time(s) (same rollouts in both arms: "
+            f"{out['same_rollouts']}); those runs did different work"
+        )
     return out
 
 

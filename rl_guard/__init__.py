@@ -12,13 +12,20 @@ __version__ = "0.1.0"
 
 # Imported on first use, so light entry points (``rl-guard validate``) do not pay for torch.
 _EXPORTS = {
-    "Guard": ".guard", "TokenBatch": ".stats.batch", "BatchError": ".stats.batch",
+    "Guard": ".guard",
+    "TokenBatch": ".stats.batch",
+    "BatchError": ".stats.batch",
     "EmptyMaskError": ".stats.batch",
-    "ConfigError": ".errors", "GuardConfig": ".control.config", "load_config": ".control.config",
-    "Decision": ".control.controller", "Action": ".control.action_names",
+    "ConfigError": ".errors",
+    "GuardConfig": ".control.config",
+    "load_config": ".control.config",
+    "Decision": ".control.controller",
+    "Action": ".control.action_names",
     "SampleBatch": ".diagnostics",
     # the exceptions a user meets: a wrong input (InputError, SampleError), ranks that disagree, a halted loop
-    "InputError": ".errors", "SampleError": ".diagnostics", "RankMismatch": ".stats.accumulate",
+    "InputError": ".errors",
+    "SampleError": ".diagnostics",
+    "RankMismatch": ".stats.accumulate",
     "GuardHalted": ".errors",
 }
 __all__ = [*_EXPORTS, "__version__"]

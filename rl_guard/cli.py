@@ -28,8 +28,12 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0 or "default" in text.lower()
-                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+        if (
+            action.default in (None, argparse.SUPPRESS)
+            or action.nargs == 0
+            or "default" in text.lower()
+            or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
+        ):
             return action.help
         return f"{text} (default: %(default)s)".strip()
 
@@ -106,18 +110,25 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "validate": ("check guard YAML files: key paths, line numbers, allowed values", _validate_arguments, _validate),
     "demo": ("train a tiny GRPO model on CPU, inject a fault, watch the guard act before NaN", _demo_arguments, _demo),
     "report": ("render a run directory as PNG plots and a Markdown incident summary", _report_arguments, _report),
-    "replay": ("replay a recorded run through the rules: when each would have fired, and what it would have done",
-               _replay_arguments, _replay),
-    "suggest": ("propose rule thresholds from healthy recorded runs, with the evidence as YAML comments",
-                _suggest_arguments, _suggest),
+    "replay": (
+        "replay a recorded run through the rules: when each would have fired, and what it would have done",
+        _replay_arguments,
+        _replay,
+    ),
+    "suggest": (
+        "propose rule thresholds from healthy recorded runs, with the evidence as YAML comments",
+        _suggest_arguments,
+        _suggest,
+    ),
 }
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``rl-guard`` parser; with `command`, only that subcommand gets its options (the others only their name
     and help line), so parsing one command line never imports another command's modules."""
-    parser = argparse.ArgumentParser(prog="rl-guard", description="rl_guard: guardrails inside RL training.",
-                                     formatter_class=DefaultsFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rl-guard", description="rl_guard: guardrails inside RL training.", formatter_class=DefaultsFormatter
+    )
     parser.add_argument("--version", action="version", version=f"rl-guard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():

@@ -21,7 +21,7 @@ class ConfigError(InputError):
     """Every configuration problem, all at once: key path, YAML line and what is allowed."""
 
     def __init__(self, errors: list[tuple[tuple, int | None, str]]):
-        self.errors = sorted(errors, key=lambda e: (e[1] or 0))
+        self.errors = sorted(errors, key=lambda e: e[1] or 0)
         super().__init__(self._render())
 
     def _render(self) -> str:

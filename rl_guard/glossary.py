@@ -135,6 +135,7 @@ _PLACEHOLDERS = {
     "<name>": r"[A-Za-z0-9_.+-]+",  # a user-chosen label (reward component, phase, drop reason, version)
 }
 
+
 def _regex(pattern: str) -> re.Pattern:
     body = re.escape(pattern)
     for ph, rx in _PLACEHOLDERS.items():
@@ -153,10 +154,14 @@ def is_known(name: str) -> bool:
 
 def example_names() -> list[str]:
     """Concrete names (placeholders filled with common values) used for 'did you mean' suggestions."""
-    fills = {"<stat>": _RATIO_STATS + ("std", "zero_frac", "truncated_frac"), "<k>": ("k1", "k2", "k3"),
-             "<bucket>": ("0", "1", "2", "3-4", "5-8", "9+"), "<i>": ("0", "1"),
-             "<field>": ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages", "rewards"),
-             "<q>": QUANTILE_NAMES}
+    fills = {
+        "<stat>": _RATIO_STATS + ("std", "zero_frac", "truncated_frac"),
+        "<k>": ("k1", "k2", "k3"),
+        "<bucket>": ("0", "1", "2", "3-4", "5-8", "9+"),
+        "<i>": ("0", "1"),
+        "<field>": ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "advantages", "rewards"),
+        "<q>": QUANTILE_NAMES,
+    }
     names: list[str] = []
     for pattern in all_patterns():
         expanded = [pattern]

@@ -299,8 +299,9 @@ class Guard:
                     raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
                 if params is not None:
                     sharded = self.config.sharded_grads
-                    self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded,
-                                              host=self.host_reads))
+                    self._acc.add(
+                        probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded, host=self.host_reads)
+                    )
                 if self._saw_loss:
                     self._acc.add(rank_count(keys.LOSS.ranks, self._acc.device))
                 raw = self._acc.finish(reduce)
@@ -308,7 +309,8 @@ class Guard:
                     raise EmptyMaskError(
                         f"{int(raw['tokens.empty_microbatches'][0])} micro-batch(es) at step {self.step} had an "
                         "all-zero mask: no token reaches the loss. An empty action mask is a bug upstream, not 'no "
-                        "data'.")
+                        "data'."
+                    )
                 metrics, hists = summarize(raw, self.config.lag_buckets)
                 metrics.update(self._host_metrics)
                 decision = self.controller.decide(metrics, can_rollback=self.actions.can_rollback())
@@ -359,8 +361,9 @@ class Guard:
             return
         with self.protect("update probe"):
             lrs = learning_rates(optimizer)
-            self.observe_partial(self.update_probe.pre_step(self._update_groups(optimizer), lrs),
-                                 self.update_probe.lr_metrics(lrs))
+            self.observe_partial(
+                self.update_probe.pre_step(self._update_groups(optimizer), lrs), self.update_probe.lr_metrics(lrs)
+            )
             self._probed_lrs = lrs
 
     def _probe_update_after(self, decision: Decision) -> None:
@@ -417,8 +420,12 @@ class Guard:
         if where.startswith("observe"):
             self._incomplete_step = True
         self._last_failure = f"{where}: {exc!r}"
-        warnings.warn(f"rl_guard internal failure in {where} at step {self.step} (fail_mode={self.config.fail_mode}): "
-                      f"{exc!r}\n{''.join(traceback.format_exception(exc))}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"rl_guard internal failure in {where} at step {self.step} (fail_mode={self.config.fail_mode}): "
+            f"{exc!r}\n{''.join(traceback.format_exception(exc))}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _count_failing_step(self) -> None:
         """Consecutive failing steps; crossing ``max_internal_failures`` (or recovering) is announced once."""
@@ -437,21 +444,32 @@ class Guard:
             else:
                 shadow = self.config.mode == "shadow"
                 then = "would checkpoint and halt (shadow mode)" if shadow else "checkpointed and halted"
-            message = (f"[rl_guard] UNGUARDED at step {self.step}: internal failure on {self.failing_steps} "
-                       f"consecutive steps (last: {self._last_failure}); {then}")
+            message = (
+                f"[rl_guard] UNGUARDED at step {self.step}: internal failure on {self.failing_steps} "
+                f"consecutive steps (last: {self._last_failure}); {then}"
+            )
         else:
             message = f"[rl_guard] guarded again at step {self.step}: the step passed without internal failure"
         print(message, file=sys.stderr, flush=True)
         with self.protect("incident"):
-            self.actions.guard_incident("guard_unguarded" if unguarded else "guard_recovered", message,
-                                        action=self.last_decision.action if self.last_decision else None)
+            self.actions.guard_incident(
+                "guard_unguarded" if unguarded else "guard_recovered",
+                message,
+                action=self.last_decision.action if self.last_decision else None,
+            )
 
     # -- persistence ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"controller": self.controller.state_dict(), "actions": self.actions.state_dict(),
-                "diagnostics": self.diagnostics.state_dict(), "update": self.update_probe.state_dict(),
-                "announcer": self.announcer.state_dict(), "quarantine": self.quarantine.state_dict(),
-                "run_dir": str(self.run_dir), "time": time.time()}
+        return {
+            "controller": self.controller.state_dict(),
+            "actions": self.actions.state_dict(),
+            "diagnostics": self.diagnostics.state_dict(),
+            "update": self.update_probe.state_dict(),
+            "announcer": self.announcer.state_dict(),
+            "quarantine": self.quarantine.state_dict(),
+            "run_dir": str(self.run_dir),
+            "time": time.time(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state["controller"])
@@ -473,8 +491,10 @@ class Guard:
         after that update; healthy snapshots, if any, are older). ``decision`` becomes ``checkpoint_and_halt`` (its
         ``stop`` is set); returns the message, for the adapter's ``GuardHalted``. Every rank must call it at the
         same step (the checkpoint is collective): adapters call it on a figure every rank shares."""
-        message = (f"[rl_guard] {framework} applied the update of step {decision.step} that the guard dropped "
-                   f"({decision.action}): {seen}. Skips do not work on this run; checkpoint and halt")
+        message = (
+            f"[rl_guard] {framework} applied the update of step {decision.step} that the guard dropped "
+            f"({decision.action}): {seen}. Skips do not work on this run; checkpoint and halt"
+        )
         if self.rank == 0:
             console_logger().error(message)
         decision.escalated_from, decision.action = decision.action, "checkpoint_and_halt"
@@ -482,11 +502,22 @@ class Guard:
         try:
             checkpoint = self.actions.save_checkpoint(reason="skip_not_taken")
         finally:
-            record = {"step": decision.step, "rule": "skip_not_taken", "metric": "rl_guard/guard/skip_not_taken",
-                      "value": 1.0, "op": ">", "threshold": 0.0, "action": "checkpoint_and_halt",
-                      "decision": "checkpoint_and_halt", "escalated_from": decision.escalated_from,
-                      "severity": "critical", "message": message, "rank": self.rank, "checkpoint": checkpoint,
-                      "time": time.time()}
+            record = {
+                "step": decision.step,
+                "rule": "skip_not_taken",
+                "metric": "rl_guard/guard/skip_not_taken",
+                "value": 1.0,
+                "op": ">",
+                "threshold": 0.0,
+                "action": "checkpoint_and_halt",
+                "decision": "checkpoint_and_halt",
+                "escalated_from": decision.escalated_from,
+                "severity": "critical",
+                "message": message,
+                "rank": self.rank,
+                "checkpoint": checkpoint,
+                "time": time.time(),
+            }
             self.last_metrics["rl_guard/guard/skip_not_taken"] = 1.0
             if self.announcer.stop_record is None:
                 self.announcer.stop_record = record

@@ -9,8 +9,7 @@ RECORD_FILES = ("metrics.jsonl", "incidents.jsonl")
 
 
 def holds_records(run_dir: str | Path) -> bool:
-    return any((Path(run_dir) / name).is_file() and (Path(run_dir) / name).stat().st_size > 0
-               for name in RECORD_FILES)
+    return any((Path(run_dir) / name).is_file() and (Path(run_dir) / name).stat().st_size > 0 for name in RECORD_FILES)
 
 
 def fresh_run_dir(run_dir: str | Path) -> Path:

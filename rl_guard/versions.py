@@ -62,10 +62,12 @@ def check_range(adapter: str, package: str, lo: str, hi: str, *, optional: bool 
             return None
         raise UnsupportedVersion(f"rl_guard's {adapter} adapter needs {want}; {package} is not installed")
     if not in_range(version, lo, hi):
-        message = (f"rl_guard's {adapter} adapter was tested with {want}; found {package} {version}")
+        message = f"rl_guard's {adapter} adapter was tested with {want}; found {package} {version}"
         if os.environ.get(ALLOW_UNTESTED) != "1":
-            raise UnsupportedVersion(f"{message}. Install a tested release, or set {ALLOW_UNTESTED}=1 to attach "
-                                     "anyway (every seam the adapter uses is still checked)")
+            raise UnsupportedVersion(
+                f"{message}. Install a tested release, or set {ALLOW_UNTESTED}=1 to attach "
+                "anyway (every seam the adapter uses is still checked)"
+            )
         from .control.announce import console_logger
 
         console_logger().warning(f"{message} ({ALLOW_UNTESTED}=1): attaching untested; the seams were checked")
@@ -88,8 +90,10 @@ def require_seam(owner, name: str, *, params: tuple[str, ...] = (), where: str) 
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         missing = [p for p in params if p not in accepted and not takes_any]
         if missing:
-            raise SeamError(f"rl_guard: {kind}.{name}{signature} no longer takes {', '.join(missing)} ({where}); "
-                            "the adapter reads them by name")
+            raise SeamError(
+                f"rl_guard: {kind}.{name}{signature} no longer takes {', '.join(missing)} ({where}); "
+                "the adapter reads them by name"
+            )
     return found
 
 

@@ -50,9 +50,11 @@ def _skip_reason(longrepr) -> str:
 
 
 def _strict_message(what: str, reason: str) -> str:
-    return (f"{what} was skipped ({reason!r}), and skips fail under CI=true / RL_GUARD_STRICT_SKIPS=1: the only "
-            "allowed skip is a test marked gpu on a machine without a CUDA device. Install what the nox session "
-            "installs (noxfile.py, docs/contributing.md), or fix the test.")
+    return (
+        f"{what} was skipped ({reason!r}), and skips fail under CI=true / RL_GUARD_STRICT_SKIPS=1: the only "
+        "allowed skip is a test marked gpu on a machine without a CUDA device. Install what the nox session "
+        "installs (noxfile.py, docs/contributing.md), or fix the test."
+    )
 
 
 class SkippedModule(pytest.Item):

@@ -12,12 +12,17 @@ from rl_guard import Guard
 BUILTINS_NO_LOGPROBS = "builtin_rules: {nonfinite_logprobs: false}\n"  # no token batch is observed here
 
 
-
-
 def full_state(model, opt, sched):
-    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                          "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                          "numpy_rng": np.random.get_state()})
+    return copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state(),
+        }
+    )
 
 
 def setup(tmp_path, yaml_text, seed=0):

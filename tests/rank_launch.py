@@ -43,15 +43,31 @@ def leave(code: int = 0) -> None:
     os._exit(code)
 
 
-def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None = None, timeout: int = 500) -> list[dict]:
+def run_ranks(
+    script: Path, args: list[str], world: int, extra_env: dict | None = None, timeout: int = 500
+) -> list[dict]:
     """Each rank's output goes to a temporary file, not a pipe: a rank blocked on a full pipe while another waits
     for it in a collective would hang. On a timeout every rank is killed and the test fails with their output."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), **(extra_env or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        **(extra_env or {}),
+    }
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]  # noqa: SIM115
-    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], env={**env, "RANK": str(r)},
-                              stdout=out, stderr=err, text=True, start_new_session=True)
-             for r, (out, err) in enumerate(logs)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            env={**env, "RANK": str(r)},
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+        for r, (out, err) in enumerate(logs)
+    ]
     deadline, codes = time.monotonic() + timeout, []
     for p in procs:
         try:
@@ -73,15 +89,29 @@ def run_ranks(script: Path, args: list[str], world: int, extra_env: dict | None 
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in texts]
 
 
-def run_torchrun(script: Path, world: int, out: Path, *args: str, env: dict, cwd: Path = ROOT,
-                 timeout: float = 300) -> list[dict]:
+def run_torchrun(
+    script: Path, world: int, out: Path, *args: str, env: dict, cwd: Path = ROOT, timeout: float = 300
+) -> list[dict]:
     """``torch.distributed.run --nproc_per_node world script out args``; each rank writes ``out/rank<r>.json``.
     On a timeout the launcher and every rank are killed and the test fails with their output."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(script), str(out), *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(world),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        str(out),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

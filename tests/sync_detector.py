@@ -61,8 +61,9 @@ RANK_HEADER = {"rank header": (ranks.read_header.__code__, None)}
 CPU_ONLY_BINCOUNT = {"cpu-only bincount": (sketch.count_cells.__code__, {"aten.bincount.default"})}
 # Healthy snapshots (rollback rules) and checkpoints copy the training state to host memory by design, only on
 # the steps they are due (docs/config.md, "Decisions").
-STATE_CAPTURE = {"state capture": (TrainState.capture.__code__,
-                                   {"Tensor.to(cpu)", "Tensor.cpu", "aten._foreach_copy_.default"})}
+STATE_CAPTURE = {
+    "state capture": (TrainState.capture.__code__, {"Tensor.to(cpu)", "Tensor.cpu", "aten._foreach_copy_.default"})
+}
 DEFAULT_SITES = {**STEP_TRANSFER, **CPU_ONLY_BINCOUNT, **STATE_CAPTURE}
 
 # Python-level reads: (kind, name) by the function torch hands to the mode.
@@ -85,8 +86,18 @@ PY_READS = {
 
 SCALAR_OPS = {aten._local_scalar_dense, aten.item, aten.is_nonzero}
 COMPARE_OPS = {aten.equal}
-SHAPE_OPS = {aten.nonzero, aten.nonzero_numpy, aten.argwhere, aten.masked_select, aten._unique, aten._unique2,
-             aten.unique_dim, aten.unique_consecutive, aten.unique_dim_consecutive, aten.bincount}
+SHAPE_OPS = {
+    aten.nonzero,
+    aten.nonzero_numpy,
+    aten.argwhere,
+    aten.masked_select,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.unique_dim_consecutive,
+    aten.bincount,
+}
 REPEAT_OPS = {aten.repeat_interleave}
 INDEX_OPS = {aten.index, aten._unsafe_index}
 INDEX_PUT_OPS = {aten.index_put, aten.index_put_, aten._index_put_impl_, aten._unsafe_index_put}
@@ -160,11 +171,18 @@ class _Functions(TorchFunctionMode):
             # On a CPU run a device object named "cpu" is the stand-in device itself, so only the string "cpu"
             # (or a real non-CPU source) says "to the host".
             if target is not None and target.type == "cpu" and (named or src.device.type != "cpu"):
-                found = ("device_to_host" if src.device.type != "cpu" or d.is_device(src) else "host_read",
-                         "Tensor.to(cpu)")
+                found = (
+                    "device_to_host" if src.device.type != "cpu" or d.is_device(src) else "host_read",
+                    "Tensor.to(cpu)",
+                )
             # ... and a device object is the device: a blocking copy of host memory there waits for the stream
-            elif target is not None and not named and d._marked and not d.is_device(src) and \
-                    not _non_blocking(args[1:], kwargs):
+            elif (
+                target is not None
+                and not named
+                and d._marked
+                and not d.is_device(src)
+                and not _non_blocking(args[1:], kwargs)
+            ):
                 found = ("host_to_device", "Tensor.to(device)")
         elif found is None and func in (torch.tensor, torch.as_tensor) and d._marked:
             device = kwargs.get("device")
@@ -201,8 +219,11 @@ class _Kernels(TorchDispatchMode):
                 d._record(*found)
         out = func(*args, **kwargs)
         # Placement follows the data, except that a copy lands where its destination already is.
-        if d._marked and func.overloadpacket not in COPY_OPS - {aten._to_copy} and any(
-                d.is_device(t) for t in _tensors((args, kwargs))):
+        if (
+            d._marked
+            and func.overloadpacket not in COPY_OPS - {aten._to_copy}
+            and any(d.is_device(t) for t in _tensors((args, kwargs)))
+        ):
             d.mark_device(*_tensors(out))
         return out
 
@@ -222,20 +243,31 @@ class _Kernels(TorchDispatchMode):
             return "data_dependent_shape", name + " (boolean mask)"
         if packet in INDEX_PUT_OPS:
             indices, values = args[1], args[2]
-            masked_fill = (len(indices) == 1 and _is_bool_index(indices[0]) and values.numel() == 1
-                           and values.device.type == "cpu" and not d.is_device(values))
+            masked_fill = (
+                len(indices) == 1
+                and _is_bool_index(indices[0])
+                and values.numel() == 1
+                and values.device.type == "cpu"
+                and not d.is_device(values)
+            )
             if any(_is_bool_index(i) for i in indices) and not masked_fill:  # masked_fill needs no count
                 return "data_dependent_shape", name + " (boolean mask)"
         if packet is aten._to_copy:
             target = kwargs.get("device")
             if target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu":
                 return "device_to_host", name
-            if target is not None and torch.device(target).type != "cpu" and args[0].device.type == "cpu" and (
-                    not kwargs.get("non_blocking")):
+            if (
+                target is not None
+                and torch.device(target).type != "cpu"
+                and args[0].device.type == "cpu"
+                and (not kwargs.get("non_blocking"))
+            ):
                 return "host_to_device", name
         elif packet is aten._foreach_copy_:  # one event for the whole list (a GPU waits once, at the end)
-            if any(dst.device.type == "cpu" and not d.is_device(dst) and d.is_device(src)
-                   for dst, src in zip(args[0], args[1])):
+            if any(
+                dst.device.type == "cpu" and not d.is_device(dst) and d.is_device(src)
+                for dst, src in zip(args[0], args[1])
+            ):
                 return "device_to_host", name
         elif packet in COPY_OPS and len(args) > 1 and isinstance(args[1], torch.Tensor):
             dst, src = args[0], args[1]

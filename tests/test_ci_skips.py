@@ -16,7 +16,7 @@ import torch
 CUDA = torch.cuda.is_available()
 
 SUITE = {
-    "test_skips.py": '''
+    "test_skips.py": """
 import pytest
 import torch
 
@@ -41,19 +41,19 @@ def test_skips_inside():
 @pytest.mark.xfail(reason="known bug", strict=True)
 def test_known_bug():
     assert False
-''',
-    "test_importorskip.py": '''
+""",
+    "test_importorskip.py": """
 import pytest
 pytest.importorskip("no_such_framework_installed")
 
 def test_never_collected():
     pass
-''',
+""",
 }
 
 # A gpu-marked test that skips itself where a CUDA device is present (torch made to report one, as a GPU machine does).
 GPU_PRESENT = {
-    "test_gpu_present.py": '''
+    "test_gpu_present.py": """
 import pytest
 import torch
 
@@ -62,7 +62,7 @@ torch.cuda.is_available = lambda: True
 @pytest.mark.gpu
 def test_gpu_skips_itself():
     pytest.skip("needs a CUDA GPU")
-''',
+""",
 }
 
 
@@ -71,8 +71,14 @@ def run_suite(tmp_path: Path, files: dict = SUITE, **env) -> subprocess.Complete
     for name, text in files.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
     child = {k: v for k, v in os.environ.items() if k not in ("CI", "RL_GUARD_STRICT_SKIPS", "PYTEST_ADDOPTS")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
-                          env={**child, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+        env={**child, **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def summary(out: str) -> str:
@@ -92,8 +98,7 @@ def test_skips_fail_in_ci_unless_marked_gpu_without_a_gpu(tmp_path, env):
     out = res.stdout
     assert res.returncode == 1, out
     # a skipif mark skips at setup: it turns into a setup error, which fails the run as well
-    want = ("2 failed, 2 passed, 1 xfailed, 2 errors" if CUDA
-            else "2 failed, 1 passed, 1 skipped, 1 xfailed, 2 errors")
+    want = "2 failed, 2 passed, 1 xfailed, 2 errors" if CUDA else "2 failed, 1 passed, 1 skipped, 1 xfailed, 2 errors"
     assert want in summary(out), out
     assert "ERROR test_skips.py::test_framework_missing" in out and "'needs trl'" in out
     # a reason that speaks of a GPU is not enough: only the marker lets a test skip

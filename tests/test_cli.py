@@ -48,8 +48,12 @@ def test_every_option_with_a_default_names_it_in_help(command):
 def test_help_texts_name_the_defaults():
     subs = _subparsers(cli.build_parser())
     text = {name: " ".join(p.format_help().split()) for name, p in subs.items()}
-    for want in ("fault to inject (default: lr_blowup)", "optimizer steps to train (default: 30)",
-                 "(default: runs/demo)", "(default: 12)"):
+    for want in (
+        "fault to inject (default: lr_blowup)",
+        "optimizer steps to train (default: 30)",
+        "(default: runs/demo)",
+        "(default: 12)",
+    ):
         assert want in text["demo"], want
     for want in ("(default: grpo)", "(default: 0.99)", "(default: 1.5)", "(default: 50)"):
         assert want in text["suggest"], want
@@ -75,20 +79,25 @@ def test_help_answers_without_importing_torch_or_transformers():
     """Every --help in a fresh interpreter (one for all: a module, once imported, stays in sys.modules)."""
     proc = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.splitlines() == [f"{c} loaded: -" for c in ("(top)", "validate", "demo", "report", "replay",
-                                                                  "suggest")]
+    assert proc.stderr.splitlines() == [
+        f"{c} loaded: -" for c in ("(top)", "validate", "demo", "report", "replay", "suggest")
+    ]
     assert "usage: rl-guard suggest" in proc.stdout and "--min-steps N" in proc.stdout
 
 
-RULES = ("rules:\n  - {name: lr_high, metric: rl_guard/optim/lr, op: '>', threshold: 0.01, action: warn}\n"
-         "  - name: grad_jump\n    metric: rl_guard/grad/norm\n"
-         "    spike: {method: mad, window: 50, threshold: 20, min_history: 10}\n    action: warn\n")
+RULES = (
+    "rules:\n  - {name: lr_high, metric: rl_guard/optim/lr, op: '>', threshold: 0.01, action: warn}\n"
+    "  - name: grad_jump\n    metric: rl_guard/grad/norm\n"
+    "    spike: {method: mad, window: 50, threshold: 20, min_history: 10}\n    action: warn\n"
+)
 
 
 def _run_dir(path: Path, steps: int, config: str | None = RULES) -> Path:
     path.mkdir(parents=True)
-    rows = [{"step": s, "rl_guard/optim/lr": 0.5 if s == 7 else 1e-3, "rl_guard/grad/norm": 1.0 + 0.1 * (s % 3)}
-            for s in range(steps)]
+    rows = [
+        {"step": s, "rl_guard/optim/lr": 0.5 if s == 7 else 1e-3, "rl_guard/grad/norm": 1.0 + 0.1 * (s % 3)}
+        for s in range(steps)
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     if config is not None:
         (path / "config.yaml").write_text(config, encoding="utf-8")

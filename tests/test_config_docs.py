@@ -39,8 +39,17 @@ def allowed_values() -> list[str]:
     from rl_guard.stats.constants import STATS_ENGINES
 
     where = config.SECTION_KEYS["snapshots"]["where"][0]
-    return [*config.ACTIONS, *config.OPS, *config.SEVERITIES, *config.SPIKE_METHODS, *config.DIRECTIONS,
-            *config.FAIL_MODES, *config.MODES, *STATS_ENGINES, *where]
+    return [
+        *config.ACTIONS,
+        *config.OPS,
+        *config.SEVERITIES,
+        *config.SPIKE_METHODS,
+        *config.DIRECTIONS,
+        *config.FAIL_MODES,
+        *config.MODES,
+        *STATS_ENGINES,
+        *where,
+    ]
 
 
 def doc_rows() -> dict[str, list[str]]:
@@ -65,7 +74,8 @@ def test_every_accepted_key_is_documented_with_its_default(key):
     default = documented_keys()[key]
     if isinstance(default, (bool, int, float, str, list)) or default is None:
         assert f"`{as_yaml(default)}`" in rows[key][0], (
-            f"docs/config.md gives {key!r} the default {rows[key][0]!r}; the loader's default is {as_yaml(default)}")
+            f"docs/config.md gives {key!r} the default {rows[key][0]!r}; the loader's default is {as_yaml(default)}"
+        )
 
 
 def test_every_allowed_value_is_documented():

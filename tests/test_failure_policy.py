@@ -3,6 +3,8 @@
 
 import pytest
 import torch
+from bitwise import assert_same
+from guard_loop import full_state, setup, train_step
 
 import rl_guard.guard as guard_module
 from rl_guard import ConfigError, Guard, SampleBatch, TokenBatch
@@ -10,13 +12,12 @@ from rl_guard.diagnostics import SampleError
 from rl_guard.errors import InputError
 from rl_guard.sinks import read_jsonl
 from rl_guard.stats.batch import BatchError
-from bitwise import assert_same
-from guard_loop import full_state, setup, train_step
 
 
 def broken_grad_probe(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("gradient probe exploded")
+
     monkeypatch.setattr(guard_module, "probe_grads", boom)
 
 
@@ -24,16 +25,28 @@ def test_every_caller_error_is_an_input_error():
     assert all(issubclass(e, InputError) for e in (ConfigError, BatchError, SampleError))
 
 
-@pytest.mark.parametrize("text, where, expected", [
-    ("version: 1\nsinks:\n  - jsonl\n  - tensorboard: {logdir: tb}\n", "sinks[1].tensorboard.logdir (line 4)",
-     "unknown option 'logdir' for sink 'tensorboard'; allowed: log_dir"),
-    ("version: 1\nsinks: [{console: {every: 0}}]\n", "sinks[0].console.every (line 2)",
-     "every must be a whole number of steps >= 1, got 0"),
-    ("version: 1\nsinks:\n  - jsonl:\n      flush_every: 2.5\n", "sinks[0].jsonl.flush_every (line 4)",
-     "flush_every must be a whole number of steps >= 1, got 2.5"),
-    ("", "<top level>", "is empty; a config of defaults says at least 'version: 1'"),
-    ("# all commented out\n# rules: []\n", "<top level>", "is empty"),
-])
+@pytest.mark.parametrize(
+    "text, where, expected",
+    [
+        (
+            "version: 1\nsinks:\n  - jsonl\n  - tensorboard: {logdir: tb}\n",
+            "sinks[1].tensorboard.logdir (line 4)",
+            "unknown option 'logdir' for sink 'tensorboard'; allowed: log_dir",
+        ),
+        (
+            "version: 1\nsinks: [{console: {every: 0}}]\n",
+            "sinks[0].console.every (line 2)",
+            "every must be a whole number of steps >= 1, got 0",
+        ),
+        (
+            "version: 1\nsinks:\n  - jsonl:\n      flush_every: 2.5\n",
+            "sinks[0].jsonl.flush_every (line 4)",
+            "flush_every must be a whole number of steps >= 1, got 2.5",
+        ),
+        ("", "<top level>", "is empty; a config of defaults says at least 'version: 1'"),
+        ("# all commented out\n# rules: []\n", "<top level>", "is empty"),
+    ],
+)
 def test_bad_sink_options_and_empty_configs_fail_at_load(text, where, expected):
     with pytest.raises(ConfigError) as err:
         Guard.from_yaml(text)
@@ -56,6 +69,7 @@ def test_internal_value_error_is_not_mistaken_for_a_caller_error(tmp_path, monke
 
     def internal(*a, **k):
         raise ValueError("a bug inside the diagnostics")
+
     monkeypatch.setattr(guard.diagnostics, "update", internal)
     with pytest.warns(RuntimeWarning, match="internal failure in observe_samples"):
         guard.observe_samples(SampleBatch(rewards=[1.0, 0.0]))
@@ -63,8 +77,11 @@ def test_internal_value_error_is_not_mistaken_for_a_caller_error(tmp_path, monke
 
 
 def test_failing_snapshot_and_log_do_not_stop_training(tmp_path, monkeypatch):
-    guard, model, opt, sched = setup(tmp_path, "version: 1\nsnapshots: {healthy_steps: 1, every: 1}\nrules:\n"
-                                     "  - {name: r, metric: rl_guard/grad/norm, op: '>', threshold: 1.0e+9, action: rollback}\n")
+    guard, model, opt, sched = setup(
+        tmp_path,
+        "version: 1\nsnapshots: {healthy_steps: 1, every: 1}\nrules:\n"
+        "  - {name: r, metric: rl_guard/grad/norm, op: '>', threshold: 1.0e+9, action: rollback}\n",
+    )
     monkeypatch.setattr(guard.state, "capture", lambda step: 1 / 0)
     with pytest.warns(RuntimeWarning, match="internal failure in snapshot"):
         for _ in range(2):
@@ -73,9 +90,12 @@ def test_failing_snapshot_and_log_do_not_stop_training(tmp_path, monkeypatch):
 
 
 def test_a_failing_update_probe_keeps_the_steps_statistics_and_their_rules(tmp_path, monkeypatch):
-    guard, model, opt, sched = setup(tmp_path, "version: 1\nrules:\n"
-                                     "  - {name: big_loss, metric: rl_guard/loss/value, op: '>', threshold: 1.0e+3, "
-                                     "action: skip_step}\n")
+    guard, model, opt, sched = setup(
+        tmp_path,
+        "version: 1\nrules:\n"
+        "  - {name: big_loss, metric: rl_guard/loss/value, op: '>', threshold: 1.0e+3, "
+        "action: skip_step}\n",
+    )
     monkeypatch.setattr(guard.update_probe, "pre_step", lambda *a: 1 / 0)
     with pytest.warns(RuntimeWarning, match="internal failure in update probe"):
         d = train_step(guard, model, opt, sched, scale=1e6)

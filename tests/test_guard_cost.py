@@ -7,13 +7,12 @@ import time
 
 import pytest
 import torch
+from guard_loop import BUILTINS_NO_LOGPROBS
 
 from rl_guard import Guard
 from rl_guard.control.controller import MISSING_PATIENCE
 from rl_guard.errors import ConfigError
 from rl_guard.sinks.base import Sink
-
-from guard_loop import BUILTINS_NO_LOGPROBS
 
 SINK_S, WORK_S = 0.03, 0.01
 
@@ -71,8 +70,10 @@ def test_host_time_is_the_time_inside_the_guards_calls(tmp_path):
 
 def test_a_rule_on_host_time_is_refused_with_the_reason():
     with pytest.raises(ConfigError) as err:
-        Guard.from_yaml(BUILTINS_NO_LOGPROBS + "rules:\n  - name: slow\n    metric: rl_guard/guard/host_frac\n"
-                        "    op: '>'\n    threshold: 0.2\n    action: warn\n")
+        Guard.from_yaml(
+            BUILTINS_NO_LOGPROBS + "rules:\n  - name: slow\n    metric: rl_guard/guard/host_frac\n"
+            "    op: '>'\n    threshold: 0.2\n    action: warn\n"
+        )
     text = str(err.value)
     assert "rules[0].metric" in text and "line 4" in text and "differs between ranks" in text
 
@@ -80,8 +81,11 @@ def test_a_rule_on_host_time_is_refused_with_the_reason():
 def test_timing_adds_no_frame_warnings_still_point_at_the_caller(tmp_path):
     """The clock is a context manager inside each call, not a wrapper around it: a warning the guard raises for the
     caller (a rule whose metric is never reported) names the caller's line."""
-    guard = Guard.from_yaml(BUILTINS_NO_LOGPROBS + "rules:\n  - {name: kl, metric: rl_guard/kl_ref/k3_mean, op: '>', "
-                            "threshold: 1.0, action: warn}\n", run_dir=tmp_path / "run")
+    guard = Guard.from_yaml(
+        BUILTINS_NO_LOGPROBS + "rules:\n  - {name: kl, metric: rl_guard/kl_ref/k3_mean, op: '>', "
+        "threshold: 1.0, action: warn}\n",
+        run_dir=tmp_path / "run",
+    )
     with pytest.warns(RuntimeWarning, match="kl_ref/k3_mean") as record:
         for _ in range(MISSING_PATIENCE):  # the warning waits that many steps (some metrics come only now and then)
             guard.observe(loss=torch.tensor(0.5))

@@ -32,11 +32,13 @@ def imports(name: str) -> tuple[set[str], set[str]]:
                     internal.add(sub if sub in MODULES else target)
             else:
                 (internal if node.module.startswith("rl_guard") else external).add(
-                    node.module if node.module.startswith("rl_guard") else node.module.split(".")[0])
+                    node.module if node.module.startswith("rl_guard") else node.module.split(".")[0]
+                )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 (internal if alias.name.startswith("rl_guard") else external).add(
-                    alias.name if alias.name.startswith("rl_guard") else alias.name.split(".")[0])
+                    alias.name if alias.name.startswith("rl_guard") else alias.name.split(".")[0]
+                )
     return {m for m in internal if m in MODULES and m != name}, external
 
 
@@ -49,7 +51,7 @@ def test_no_import_cycles():
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n])
+                cycles.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 visit(n, stack + [n])
         state[m] = 2

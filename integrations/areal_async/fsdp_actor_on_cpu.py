@@ -60,8 +60,8 @@ from areal.infra.platforms import current_platform  # noqa: E402
 
 from rl_guard.adapters.areal_engine import GuardedFSDPPPOActor  # noqa: E402
 
-B, L, PROMPT = 4, 10, 3     # sequences per rank, padded length, prompt tokens
-CURRENT = 9                 # the trainer's version during the test
+B, L, PROMPT = 4, 10, 3  # sequences per rank, padded length, prompt tokens
+CURRENT = 9  # the trainer's version during the test
 
 
 def full_weights(engine) -> list[torch.Tensor]:
@@ -87,16 +87,23 @@ def batch(step: int, stale: bool = False) -> list[dict]:
         loss_mask[:, PROMPT:] = 1
         versions = torch.full((1, L), CURRENT - lag, dtype=torch.int32)
         versions[:, :PROMPT] = -1
-        out.append({"input_ids": torch.randint(4, 14, (1, L), generator=g),
-                    "attention_mask": torch.ones(1, L, dtype=torch.int32), "loss_mask": loss_mask,
-                    "versions": versions, "logprobs": torch.zeros(1, L), "rewards": torch.rand(1, generator=g)})
+        out.append(
+            {
+                "input_ids": torch.randint(4, 14, (1, L), generator=g),
+                "attention_mask": torch.ones(1, L, dtype=torch.int32),
+                "loss_mask": loss_mask,
+                "versions": versions,
+                "logprobs": torch.zeros(1, L),
+                "rewards": torch.rand(1, generator=g),
+            }
+        )
     return out
 
 
 def train_step(engine, step: int, behaviour_shift: float = 0.0, stale: bool = False) -> dict:
     """One global step as ``PPOTrainer.train`` runs it (rl_trainer.py): recompute, advantages, update."""
     data = batch(step, stale)
-    prox = engine.compute_logp(data)             # position t holds log p(token t+1)
+    prox = engine.compute_logp(data)  # position t holds log p(token t+1)
     for traj, lp in zip(data, prox):
         # The inference engine's log-probs sit at the token they score (the workflow's layout), so behaviour =
         # proximal (+ shift) one position later; compute_advantages rolls them back by one.
@@ -112,12 +119,25 @@ def train_step(engine, step: int, behaviour_shift: float = 0.0, stale: bool = Fa
 
 def main() -> None:
     engine_config = PPOActorConfig(
-        experiment_name="rl_guard_areal", trial_name="cpu", path=MODEL, init_from_scratch=False,
-        dtype="float32", optimizer_dtype="float32", grad_reduce_dtype="float32",
+        experiment_name="rl_guard_areal",
+        trial_name="cpu",
+        path=MODEL,
+        init_from_scratch=False,
+        dtype="float32",
+        optimizer_dtype="float32",
+        grad_reduce_dtype="float32",
         optimizer=OptimizerConfig(type="adam", lr=1e-2, warmup_steps_proportion=0.0, gradient_clipping=1.0),
-        mb_spec=MicroBatchSpec(n_mbs=1), ppo_n_minibatches=1, use_decoupled_loss=True, recompute_logprob=True,
-        eps_clip=0.2, attn_impl="sdpa", backend=f"fsdp:d{WORLD}", adv_norm=None, reward_norm=None,
-        kl_ctl=0.0)
+        mb_spec=MicroBatchSpec(n_mbs=1),
+        ppo_n_minibatches=1,
+        use_decoupled_loss=True,
+        recompute_logprob=True,
+        eps_clip=0.2,
+        attn_impl="sdpa",
+        backend=f"fsdp:d{WORLD}",
+        adv_norm=None,
+        reward_norm=None,
+        kl_ctl=0.0,
+    )
     engine = GuardedFSDPPPOActor(engine_config)
     engine.create_process_group(parallel_strategy=ModelAllocation.from_str(f"fsdp:d{WORLD}").parallel)
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=B * WORLD))
@@ -125,8 +145,14 @@ def main() -> None:
     guard = engine.rl_guard
 
     out = {"rank": RANK, "platform": current_platform.device_type, "backend": dist.get_backend()}
-    recover = SaveLoadMeta(path=os.path.join(OUT, "recover"), weight_format="dcp", with_optim=True,
-                           tokenizer=None, processor=None, base_model_path=None)  # RecoverHandler's meta
+    recover = SaveLoadMeta(
+        path=os.path.join(OUT, "recover"),
+        weight_format="dcp",
+        with_optim=True,
+        tokenizer=None,
+        processor=None,
+        base_model_path=None,
+    )  # RecoverHandler's meta
     if PHASE == "resume":
         engine.load(recover)
         out.update(guard_at_start=[guard.step, guard.skipped_steps, guard.rollbacks])
@@ -147,18 +173,25 @@ def main() -> None:
             incidents = [json.loads(line) for line in f if line.strip()]
     m1, m4 = s1["metrics"], s4["metrics"]
     out.update(
-        applied=[s1["changed"], s2["changed"], s4["changed"]], moved_after_snapshot=not same(s2["after"], s1["after"]),
-        rolled_back_to_snapshot=same(s3["after"], s1["after"]), skipped_unchanged=not s5["changed"],
-        steps=guard.step, skipped=guard.skipped_steps, rollbacks=guard.rollbacks,
-        lag_max_healthy=m1.get("rl_guard/lag/max"), lag_max_stale=m4.get("rl_guard/lag/max"),
-        lag_bucket_1=m1.get("rl_guard/lag/1/token_frac"), lag_bucket_9=m4.get("rl_guard/lag/9+/token_frac"),
+        applied=[s1["changed"], s2["changed"], s4["changed"]],
+        moved_after_snapshot=not same(s2["after"], s1["after"]),
+        rolled_back_to_snapshot=same(s3["after"], s1["after"]),
+        skipped_unchanged=not s5["changed"],
+        steps=guard.step,
+        skipped=guard.skipped_steps,
+        rollbacks=guard.rollbacks,
+        lag_max_healthy=m1.get("rl_guard/lag/max"),
+        lag_max_stale=m4.get("rl_guard/lag/max"),
+        lag_bucket_1=m1.get("rl_guard/lag/1/token_frac"),
+        lag_bucket_9=m4.get("rl_guard/lag/9+/token_frac"),
         behave_healthy=[m1.get("rl_guard/behave_imp_weight/min"), m1.get("rl_guard/behave_imp_weight/max")],
         behave_broken=s3["metrics"].get("rl_guard/behave_imp_weight/min"),
         behave_far=s5["metrics"].get("rl_guard/behave_imp_weight/min"),
         importance_healthy=[m1.get("rl_guard/importance_weight/min"), m1.get("rl_guard/importance_weight/max")],
         incidents=[(i.get("step"), i.get("rule"), i.get("action")) for i in incidents],
         snapshot_dir=str(guard.state.snapshot_dir),
-        snapshot_files=sorted(os.listdir(guard.state.snapshot_dir)))
+        snapshot_files=sorted(os.listdir(guard.state.snapshot_dir)),
+    )
     engine.save(recover)
     print(json.dumps(out), flush=True)
     engine.destroy()

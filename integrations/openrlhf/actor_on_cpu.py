@@ -45,8 +45,13 @@ import types
 
 MODEL, OUT, PHASE = sys.argv[1], sys.argv[2], sys.argv[3]
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-os.environ.update(LOCAL_RANK="0", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                  RL_GUARD_CONFIG=os.path.join(OUT, "guard.yaml"), RL_GUARD_RUN_DIR=os.path.join(OUT, "guard"))
+os.environ.update(
+    LOCAL_RANK="0",
+    DS_ACCELERATOR="cpu",
+    OMP_NUM_THREADS="1",
+    RL_GUARD_CONFIG=os.path.join(OUT, "guard.yaml"),
+    RL_GUARD_RUN_DIR=os.path.join(OUT, "guard"),
+)
 GUARD = """version: 1
 sinks: [jsonl]
 snapshots: {healthy_steps: 1, every: 2, keep: 2, where: memory}
@@ -84,6 +89,7 @@ def module(name, package=False):
 def unused(name):
     def call(*a, **k):
         raise AssertionError(f"{name} called: the CPU path was expected not to use it")
+
     return call
 
 
@@ -108,8 +114,14 @@ def patch_cuda_calls() -> None:
             setattr(bert, n, unused(n))
         dist_mod = module("flash_attn.utils.distributed")
         dist_mod.all_gather = unused("utils.distributed.all_gather")
-        sys.modules.update({"flash_attn": pkg, "flash_attn.utils": utils, "flash_attn.bert_padding": bert,
-                            "flash_attn.utils.distributed": dist_mod})
+        sys.modules.update(
+            {
+                "flash_attn": pkg,
+                "flash_attn.utils": utils,
+                "flash_attn.bert_padding": bert,
+                "flash_attn.utils.distributed": dist_mod,
+            }
+        )
         _no_cuda("flash_attn stubs")
     try:
         import vllm  # noqa: F401
@@ -191,17 +203,28 @@ def experiences(policy, step: int, shift: float, n: int = 4, prompt: int = 3, re
     seqs = torch.randint(4, 14, (n, prompt + resp), generator=g)
     attn = torch.ones_like(seqs)
     action_mask = torch.ones(n, resp, dtype=torch.bool)
-    old = policy.forward(seqs, action_mask, attn).float()   # the trainer's recompute (PolicyModelActor.forward)
+    old = policy.forward(seqs, action_mask, attn).float()  # the trainer's recompute (PolicyModelActor.forward)
     out = []
     for i in range(n):
         sl = slice(i, i + 1)
         adv = torch.randn(1, resp, generator=g)
-        out.append(Experience(
-            sequences=seqs[sl], attention_mask=attn[sl], action_mask=action_mask[sl], action_log_probs=old[sl],
-            base_action_log_probs=old[sl].clone(), rollout_log_probs=old[sl] + shift,  # vLLM's log-probs
-            advantages=adv, returns=adv.clone(), rewards=torch.rand(1, generator=g),
-            response_length=torch.tensor([float(resp)]), total_length=torch.tensor([float(prompt + resp)]),
-            truncated=torch.tensor([False]), info={}))
+        out.append(
+            Experience(
+                sequences=seqs[sl],
+                attention_mask=attn[sl],
+                action_mask=action_mask[sl],
+                action_log_probs=old[sl],
+                base_action_log_probs=old[sl].clone(),
+                rollout_log_probs=old[sl] + shift,  # vLLM's log-probs
+                advantages=adv,
+                returns=adv.clone(),
+                rewards=torch.rand(1, generator=g),
+                response_length=torch.tensor([float(resp)]),
+                total_length=torch.tensor([float(prompt + resp)]),
+                truncated=torch.tensor([False]),
+                info={},
+            )
+        )
     return out
 
 
@@ -210,8 +233,11 @@ def fit(policy, step: int, shift: float = 0.0) -> dict:
         policy.append(e)
     before = weights(policy.actor.model)
     status = policy.fit(kl_ctl=0.0)
-    return {"changed": not same(before, weights(policy.actor.model)), "after": weights(policy.actor.model),
-            "status": status}
+    return {
+        "changed": not same(before, weights(policy.actor.model)),
+        "after": weights(policy.actor.model),
+        "status": status,
+    }
 
 
 def rollback_twice(policy, guard) -> dict:
@@ -225,8 +251,7 @@ def rollback_twice(policy, guard) -> dict:
         offered.append(guard.actions.snapshots.steps())
         tags.append(sorted(n for n in os.listdir(guard.state.snapshot_dir) if n.startswith("rl_guard_step")))
         restored.append(same(res["after"], first["after"]))
-    return {"offered": offered, "tags": tags, "restored": restored, "steps": guard.step,
-            "rollbacks": guard.rollbacks}
+    return {"offered": offered, "tags": tags, "restored": restored, "steps": guard.step, "rollbacks": guard.rollbacks}
 
 
 def main() -> None:
@@ -240,12 +265,36 @@ def main() -> None:
     from rl_guard.adapters import openrlhf_launch
 
     ckpt = os.path.join(OUT, "ckpt")
-    extra = ["--actor.model_name_or_path", MODEL, "--ds.attn_implementation", "eager", "--ds.zero_stage", "2",
-             "--vllm.sync_backend", "gloo", "--vllm.num_engines", "0", "--train.micro_batch_size", "2",
-             "--train.batch_size", str(4 * WORLD), "--rollout.batch_size", "4", "--actor.adam.lr", "1e-2",
-             "--actor.lr_warmup_ratio", "0",
-             "--algo.advantage.estimator", "reinforce", "--actor.num_gpus_per_node", str(WORLD),
-             "--ckpt.path", ckpt, "--ckpt.max_num", "3"]
+    extra = [
+        "--actor.model_name_or_path",
+        MODEL,
+        "--ds.attn_implementation",
+        "eager",
+        "--ds.zero_stage",
+        "2",
+        "--vllm.sync_backend",
+        "gloo",
+        "--vllm.num_engines",
+        "0",
+        "--train.micro_batch_size",
+        "2",
+        "--train.batch_size",
+        str(4 * WORLD),
+        "--rollout.batch_size",
+        "4",
+        "--actor.adam.lr",
+        "1e-2",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--algo.advantage.estimator",
+        "reinforce",
+        "--actor.num_gpus_per_node",
+        str(WORLD),
+        "--ckpt.path",
+        ckpt,
+        "--ckpt.max_num",
+        "3",
+    ]
     if PHASE == "resume":
         extra.append("--ckpt.load_enable")
     args = openrlhf_args(extra)
@@ -254,23 +303,36 @@ def main() -> None:
     policy = PolicyModelActor.__ray_metadata__.modified_class.__new__(PolicyModelActor.__ray_metadata__.modified_class)
     policy.init_model_from_pretrained(strategy, MODEL, max_steps=100, vllm_engines=None)
     guard = policy.trainer.rl_guard
-    out = {"rank": RANK, "patched": PATCHED, "backend": dist.get_backend(), "guard_step_at_start": guard.step,
-           "skipped_at_start": guard.skipped_steps, "rollbacks_at_start": guard.rollbacks}
+    out = {
+        "rank": RANK,
+        "patched": PATCHED,
+        "backend": dist.get_backend(),
+        "guard_step_at_start": guard.step,
+        "skipped_at_start": guard.skipped_steps,
+        "rollbacks_at_start": guard.rollbacks,
+    }
     if PHASE == "train":
         s1, s2 = fit(policy, 1), fit(policy, 2)  # one optimizer step each; a snapshot after step 1 only
         norm_before_3 = master_norm(policy.actor.model)
-        s3 = fit(policy, 3, shift=6.0)      # rollout log-probs 6 nats above: weight e^-6 -> rollback to after step 1
-        s4 = fit(policy, 4, shift=2.0)      # 2 nats: e^-2 -> skip
+        s3 = fit(policy, 3, shift=6.0)  # rollout log-probs 6 nats above: weight e^-6 -> rollback to after step 1
+        s4 = fit(policy, 4, shift=2.0)  # 2 nats: e^-2 -> skip
         policy.save_checkpoint("global_step4")  # OpenRLHF's own periodic save: carries the guard's state
-        out.update(applied=[s1["changed"], s2["changed"]], moved_after_snapshot=not same(s2["after"], s1["after"]),
-                   rolled_back=same(s3["after"], s1["after"]), skipped_unchanged=not s4["changed"], steps=guard.step,
-                   skipped=guard.skipped_steps, rollbacks=guard.rollbacks,
-                   status_has_guard=sorted(k for k in s1["status"] if k.startswith("rl_guard/behave_imp_weight/")),
-                   behave_min=[s["status"].get("rl_guard/behave_imp_weight/min") for s in (s1, s3, s4)],
-                   param_norm=[norm_before_3, s3["status"].get("rl_guard/update/param_norm")],
-                   update_rel=s2["status"].get("rl_guard/update/rel"),
-                   snapshot_dir=guard.state.snapshot_dir, ckpt_dir=guard.state.ckpt_dir,
-                   snapshot_tags=sorted(os.listdir(guard.state.snapshot_dir)))
+        out.update(
+            applied=[s1["changed"], s2["changed"]],
+            moved_after_snapshot=not same(s2["after"], s1["after"]),
+            rolled_back=same(s3["after"], s1["after"]),
+            skipped_unchanged=not s4["changed"],
+            steps=guard.step,
+            skipped=guard.skipped_steps,
+            rollbacks=guard.rollbacks,
+            status_has_guard=sorted(k for k in s1["status"] if k.startswith("rl_guard/behave_imp_weight/")),
+            behave_min=[s["status"].get("rl_guard/behave_imp_weight/min") for s in (s1, s3, s4)],
+            param_norm=[norm_before_3, s3["status"].get("rl_guard/update/param_norm")],
+            update_rel=s2["status"].get("rl_guard/update/rel"),
+            snapshot_dir=guard.state.snapshot_dir,
+            ckpt_dir=guard.state.ckpt_dir,
+            snapshot_tags=sorted(os.listdir(guard.state.snapshot_dir)),
+        )
     elif PHASE == "rollback_twice":
         out.update(rollback_twice(policy, guard))
     else:

@@ -72,9 +72,15 @@ def load() -> SimpleNamespace:
             finally:
                 undo()
         PolicyLoss = sys.modules["_rlg_openrlhf_models.loss"].PolicyLoss
-        loss_utils = sys.modules.get("_rlg_openrlhf_loss_utils") or _load("_rlg_openrlhf_loss_utils",
-                                                                          root / "utils" / "loss_utils.py")
-    return SimpleNamespace(Experience=exp.Experience, split_experience_batch=exp.split_experience_batch,
-                           make_experience_batch=exp.make_experience_batch, PolicyLoss=PolicyLoss,
-                           iter_grad_accum_global_norm=loss_utils.iter_grad_accum_global_norm,
-                           get_loss_batch_info=loss_utils.get_loss_batch_info, root=root)
+        loss_utils = sys.modules.get("_rlg_openrlhf_loss_utils") or _load(
+            "_rlg_openrlhf_loss_utils", root / "utils" / "loss_utils.py"
+        )
+    return SimpleNamespace(
+        Experience=exp.Experience,
+        split_experience_batch=exp.split_experience_batch,
+        make_experience_batch=exp.make_experience_batch,
+        PolicyLoss=PolicyLoss,
+        iter_grad_accum_global_norm=loss_utils.iter_grad_accum_global_norm,
+        get_loss_batch_info=loss_utils.get_loss_batch_info,
+        root=root,
+    )

@@ -37,10 +37,10 @@ from rl_guard import Guard
 from rl_guard.adapters.openrlhf import attach_checkpoints, gate_optimizer_step, guard_policy_loss
 from rl_guard.errors import GuardHalted
 
-K, R = 8, 4                 # digits, response tokens
+K, R = 8, 4  # digits, response tokens
 BOS, V = K, K + 1
-T = 2 + R                   # [BOS, digit, response...]
-A = T - 1                   # OpenRLHF: action_mask covers tokens 1..T-1; prompt positions are 0
+T = 2 + R  # [BOS, digit, response...]
+A = T - 1  # OpenRLHF: action_mask covers tokens 1..T-1; prompt positions are 0
 OR = openrlhf_files.load()
 
 # A guard rule for train/rollout mismatch: OpenRLHF's own ICEPOP band starts at 0.5 (is_correction_threshold).
@@ -87,9 +87,16 @@ class Engine:
     def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=True):
         path = Path(save_dir) / tag
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "lr_scheduler": self.lr_scheduler.state_dict(), "global_steps": self.global_steps,
-                    "client_state": client_state or {}}, path / "state.pt")
+        torch.save(
+            {
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "global_steps": self.global_steps,
+                "client_state": client_state or {},
+            },
+            path / "state.pt",
+        )
         if save_latest:
             (Path(save_dir) / "latest").write_text(tag)
 
@@ -125,8 +132,18 @@ class TorchStrategy:
     def all_reduce(self, data, op="mean"):
         return data
 
-    def save_ckpt(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True,
-                  metric_value=None, metric_key=None):
+    def save_ckpt(
+        self,
+        model,
+        save_dir,
+        tag=None,
+        max_num=3,
+        max_mem=1000,
+        client_state=None,
+        save_latest=True,
+        metric_value=None,
+        metric_key=None,
+    ):
         model.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
         tags = sorted((p for p in Path(save_dir).iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime_ns)
         for old in tags[:-max_num]:  # OpenRLHF rotates by max_num (and max_mem) on rank 0
@@ -155,7 +172,7 @@ class TinyActor(nn.Module):
         logp_all = torch.log_softmax(self.logits(sequences).float(), -1)
         log_probs = logp_all[:, :-1].gather(-1, sequences[:, 1:, None])[..., 0]
         out = SimpleNamespace(entropy=-(logp_all.exp() * logp_all).sum(-1)[:, :-1] if return_entropy else None)
-        action_log_probs = log_probs[:, -action_mask.shape[1]:] * action_mask
+        action_log_probs = log_probs[:, -action_mask.shape[1] :] * action_mask
         return (action_log_probs, out) if return_output else action_log_probs
 
 
@@ -173,33 +190,59 @@ def make_experience(actor, ref, sampler, prompts, group, gen):
     g = rewards.view(-1, group)
     adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-9)).reshape(-1)
     return OR.Experience(
-        sequences=seq, attention_mask=torch.ones_like(seq), action_mask=mask, action_log_probs=actor(seq, mask),
-        base_action_log_probs=ref(seq, mask), rollout_log_probs=sampler(seq, mask), advantages=adv[:, None] * mask,
-        returns=adv[:, None] * mask, rewards=rewards, response_length=mask.sum(1).float(),
-        truncated=torch.zeros(len(d), dtype=torch.bool), total_length=torch.full((len(d),), float(T)),
-        index=list(range(len(d))), info={"reward": rewards})
+        sequences=seq,
+        attention_mask=torch.ones_like(seq),
+        action_mask=mask,
+        action_log_probs=actor(seq, mask),
+        base_action_log_probs=ref(seq, mask),
+        rollout_log_probs=sampler(seq, mask),
+        advantages=adv[:, None] * mask,
+        returns=adv[:, None] * mask,
+        rewards=rewards,
+        response_length=mask.sum(1).float(),
+        truncated=torch.zeros(len(d), dtype=torch.bool),
+        total_length=torch.full((len(d),), float(T)),
+        index=list(range(len(d))),
+        info={"reward": rewards},
+    )
 
 
 def training_step(actor, strategy, guard, policy_loss, experience, loss_batch_info, kl_coef=0.01) -> dict:
     """ActorPPOTrainer.training_step's order: forward, PolicyLoss (observed), k3 KL loss, backward, step."""
-    log_probs, output = actor(experience.sequences, experience.action_mask, attention_mask=experience.attention_mask,
-                              return_output=True, return_entropy=True)
-    loss, clip_ratio, ppo_kl, vllm_kl, is_filter = guard_policy_loss(guard, policy_loss, experience, log_probs,
-                                                                     entropy=output.entropy, **loss_batch_info)
+    log_probs, output = actor(
+        experience.sequences,
+        experience.action_mask,
+        attention_mask=experience.attention_mask,
+        return_output=True,
+        return_entropy=True,
+    )
+    loss, clip_ratio, ppo_kl, vllm_kl, is_filter = guard_policy_loss(
+        guard, policy_loss, experience, log_probs, entropy=output.entropy, **loss_batch_info
+    )
     log_r = experience.base_action_log_probs - log_probs  # OpenRLHF's k3 estimator against the reference
     kl = ((log_r.exp() - 1 - log_r) * experience.action_mask).sum() / experience.action_mask.sum()
     strategy.backward(loss + kl_coef * kl, actor, actor.model.optimizer)
     strategy.optimizer_step(actor.model.optimizer, actor, actor.model.lr_scheduler, name="actor")
-    return {"policy_loss": loss.item(), "ppo_clip_ratio": clip_ratio.item(), "ppo_kl": ppo_kl.item(),
-            "vllm_kl": vllm_kl.item(), "is_filter_ratio": is_filter.item(), "kl": kl.item()}
+    return {
+        "policy_loss": loss.item(),
+        "ppo_clip_ratio": clip_ratio.item(),
+        "ppo_kl": ppo_kl.item(),
+        "vllm_kl": vllm_kl.item(),
+        "is_filter_ratio": is_filter.item(),
+        "kl": kl.item(),
+    }
 
 
 def ppo_train(actor, strategy, guard, policy_loss, experience, micro_batch: int) -> dict:
     """Replay buffer -> micro-batches -> training steps; returns the status dict the driver logs."""
     items = OR.split_experience_batch(experience)
     mbs = [OR.make_experience_batch(items[i : i + micro_batch]) for i in range(0, len(items), micro_batch)]
-    statuses = [training_step(actor, strategy, guard, policy_loss, mb, info) for mb, info in
-                OR.iter_grad_accum_global_norm(mbs, strategy, strategy.accumulated_gradient, lambda e: e.action_mask)]
+    statuses = [
+        training_step(actor, strategy, guard, policy_loss, mb, info)
+        for mb, info in OR.iter_grad_accum_global_norm(
+            mbs, strategy, strategy.accumulated_gradient, lambda e: e.action_mask
+        )
+    ]
     status = {k: sum(s[k] for s in statuses) / len(statuses) for k in statuses[0]}
     status["actor_grad_norm"] = strategy.get_grad_norm(actor)
     status.update(guard.last_logged)  # what install() merges into ppo_train's status: train/rl_guard/... in wandb
@@ -216,8 +259,19 @@ class RunResult:
     actor: nn.Module | None = None
 
 
-def run(config="configs/ppo.yaml", steps=20, fault="none", fault_step=10, seed=0, run_dir="runs/openrlhf",
-        lr=3e-3, prompts=4, group=4, micro_batch=4, gas=2) -> RunResult:
+def run(
+    config="configs/ppo.yaml",
+    steps=20,
+    fault="none",
+    fault_step=10,
+    seed=0,
+    run_dir="runs/openrlhf",
+    lr=3e-3,
+    prompts=4,
+    group=4,
+    micro_batch=4,
+    gas=2,
+) -> RunResult:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     actor, other = TinyActor(), TinyActor()
@@ -226,11 +280,22 @@ def run(config="configs/ppo.yaml", steps=20, fault="none", fault_step=10, seed=0
     actor.model = Engine(actor, lr, gas)
     args = SimpleNamespace(ckpt=SimpleNamespace(path=str(Path(run_dir) / "ckpt")))
     strategy = TorchStrategy(args, accumulated_gradient=gas)
-    policy_loss = OR.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
-                                is_correction_mode="mask", is_correction_threshold=(0.5, 5.0))
+    policy_loss = OR.PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="mask",
+        is_correction_threshold=(0.5, 5.0),
+    )
     guard = Guard.from_yaml(config, run_dir=run_dir)
-    attach_checkpoints(guard, strategy, actor, actor.model.optimizer, actor.model.lr_scheduler,
-                       str(Path(args.ckpt.path) / "_actor_rl_guard"))
+    attach_checkpoints(
+        guard,
+        strategy,
+        actor,
+        actor.model.optimizer,
+        actor.model.lr_scheduler,
+        str(Path(args.ckpt.path) / "_actor_rl_guard"),
+    )
     gate_optimizer_step(strategy, actor, guard)
     res = RunResult(guard=guard, actor=actor)
     try:
@@ -260,8 +325,10 @@ def main(argv=None) -> int:
     for inc in res.incidents:
         print(inc["message"])
     last = res.statuses[-1] if res.statuses else {}
-    print(f"ppo_train calls: {res.steps_run}; policy_loss {last.get('policy_loss')}; "
-          f"rl_guard/ratio/mean {last.get('rl_guard/ratio/mean')}; halted: {res.halted}; run dir: {a.run_dir}")
+    print(
+        f"ppo_train calls: {res.steps_run}; policy_loss {last.get('policy_loss')}; "
+        f"rl_guard/ratio/mean {last.get('rl_guard/ratio/mean')}; halted: {res.halted}; run dir: {a.run_dir}"
+    )
     return 0
 
 

@@ -94,10 +94,22 @@ class RunResult:
     guard: Guard | None = None
 
 
-def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = "none", fault_step: int = 30,
-        seed: int = 0, run_dir: str | None = None, lr: float = 3e-3, guard: Guard | None = None,
-        prompts_per_step: int = 16, group: int = 4, num_iterations: int = 2, beta: float = 0.02,
-        stop_on_nonfinite: bool = True, on_step=None) -> RunResult:
+def run(
+    config: str | None = "configs/grpo.yaml",
+    steps: int = 60,
+    fault: str = "none",
+    fault_step: int = 30,
+    seed: int = 0,
+    run_dir: str | None = None,
+    lr: float = 3e-3,
+    guard: Guard | None = None,
+    prompts_per_step: int = 16,
+    group: int = 4,
+    num_iterations: int = 2,
+    beta: float = 0.02,
+    stop_on_nonfinite: bool = True,
+    on_step=None,
+) -> RunResult:
     """Train; returns what happened. ``config=None`` runs unguarded (the twin used to find the NaN step).
 
     ``on_step(step, iteration, decision, model, optimizer, scheduler)``, if given, is called after every optimizer
@@ -148,8 +160,19 @@ def run(config: str | None = "configs/grpo.yaml", steps: int = 60, fault: str = 
             kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
             loss = ((pg + beta * kl) * mask).sum() / mask.sum()
             if guard is not None:
-                guard.observe(TokenBatch(logp, mask, old_logprobs=old_logp, ref_logprobs=ref_logp, entropy=entropy,
-                                         advantages=adv, rewards=rewards, truncated=truncated), loss=loss)
+                guard.observe(
+                    TokenBatch(
+                        logp,
+                        mask,
+                        old_logprobs=old_logp,
+                        ref_logprobs=ref_logp,
+                        entropy=entropy,
+                        advantages=adv,
+                        rewards=rewards,
+                        truncated=truncated,
+                    ),
+                    loss=loss,
+                )
             loss.backward()
             if fault == "inf_grad" and step == fault_step and it == 0:
                 model.mlp[-1].weight.grad[0, 0] = float("inf")
@@ -193,9 +216,11 @@ def main(argv=None) -> int:
     for _step, _action, messages in res.decisions:
         for m in messages:
             print(m)
-    print(f"steps run: {res.steps_run}; mean reward first/last 5: {sum(res.rewards[:5]) / 5:.3f} / "
-          f"{sum(res.rewards[-5:]) / 5:.3f}; weights finite every step: {res.params_finite_every_step}; "
-          f"run dir: {args.run_dir}")
+    print(
+        f"steps run: {res.steps_run}; mean reward first/last 5: {sum(res.rewards[:5]) / 5:.3f} / "
+        f"{sum(res.rewards[-5:]) / 5:.3f}; weights finite every step: {res.params_finite_every_step}; "
+        f"run dir: {args.run_dir}"
+    )
     return 0
 
 

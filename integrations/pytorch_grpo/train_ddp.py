@@ -61,9 +61,20 @@ class DDPRunResult(RunResult):
     records: list = field(default_factory=list)  # per optimizer step: action, local tokens, weights digest, metrics
 
 
-def run_ddp(config: str | None = "configs/grpo.yaml", steps: int = 30, fault: str = "none", fault_step: int = 15,
-            fault_rank: int = 1, seed: int = 0, run_dir: str | None = None, lr: float = 3e-3,
-            prompts_per_step: int = 16, group: int = 4, num_iterations: int = 2, beta: float = 0.02) -> DDPRunResult:
+def run_ddp(
+    config: str | None = "configs/grpo.yaml",
+    steps: int = 30,
+    fault: str = "none",
+    fault_step: int = 15,
+    fault_rank: int = 1,
+    seed: int = 0,
+    run_dir: str | None = None,
+    lr: float = 3e-3,
+    prompts_per_step: int = 16,
+    group: int = 4,
+    num_iterations: int = 2,
+    beta: float = 0.02,
+) -> DDPRunResult:
     """Train on the already initialised process group; ``prompts_per_step`` is the global count."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts rank 0's at wrap time)
@@ -100,9 +111,19 @@ def run_ddp(config: str | None = "configs/grpo.yaml", steps: int = 30, fault: st
             kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
             loss = ((pg + beta * kl) * mask).sum() / mask.sum()
             if guard is not None:
-                guard.observe(TokenBatch(logp.detach(), mask, old_logprobs=old_logp, ref_logprobs=ref_logp,
-                                         entropy=entropy.detach(), advantages=adv, rewards=rewards,
-                                         truncated=truncated), loss=loss.detach())
+                guard.observe(
+                    TokenBatch(
+                        logp.detach(),
+                        mask,
+                        old_logprobs=old_logp,
+                        ref_logprobs=ref_logp,
+                        entropy=entropy.detach(),
+                        advantages=adv,
+                        rewards=rewards,
+                        truncated=truncated,
+                    ),
+                    loss=loss.detach(),
+                )
             loss.backward()  # DDP all-reduces (averages) the gradients here
             if fault == "inf_grad" and step == fault_step and it == 0 and rank == fault_rank:
                 policy.mlp[-1].weight.grad[0, 0] = float("inf")
@@ -111,9 +132,16 @@ def run_ddp(config: str | None = "configs/grpo.yaml", steps: int = 30, fault: st
             decision = optimizer_step(guard, opt, sched, res, step)
             finite = all(bool(torch.isfinite(p).all()) for p in policy.parameters())
             res.params_finite_every_step &= finite
-            res.records.append({"step": step, "it": it, "action": decision.action if decision else None,
-                                "local_tokens": int(mask.sum()), "digest": weights_digest(policy),
-                                "metrics": dict(guard.last_logged) if guard is not None else {}})
+            res.records.append(
+                {
+                    "step": step,
+                    "it": it,
+                    "action": decision.action if decision else None,
+                    "local_tokens": int(mask.sum()),
+                    "digest": weights_digest(policy),
+                    "metrics": dict(guard.last_logged) if guard is not None else {},
+                }
+            )
             if decision is not None and (decision.stop or decision.rollback):
                 break
         res.steps_run = step + 1
@@ -142,9 +170,11 @@ def main(argv=None) -> int:
             for _, _, messages in res.decisions:
                 print("\n".join(messages))
             n = min(5, len(res.rewards))
-            print(f"steps run: {res.steps_run}; mean reward (rank 0 shard) first/last {n}: "
-                  f"{sum(res.rewards[:n]) / n:.3f} / {sum(res.rewards[-n:]) / n:.3f}; weights finite every step: "
-                  f"{res.params_finite_every_step}; run dir: {args.run_dir}")
+            print(
+                f"steps run: {res.steps_run}; mean reward (rank 0 shard) first/last {n}: "
+                f"{sum(res.rewards[:n]) / n:.3f} / {sum(res.rewards[-n:]) / n:.3f}; weights finite every step: "
+                f"{res.params_finite_every_step}; run dir: {args.run_dir}"
+            )
     finally:
         dist.destroy_process_group()
     return 0

@@ -47,14 +47,23 @@ def verl_config():
 
     root = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
     a = "actor_rollout_ref"
-    over = [f"{a}.model.path={MODEL}", f"{a}.model.external_lib=rl_guard.adapters.verl",
-            f"{a}.model.use_remove_padding=false", f"{a}.model.enable_gradient_checkpointing=false",
-            f"{a}.model.override_config.attn_implementation=eager",  # no flash-attn on CPU
-            f"{a}.actor.strategy=fsdp2", f"{a}.actor.fsdp_config.strategy=fsdp2",  # FSDP1 needs a GPU for sync
-            f"{a}.actor.fsdp_config.dtype=float32", f"{a}.actor.fsdp_config.use_torch_compile=false",
-            f"{a}.actor.use_torch_compile=false", f"{a}.actor.optim.lr=0.01",
-            f"{a}.actor.ppo_mini_batch_size={B * WORLD}", f"{a}.actor.ppo_micro_batch_size_per_gpu={MICRO}",
-            f"{a}.rollout.log_prob_micro_batch_size_per_gpu={MICRO}", f"{a}.actor.calculate_entropy=true"]
+    over = [
+        f"{a}.model.path={MODEL}",
+        f"{a}.model.external_lib=rl_guard.adapters.verl",
+        f"{a}.model.use_remove_padding=false",
+        f"{a}.model.enable_gradient_checkpointing=false",
+        f"{a}.model.override_config.attn_implementation=eager",  # no flash-attn on CPU
+        f"{a}.actor.strategy=fsdp2",
+        f"{a}.actor.fsdp_config.strategy=fsdp2",  # FSDP1 needs a GPU for sync
+        f"{a}.actor.fsdp_config.dtype=float32",
+        f"{a}.actor.fsdp_config.use_torch_compile=false",
+        f"{a}.actor.use_torch_compile=false",
+        f"{a}.actor.optim.lr=0.01",
+        f"{a}.actor.ppo_mini_batch_size={B * WORLD}",
+        f"{a}.actor.ppo_micro_batch_size_per_gpu={MICRO}",
+        f"{a}.rollout.log_prob_micro_batch_size_per_gpu={MICRO}",
+        f"{a}.actor.calculate_entropy=true",
+    ]
     return OmegaConf.merge(root, OmegaConf.from_dotlist(over))[a]
 
 
@@ -70,10 +79,17 @@ def rollout(step: int, fault: str | None) -> dict:
     if fault == "nan_reward" and RANK == WORLD - 1:
         scores[1, 0] = math.nan  # a reward function returned NaN; the advantages below stay finite
     adv = (scores.sum(-1) - 0.5).nan_to_num(0.0)
-    return {"input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "prompts": prompts, "responses": responses,
-            "response_mask": response_mask, "token_level_scores": scores, "token_level_rewards": scores.clone(),
-            "advantages": adv[:, None].expand(B, R).contiguous() * response_mask}
+    return {
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "token_level_scores": scores,
+        "token_level_rewards": scores.clone(),
+        "advantages": adv[:, None].expand(B, R).contiguous() * response_mask,
+    }
 
 
 def to_td(batch: dict, **extra):
@@ -89,6 +105,7 @@ def to_td(batch: dict, **extra):
 
 def digest(worker) -> dict:
     """sha256 of this rank's parameter shards and of the optimizer state (bitwise identity, cheap to compare)."""
+
     def sha(tensors):
         h = hashlib.sha256()
         for t in tensors:
@@ -96,15 +113,20 @@ def digest(worker) -> dict:
             # a copy: a numpy view would make FSDP's storage non-resizable
             h.update(t.detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
     engine = worker.actor.engine
     params = list(engine.module.parameters())
     opt = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return {"params": sha(params), "optimizer": sha(opt), "finite": all(bool(torch.isfinite(
-        p.to_local() if hasattr(p, "to_local") else p).all()) for p in params)}
+    return {
+        "params": sha(params),
+        "optimizer": sha(opt),
+        "finite": all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in params),
+    }
 
 
 def inf_grad_hook(worker):
     """An inf gradient on this rank: backward through the embeddings' output multiplies it by inf."""
+
     def poison(module, inputs, out):
         out.register_hook(lambda g: g * math.inf)  # returns None: the forward output itself is unchanged
 
@@ -139,15 +161,28 @@ def step(worker, n: int, fault: str | None, logger=None) -> dict:
     before = digest(worker)
     record = {"fault": fault, "before": before}
     try:
-        out = worker.update_actor(to_td(batch, calculate_entropy=True, distillation_use_topk=False,
-                                        distillation_only=False, global_batch_size=B * WORLD,
-                                        mini_batch_size=B * WORLD, epochs=1, seed=42,
-                                        dataloader_kwargs={"shuffle": False}, compute_loss=True))
+        out = worker.update_actor(
+            to_td(
+                batch,
+                calculate_entropy=True,
+                distillation_use_topk=False,
+                distillation_only=False,
+                global_batch_size=B * WORLD,
+                mini_batch_size=B * WORLD,
+                epochs=1,
+                seed=42,
+                dataloader_kwargs={"shuffle": False},
+                compute_loss=True,
+            )
+        )
         metrics = tu.get(out, "metrics") if out is not None else {}
         if logger is not None:
             log_like_the_trainer(logger, metrics, step=n + 1)
-        record["metrics"] = {k: [float(x) for x in (v if isinstance(v, list) else [v])] for k, v in metrics.items()
-                             if k.startswith("rl_guard/") or k in ("grad_norm", "loss")}
+        record["metrics"] = {
+            k: [float(x) for x in (v if isinstance(v, list) else [v])]
+            for k, v in metrics.items()
+            if k.startswith("rl_guard/") or k in ("grad_norm", "loss")
+        }
     except Exception as exc:  # noqa: BLE001 - a halt is expected to surface here
         record["raised"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -184,8 +219,7 @@ def run_rank(rank: int, world: int, out: Path) -> None:
     worker.save_checkpoint(str(out / "checkpoint" / "actor"), global_step=len(FAULTS))
     guard.controller.step, guard.controller.skipped_steps = 0, 0  # disturbed on purpose: the load must restore them
     worker.load_checkpoint(str(out / "checkpoint" / "actor"))
-    result["resume"] = {"saved": saved, "loaded": {"step": guard.step,
-                                                   "skipped_steps": guard.skipped_steps}}
+    result["resume"] = {"saved": saved, "loaded": {"step": guard.step, "skipped_steps": guard.skipped_steps}}
     torch.distributed.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -198,15 +232,26 @@ def launch(world: int, out: Path, timeout: float = 600) -> list[int]:
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_model(out / "model")
     (out / "pg_init").unlink(missing_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])),
+    )
     env.setdefault("RL_GUARD_CONFIG", str(HERE / "guard.yaml"))
     env.setdefault("RL_GUARD_RUN_DIR", str(out / "run"))
     procs = []
     for r in range(world):
         with open(out / f"rank{r}.log", "w") as log:  # the rank writes to its own copy of the descriptor
-            procs.append(subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world),
-                                           "--out", str(out)], env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank", str(r), "--world", str(world), "--out", str(out)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     codes = []
     for p in procs:
         try:
@@ -227,8 +272,10 @@ def summary(world: int, out: Path, run_dir: Path) -> str:
         acted.setdefault(i["step"], []).append(f"{i['rule']} -> {i['action']}")
     lines = [f"{'step':>4}  {'fault':<11} {'guard':<42} " + "  ".join(f"rank{r} weights" for r in range(world))]
     for n, fault in enumerate(FAULTS):
-        moved = ["moved" if res["steps"][n]["before"] != res["steps"][n]["after"] else "unchanged (bitwise)"
-                 for res in results]
+        moved = [
+            "moved" if res["steps"][n]["before"] != res["steps"][n]["after"] else "unchanged (bitwise)"
+            for res in results
+        ]
         guard = "; ".join(acted.get(n, ["update applied"]))
         lines.append(f"{n:>4}  {fault or 'healthy':<11} {guard:<42} " + "  ".join(f"{m:<20}" for m in moved))
     return "\n".join(lines)

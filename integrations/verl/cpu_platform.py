@@ -17,12 +17,25 @@ from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
 CPU_DEVICE = types.SimpleNamespace(
-    is_available=lambda: True, device_count=lambda: 1, current_device=lambda: "cpu", set_device=lambda *_: None,
-    synchronize=lambda *_: None, empty_cache=lambda: None, manual_seed=torch.manual_seed,
-    manual_seed_all=torch.manual_seed, max_memory_allocated=lambda *_: 0, max_memory_reserved=lambda *_: 0,
-    memory_allocated=lambda *_: 0, memory_reserved=lambda *_: 0, reset_peak_memory_stats=lambda *_: None,
-    mem_get_info=lambda *_: (0, 0), get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state,
-    ipc_collect=lambda: None, get_device_name=lambda *_: "CPU")
+    is_available=lambda: True,
+    device_count=lambda: 1,
+    current_device=lambda: "cpu",
+    set_device=lambda *_: None,
+    synchronize=lambda *_: None,
+    empty_cache=lambda: None,
+    manual_seed=torch.manual_seed,
+    manual_seed_all=torch.manual_seed,
+    max_memory_allocated=lambda *_: 0,
+    max_memory_reserved=lambda *_: 0,
+    memory_allocated=lambda *_: 0,
+    memory_reserved=lambda *_: 0,
+    reset_peak_memory_stats=lambda *_: None,
+    mem_get_info=lambda *_: (0, 0),
+    get_rng_state=torch.get_rng_state,
+    set_rng_state=torch.set_rng_state,
+    ipc_collect=lambda: None,
+    get_device_name=lambda *_: "CPU",
+)
 
 
 @PlatformRegistry.register(platform="cpu")

@@ -66,14 +66,22 @@ from .seams import StepCounter, announce, arguments, halted, where
 
 TESTED = {"areal": ("1.0", "1.1")}  # constraints/areal.txt: areal 1.0.4
 # the engine's methods wrapped or called, with the parameters read by name, and the attributes read
-ENGINE_METHODS = {"train_batch": ("input_", "loss_fn"), "optimizer_step": (), "optimizer_zero_grad": (),
-                  "get_version": ()}
+ENGINE_METHODS = {
+    "train_batch": ("input_", "loss_fn"),
+    "optimizer_step": (),
+    "optimizer_zero_grad": (),
+    "get_version": (),
+}
 ENGINE_ATTRS = ("model", "optimizer", "lr_scheduler")
 LOSS_MODULE = "areal.trainer.ppo.actor"  # PPOActor binds grpo_loss_fn's settings with functools.partial
 LOSS_ARGS = ("logprobs", "entropy", "input_data")
 # grpo_loss_fn's settings read for the token statistics, and what they mean when a loss function has none
-LOSS_SETTINGS = {"eps_clip": DEFAULT_CLIP_EPS, "eps_clip_higher": None, "importance_sampling_level": "token",
-                 "current_version": None}
+LOSS_SETTINGS = {
+    "eps_clip": DEFAULT_CLIP_EPS,
+    "eps_clip_higher": None,
+    "importance_sampling_level": "token",
+    "current_version": None,
+}
 PRESET = Path(__file__).resolve().parents[1] / "presets" / "async.yaml"
 
 
@@ -81,8 +89,10 @@ def check_versions() -> None:
     """areal in the tested range. Not installed: an error, unless ``RL_GUARD_ALLOW_UNTESTED=1`` (an engine with
     AReaL's API without the package), which is said on the console."""
     if installed("areal") is None and os.environ.get(ALLOW_UNTESTED) == "1":
-        announce(f"areal is not installed ({ALLOW_UNTESTED}=1): attaching to an engine with AReaL's API; its methods "
-                 f"were checked, its version cannot be ({describe_tested()})")
+        announce(
+            f"areal is not installed ({ALLOW_UNTESTED}=1): attaching to an engine with AReaL's API; its methods "
+            f"were checked, its version cannot be ({describe_tested()})"
+        )
         return
     check_range("AReaL", "areal", *TESTED["areal"])
 
@@ -97,9 +107,16 @@ def align_versions(versions: torch.Tensor) -> torch.Tensor:
     return torch.roll(versions, shifts=-1, dims=-1)
 
 
-def token_batch(logprobs, input_data: dict, entropy=None, current_version: int | None = None,
-                eps_clip: float = DEFAULT_CLIP_EPS, eps_clip_higher: float | None = None,
-                importance_sampling_level: str = "token", shift_versions: bool = True) -> TokenBatch:
+def token_batch(
+    logprobs,
+    input_data: dict,
+    entropy=None,
+    current_version: int | None = None,
+    eps_clip: float = DEFAULT_CLIP_EPS,
+    eps_clip_higher: float | None = None,
+    importance_sampling_level: str = "token",
+    shift_versions: bool = True,
+) -> TokenBatch:
     """One micro-batch's ``TokenBatch`` from ``loss_fn``'s arguments (packed ``[N]`` or padded ``[B, T]``)."""
     versions = input_data.get("versions")
     if versions is not None and current_version is not None:
@@ -109,18 +126,32 @@ def token_batch(logprobs, input_data: dict, entropy=None, current_version: int |
     cu = input_data.get("cu_seqlens") if logprobs.dim() == 1 else None
     prox = input_data.get("prox_logp")
     return TokenBatch(
-        logprobs=logprobs.detach(), mask=input_data["loss_mask"].bool(), old_logprobs=input_data["logprobs"].detach(),
-        prox_logprobs=None if prox is None else prox.detach(), ref_logprobs=input_data.get("ref_logp"),
-        entropy=None if entropy is None else entropy.detach().float(), advantages=input_data["advantages"],
-        versions=versions, current_version=current_version if versions is not None else None, cu_seqlens=cu,
-        eps_low=float(eps_clip), eps_high=float(eps_clip if eps_clip_higher is None else eps_clip_higher),
-        importance_sampling_level="sequence" if importance_sampling_level == "sequence" else "token")
+        logprobs=logprobs.detach(),
+        mask=input_data["loss_mask"].bool(),
+        old_logprobs=input_data["logprobs"].detach(),
+        prox_logprobs=None if prox is None else prox.detach(),
+        ref_logprobs=input_data.get("ref_logp"),
+        entropy=None if entropy is None else entropy.detach().float(),
+        advantages=input_data["advantages"],
+        versions=versions,
+        current_version=current_version if versions is not None else None,
+        cu_seqlens=cu,
+        eps_low=float(eps_clip),
+        eps_high=float(eps_clip if eps_clip_higher is None else eps_clip_higher),
+        importance_sampling_level="sequence" if importance_sampling_level == "sequence" else "token",
+    )
 
 
 def lag_rule(max_head_offpolicyness: int, action: str = "warn", name: str = "staleness_bound") -> dict:
     """A rule spec (the dict a YAML ``rules:`` entry parses to) firing when a token is staler than AReaL's bound."""
-    return {"name": name, "metric": "rl_guard/lag/max", "op": ">", "threshold": int(max_head_offpolicyness),
-            "action": action, "description": f"policy lag above max_head_offpolicyness={int(max_head_offpolicyness)}"}
+    return {
+        "name": name,
+        "metric": "rl_guard/lag/max",
+        "op": ">",
+        "threshold": int(max_head_offpolicyness),
+        "action": action,
+        "description": f"policy lag above max_head_offpolicyness={int(max_head_offpolicyness)}",
+    }
 
 
 def async_yaml(max_head_offpolicyness: int, source: str | Path | None = None) -> str:
@@ -152,7 +183,8 @@ def check_seams(engine) -> None:
             f"rl_guard: {type(engine).__name__} is AReaL's single-controller proxy; its engines live in worker "
             "processes. Build the trainer with `from rl_guard.adapters.areal_trainer import PPOTrainer` (instead of "
             "`from areal import PPOTrainer`): the workers then import rl_guard.adapters.areal_engine."
-            "GuardedFSDPPPOActor, which installs the guard itself.")
+            "GuardedFSDPPPOActor, which installs the guard itself."
+        )
     at = describe_tested()
     for name, params in ENGINE_METHODS.items():
         require_seam(engine, name, params=params, where=at)
@@ -180,8 +212,13 @@ def loss_settings(named: dict, engine, said: set) -> dict:
     if new:
         said.update(new)
         fallback = {**LOSS_SETTINGS, "current_version": "the engine's get_version()"}
-        announce("AReaL's loss_fn does not give " + ", ".join(new) + "; the guard uses "
-                 + ", ".join(f"{k}={fallback[k]}" for k in new) + " for the clip and lag statistics")
+        announce(
+            "AReaL's loss_fn does not give "
+            + ", ".join(new)
+            + "; the guard uses "
+            + ", ".join(f"{k}={fallback[k]}" for k in new)
+            + " for the clip and lag statistics"
+        )
     return out
 
 
@@ -201,10 +238,21 @@ def install(engine, guard, shift_versions: bool = True):
             with guard.protect("observe (AReaL loss_fn inputs)"):  # a renamed AReaL key must not kill training
                 named = arguments(loss_fn, args, kwargs)
                 cfg = loss_settings(named, engine, said)
-                guard.observe(token_batch(named["logprobs"], named["input_data"], named["entropy"],
-                                          cfg["current_version"], cfg["eps_clip"], cfg["eps_clip_higher"],
-                                          cfg["importance_sampling_level"], shift_versions), loss=loss.detach())
+                guard.observe(
+                    token_batch(
+                        named["logprobs"],
+                        named["input_data"],
+                        named["entropy"],
+                        cfg["current_version"],
+                        cfg["eps_clip"],
+                        cfg["eps_clip_higher"],
+                        cfg["importance_sampling_level"],
+                        shift_versions,
+                    ),
+                    loss=loss.detach(),
+                )
             return loss
+
         return guarded
 
     @functools.wraps(original_train_batch)
@@ -218,12 +266,18 @@ def install(engine, guard, shift_versions: bool = True):
 
     def verify_step() -> None:
         if not state["gated"]:
-            raise SeamError(f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
-                            f"({describe_tested()}): the update was applied without the guard's check")
+            raise SeamError(
+                f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
+                f"({describe_tested()}): the update was applied without the guard's check"
+            )
         skipped_at, decision = state["skipped_at"], state["decision"]
         if skipped_at is not None and steps.calls != skipped_at:
-            guard.skip_not_taken(decision, "AReaL", f"its optimizer stepped {steps.calls - skipped_at} time(s) "
-                                                    "in the train_batch whose update the guard dropped")
+            guard.skip_not_taken(
+                decision,
+                "AReaL",
+                f"its optimizer stepped {steps.calls - skipped_at} time(s) "
+                "in the train_batch whose update the guard dropped",
+            )
             raise halted(guard, decision)
 
     @functools.wraps(original_step)
@@ -235,8 +289,11 @@ def install(engine, guard, shift_versions: bool = True):
         else:
             state["skipped_at"], state["decision"] = steps.calls, decision
             engine.optimizer_zero_grad()
-            stats = {"update_successful": 0.0, "grad_norm": guard.last_metrics.get("rl_guard/grad/norm", math.nan),
-                     "lr": _last_lr(engine)}
+            stats = {
+                "update_successful": 0.0,
+                "grad_norm": guard.last_metrics.get("rl_guard/grad/norm", math.nan),
+                "lr": _last_lr(engine),
+            }
         guard.step_done()
         stats.update(guard.last_logged)
         if decision.stop:

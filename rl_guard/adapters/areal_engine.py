@@ -67,8 +67,10 @@ def guard_from_env():
     if not source:
         bound = os.environ.get(BOUND)
         if bound is None:
-            announce(f"neither {CONFIG} nor {BOUND} is set in this worker: the async preset with staleness_bound at 0 "
-                     "(synchronous); areal_trainer.PPOTrainer sets it from rollout.max_head_offpolicyness")
+            announce(
+                f"neither {CONFIG} nor {BOUND} is set in this worker: the async preset with staleness_bound at 0 "
+                "(synchronous); areal_trainer.PPOTrainer sets it from rollout.max_head_offpolicyness"
+            )
             bound = "0"
         source = adapter.async_yaml(int(bound))
     return Guard.from_yaml(source, run_dir=os.environ.get(RUN_DIR) or "runs/rl_guard")
@@ -101,8 +103,12 @@ class EngineState:
         path = (self.snapshot_dir if snapshot else self.checkpoint_dir) / f"step{step}"
         self.engine.save(SaveLoadMeta(path=str(path), weight_format="dcp", with_optim=True))
         sched = self.engine.lr_scheduler  # checked at attach (areal.check_seams); None: no schedule
-        return {"step": step, "path": str(path), "lr_scheduler": None if sched is None else sched.state_dict(),
-                "version": self.engine.get_version()}
+        return {
+            "step": step,
+            "path": str(path),
+            "lr_scheduler": None if sched is None else sched.state_dict(),
+            "version": self.engine.get_version(),
+        }
 
     def discard(self, snap: dict) -> None:
         """A snapshot the guard will no longer restore: removed (rank 0; the ranks of a node share the directory)."""
@@ -170,5 +176,6 @@ class GuardedFSDPPPOActor(FSDPPPOActor):
     def rl_guard_summary(self) -> dict:
         """For the controller (``_custom_function_call``): the guard's last logged metrics on this rank."""
         g = self.rl_guard
-        return {} if g is None else {"step": g.step, "skipped": g.skipped_steps, "rollbacks": g.rollbacks,
-                                     **g.last_logged}
+        return (
+            {} if g is None else {"step": g.step, "skipped": g.skipped_steps, "rollbacks": g.rollbacks, **g.last_logged}
+        )

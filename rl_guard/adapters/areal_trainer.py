@@ -47,8 +47,9 @@ def check_seams(trainer, actor_config, alloc) -> None:
 
 def guard_settings(config) -> dict:
     default_dir = os.path.join(config.cluster.fileroot, "rl_guard", config.experiment_name, config.trial_name)
-    return settings(os.environ.get(CONFIG), os.environ.get(RUN_DIR) or default_dir,
-                    int(config.rollout.max_head_offpolicyness))
+    return settings(
+        os.environ.get(CONFIG), os.environ.get(RUN_DIR) or default_dir, int(config.rollout.max_head_offpolicyness)
+    )
 
 
 class PPOTrainer(_PPOTrainer):
@@ -60,8 +61,10 @@ class PPOTrainer(_PPOTrainer):
         self._rl_guard_actor = False
         super().__init__(*args, **kwargs)
         if not self._rl_guard_actor:
-            raise SeamError(f"rl_guard: AReaL's PPOTrainer built its actor without _create_train_engine "
-                            f"({describe_tested()}); the actor would run unguarded")
+            raise SeamError(
+                f"rl_guard: AReaL's PPOTrainer built its actor without _create_train_engine "
+                f"({describe_tested()}); the actor would run unguarded"
+            )
 
     def _create_train_engine(self, actor_config, alloc):
         if actor_config is not self.config.actor:  # the reference model, the critic

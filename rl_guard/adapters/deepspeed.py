@@ -51,8 +51,10 @@ TESTED = {"deepspeed": ("0.19", "0.20")}  # constraints/*.txt: deepspeed 0.19.6
 ENGINE_METHODS = ("step", "is_gradient_accumulation_boundary", "zero_optimization_stage", "fp16_enabled")
 ENGINE_ATTRS = ("optimizer", "module", "skipped_steps")
 # this rank's gradient and fp32 master partitions, and whether they live on the CPU (ZeroGradients, master_partitions)
-ZERO_ATTRS = {3: ("fp32_partitioned_groups_flat", "sub_group_to_group_id", "offload_optimizer", "averaged_gradients"),
-              1: ("single_partition_of_fp32_groups", "cpu_offload", "averaged_gradients")}
+ZERO_ATTRS = {
+    3: ("fp32_partitioned_groups_flat", "sub_group_to_group_id", "offload_optimizer", "averaged_gradients"),
+    1: ("single_partition_of_fp32_groups", "cpu_offload", "averaged_gradients"),
+}
 OVERFLOW, DROP_GRADS = "overflow", "drop_grads"  # how a dropped step is skipped
 
 
@@ -149,9 +151,11 @@ def check_engine(engine) -> str:
     if stage == 0 and isinstance(opt, torch.optim.Optimizer):
         return DROP_GRADS
     if not (callable(getattr(opt, "check_overflow", None)) and hasattr(opt, "overflow")):
-        raise SeamError(f"rl_guard: {type(opt).__name__} (ZeRO stage {stage}) has no overflow / check_overflow ({at}); "
-                        "the guard skips a step through DeepSpeed's overflow path and could not drop an update on "
-                        "this engine")
+        raise SeamError(
+            f"rl_guard: {type(opt).__name__} (ZeRO stage {stage}) has no overflow / check_overflow ({at}); "
+            "the guard skips a step through DeepSpeed's overflow path and could not drop an update on "
+            "this engine"
+        )
     if stage > 0:
         require_attr(opt, ZERO_ATTRS[3 if stage == 3 else 1], where=at)
         if engine.fp16_enabled():
@@ -186,8 +190,11 @@ def suppressed_step(engine, step, path: str = OVERFLOW, guard=None, decision=Non
         opt.overflow = False
     after = engine.skipped_steps
     if after != before + 1 and guard is not None and decision is not None:
-        guard.skip_not_taken(decision, "DeepSpeed", f"its overflow path did not skip (engine.skipped_steps {before} -> "
-                                                    f"{after}, expected {before + 1})")
+        guard.skip_not_taken(
+            decision,
+            "DeepSpeed",
+            f"its overflow path did not skip (engine.skipped_steps {before} -> {after}, expected {before + 1})",
+        )
     return out
 
 
@@ -220,8 +227,9 @@ class EngineGate:
     def _step(self, *args, **kwargs):
         if not self.engine.is_gradient_accumulation_boundary():
             return self._original(*args, **kwargs)
-        self.decision, out = gated_step(self.guard, self.engine, functools.partial(self._original, *args, **kwargs),
-                                        self.path)
+        self.decision, out = gated_step(
+            self.guard, self.engine, functools.partial(self._original, *args, **kwargs), self.path
+        )
         return out
 
     def take(self):
@@ -251,8 +259,12 @@ class EngineCheckpointState(MasterPartitions):
     def __init__(self, engine, guard, ckpt_dir=None):
         at = where("DeepSpeed", "deepspeed", *TESTED["deepspeed"])
         require_seam(engine, "save_checkpoint", params=("save_dir", "tag", "client_state", "save_latest"), where=at)
-        require_seam(engine, "load_checkpoint", params=("load_dir", "tag", "load_optimizer_states",
-                                                        "load_lr_scheduler_states"), where=at)
+        require_seam(
+            engine,
+            "load_checkpoint",
+            params=("load_dir", "tag", "load_optimizer_states", "load_lr_scheduler_states"),
+            where=at,
+        )
         require_attr(engine, ("module", "optimizer", "lr_scheduler"), where=at)
         self.engine, self.guard = engine, guard
         self.ckpt_dir = str(ckpt_dir or guard.run_dir / "deepspeed_snapshots")
@@ -260,8 +272,9 @@ class EngineCheckpointState(MasterPartitions):
 
     def capture(self, step: int) -> dict:
         tag = f"rl_guard_step{step}"
-        self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state={"rl_guard": self.guard.state_dict()},
-                                    save_latest=False)
+        self.engine.save_checkpoint(
+            self.ckpt_dir, tag=tag, client_state={"rl_guard": self.guard.state_dict()}, save_latest=False
+        )
         return {"step": step, "tag": tag, "ckpt_dir": self.ckpt_dir}
 
     def discard(self, snap: dict) -> None:
@@ -271,8 +284,9 @@ class EngineCheckpointState(MasterPartitions):
             shutil.rmtree(Path(snap["ckpt_dir"]) / snap["tag"], ignore_errors=True)
 
     def restore(self, snap: dict, lr_scale: float = 1.0) -> None:
-        path, _ = self.engine.load_checkpoint(snap["ckpt_dir"], tag=snap["tag"], load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        path, _ = self.engine.load_checkpoint(
+            snap["ckpt_dir"], tag=snap["tag"], load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             raise RuntimeError(f"rl_guard rollback: no DeepSpeed checkpoint {snap['tag']!r} under {snap['ckpt_dir']}")
         if lr_scale != 1.0:

@@ -53,43 +53,89 @@ TRAINER_METHODS = {"training_step": ("experience",), "ppo_train": ()}
 TRAINER_ATTRS = ("strategy", "actor", "actor_optim", "actor_scheduler", "args", "actor_loss_fn")
 LOSS_PARAMS = ("log_probs", "old_log_probs", "advantages", "action_mask", "rollout_log_probs")
 LOSS_ATTRS = ("policy_loss_type", "clip_eps_low", "clip_eps_high")
-STRATEGY_METHODS = {"save_ckpt": ("model", "save_dir", "tag", "max_num", "max_mem", "client_state"),
-                    "load_ckpt": ("model", "load_dir", "tag"), "optimizer_step": ("model",)}
+STRATEGY_METHODS = {
+    "save_ckpt": ("model", "save_dir", "tag", "max_num", "max_mem", "client_state"),
+    "load_ckpt": ("model", "load_dir", "tag"),
+    "optimizer_step": ("model",),
+}
 EXPERIENCE_MODULE = "openrlhf.trainer.ppo_utils.experience"
 # Experience fields as of openrlhf 0.11.2 (tests compare with the real dataclass) and the ones read here.
-EXPERIENCE_FIELDS = ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs",
-                     "rollout_log_probs", "values", "returns", "advantages", "kl", "rewards", "scores",
-                     "response_length", "truncated", "total_length", "index", "prompts", "labels", "images",
-                     "mm_train_inputs", "info")
-FIELDS_READ = ("action_mask", "action_log_probs", "base_action_log_probs", "rollout_log_probs", "advantages",
-               "rewards", "response_length", "truncated", "info")
+EXPERIENCE_FIELDS = (
+    "sequences",
+    "attention_mask",
+    "action_mask",
+    "action_log_probs",
+    "base_action_log_probs",
+    "rollout_log_probs",
+    "values",
+    "returns",
+    "advantages",
+    "kl",
+    "rewards",
+    "scores",
+    "response_length",
+    "truncated",
+    "total_length",
+    "index",
+    "prompts",
+    "labels",
+    "images",
+    "mm_train_inputs",
+    "info",
+)
+FIELDS_READ = (
+    "action_mask",
+    "action_log_probs",
+    "base_action_log_probs",
+    "rollout_log_probs",
+    "advantages",
+    "rewards",
+    "response_length",
+    "truncated",
+    "info",
+)
 
 
 def token_batch(experience, log_probs, entropy=None, policy_loss=None) -> TokenBatch:
     """One micro-batch's ``TokenBatch``: the Experience plus the current log-probs / entropy ``(B, A)``."""
+
     def per_seq(t):
         return t.reshape(-1).to(log_probs.device) if hasattr(t, "numel") and t.numel() == log_probs.shape[0] else None
+
     loss_type = policy_loss.policy_loss_type  # PolicyLoss's settings (LOSS_ATTRS, checked at attach)
     old, rollout = experience.action_log_probs, experience.rollout_log_probs
     behaviour, prox = old, None
     if rollout is not None:  # GSPO's ratio is pi/pi_rollout itself; PPO's is pi/pi_old with pi_old/pi_rollout as IS
         behaviour, prox = (rollout, None) if loss_type == "gspo" else (rollout, old)
     rewards = experience.rewards if experience.rewards is not None else experience.info.get("reward")
-    entropy = None if entropy is None else entropy[:, -log_probs.shape[1]:].detach()  # (B, T-1) -> (B, A)
+    entropy = None if entropy is None else entropy[:, -log_probs.shape[1] :].detach()  # (B, T-1) -> (B, A)
     return TokenBatch(
-        logprobs=log_probs.detach(), mask=experience.action_mask.bool(), old_logprobs=behaviour.detach(),
-        prox_logprobs=None if prox is None else prox.detach(), ref_logprobs=experience.base_action_log_probs,
-        entropy=entropy, advantages=experience.advantages, rewards=per_seq(rewards),
-        lengths=per_seq(experience.response_length), truncated=per_seq(experience.truncated),
-        eps_low=float(policy_loss.clip_eps_low), eps_high=float(policy_loss.clip_eps_high),
-        importance_sampling_level="sequence" if loss_type == "gspo" else "token")
+        logprobs=log_probs.detach(),
+        mask=experience.action_mask.bool(),
+        old_logprobs=behaviour.detach(),
+        prox_logprobs=None if prox is None else prox.detach(),
+        ref_logprobs=experience.base_action_log_probs,
+        entropy=entropy,
+        advantages=experience.advantages,
+        rewards=per_seq(rewards),
+        lengths=per_seq(experience.response_length),
+        truncated=per_seq(experience.truncated),
+        eps_low=float(policy_loss.clip_eps_low),
+        eps_high=float(policy_loss.clip_eps_high),
+        importance_sampling_level="sequence" if loss_type == "gspo" else "token",
+    )
 
 
 def guard_policy_loss(guard, policy_loss, experience, log_probs, entropy=None, **loss_batch_info):
     """Call ``PolicyLoss`` as ``training_step`` does, observe the micro-batch, return its 5-tuple unchanged."""
-    out = policy_loss(log_probs, experience.action_log_probs, experience.advantages,
-                      action_mask=experience.action_mask, rollout_log_probs=experience.rollout_log_probs,
-                      **loss_batch_info)
+    out = policy_loss(
+        log_probs,
+        experience.action_log_probs,
+        experience.advantages,
+        action_mask=experience.action_mask,
+        rollout_log_probs=experience.rollout_log_probs,
+        **loss_batch_info,
+    )
     with guard.protect("observe (OpenRLHF Experience)"):  # a renamed field must not kill training
         guard.observe(token_batch(experience, log_probs, entropy, policy_loss), loss=out[0].detach())
     return out
@@ -102,8 +148,18 @@ class CheckpointState(MasterPartitions):
     ``memory_dir``); checkpoints for save-and-halt always go to ``ckpt_dir`` on disk. The guard asks for a
     snapshot with the step it is about to start (``guard.step + 1``) and for a checkpoint with the current one."""
 
-    def __init__(self, guard, strategy, actor, optimizer, scheduler, ckpt_dir: str, max_num: int = 3, max_mem=1000,
-                 snapshot_dir: str | None = None):
+    def __init__(
+        self,
+        guard,
+        strategy,
+        actor,
+        optimizer,
+        scheduler,
+        ckpt_dir: str,
+        max_num: int = 3,
+        max_mem=1000,
+        snapshot_dir: str | None = None,
+    ):
         self.guard, self.strategy, self.model, self.optimizer = guard, strategy, actor, optimizer
         self.scheduler, self.ckpt_dir, self.max_num, self.max_mem = scheduler, ckpt_dir, max_num, max_mem
         self.snapshot_dir = snapshot_dir or ckpt_dir
@@ -111,8 +167,14 @@ class CheckpointState(MasterPartitions):
     def capture(self, step: int) -> dict:
         tag = f"rl_guard_step{step}"
         where = self.snapshot_dir if step > self.guard.step else self.ckpt_dir
-        self.strategy.save_ckpt(_engine(self.model), where, tag, self.max_num, self.max_mem,
-                                client_state={"rl_guard": self.guard.state_dict()})
+        self.strategy.save_ckpt(
+            _engine(self.model),
+            where,
+            tag,
+            self.max_num,
+            self.max_mem,
+            client_state={"rl_guard": self.guard.state_dict()},
+        )
         return {"step": step, "tag": tag, "ckpt_dir": where}
 
     def discard(self, snap: dict) -> None:
@@ -180,8 +242,18 @@ def attach_checkpoints(guard, strategy, actor, optimizer, scheduler, ckpt_dir: s
     for name in ("save_ckpt", "load_ckpt"):
         require_seam(strategy, name, params=STRATEGY_METHODS[name], where=_where())
     guard.attach(actor, optimizer, scheduler)
-    return guard.attach_state(CheckpointState(guard, strategy, actor, optimizer, scheduler, ckpt_dir,
-                                              max_num=guard.config.snapshots["keep"] + 1, snapshot_dir=snapshot_dir))
+    return guard.attach_state(
+        CheckpointState(
+            guard,
+            strategy,
+            actor,
+            optimizer,
+            scheduler,
+            ckpt_dir,
+            max_num=guard.config.snapshots["keep"] + 1,
+            snapshot_dir=snapshot_dir,
+        )
+    )
 
 
 def _where() -> str:
@@ -230,8 +302,9 @@ def install(trainer, guard, ckpt_dir: str | None = None):
     strategy, actor = trainer.strategy, trainer.actor
     ckpt_dir = ckpt_dir or os.path.join(trainer.args.ckpt.path, "_actor_rl_guard")
     snapshot_dir = memory_dir(guard)
-    attach_checkpoints(guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir,
-                       snapshot_dir=snapshot_dir)
+    attach_checkpoints(
+        guard, strategy, actor, trainer.actor_optim, trainer.actor_scheduler, ckpt_dir, snapshot_dir=snapshot_dir
+    )
     live = {"experience": None, "entropy": None, "checked": sys.modules.get(EXPERIENCE_MODULE) is not None}
 
     def forward(original, *args, **kwargs):
@@ -248,8 +321,9 @@ def install(trainer, guard, ckpt_dir: str | None = None):
         if live["experience"] is not None:
             with guard.protect("observe (OpenRLHF Experience)"):
                 log_probs = arguments(original.forward, args, kwargs)["log_probs"]
-                guard.observe(token_batch(live["experience"], log_probs, live["entropy"], original),
-                              loss=out[0].detach())
+                guard.observe(
+                    token_batch(live["experience"], log_probs, live["entropy"], original), loss=out[0].detach()
+                )
         return out
 
     def training_step(original, *args, **kwargs):
@@ -275,9 +349,13 @@ def install(trainer, guard, ckpt_dir: str | None = None):
                 args, kwargs = call.args, call.kwargs
         return original(*args, **kwargs)
 
-    for obj, name, wrapper in ((actor, "forward", forward), (trainer, "actor_loss_fn", loss_fn),
-                               (trainer, "training_step", training_step), (trainer, "ppo_train", ppo_train),
-                               (strategy, "save_ckpt", save_ckpt)):
+    for obj, name, wrapper in (
+        (actor, "forward", forward),
+        (trainer, "actor_loss_fn", loss_fn),
+        (trainer, "training_step", training_step),
+        (trainer, "ppo_train", ppo_train),
+        (strategy, "save_ckpt", save_ckpt),
+    ):
         setattr(obj, name, functools.partial(wrapper, getattr(obj, name)))  # instance attributes only
     gate_optimizer_step(strategy, actor, guard)
     return guard

@@ -47,7 +47,6 @@ class StepCounter:
             self._handle.remove()
 
 
-
 def halted(guard, decision):
     """The ``GuardHalted`` an adapter raises for a stopping decision: the rules' messages, or the guard's own when
     it escalated a skip the framework did not take (``Guard.skip_not_taken``)."""

@@ -161,29 +161,39 @@ class RLGuardCallback(TrainerCallback):
             wanted = self.guard.run_dir if self._run_dir_given else default
             fresh = fresh_run_dir(wanted) if self.guard.rank == 0 else Path(wanted)
             if fresh != Path(wanted):
-                console_logger().warning(f"rl_guard: {wanted} holds another run's records; this run writes to {fresh} "
-                                         "(resume_from_checkpoint continues a run's own records)")
+                console_logger().warning(
+                    f"rl_guard: {wanted} holds another run's records; this run writes to {fresh} "
+                    "(resume_from_checkpoint continues a run's own records)"
+                )
             if fresh != self.guard.run_dir:
                 self.guard.use_run_dir(fresh)
             if checkpoint is not None:
                 console_logger().warning(
                     f"rl_guard: {checkpoint} carries no guard state: the guard starts unarmed at step "
                     f"{state.global_step + 1} (empty rule histories and counters; spike rules arm after their "
-                    "min_history)")
+                    "min_history)"
+                )
         self.guard.open_run_dir()
 
     def _announce_resume(self, checkpoint: str, saved: dict, args) -> None:
-        line = (f"rl_guard: resumed from {checkpoint}: step {self.guard.step}, {self.guard.skipped_steps} skipped, "
-                f"{self.guard.rollbacks} rollbacks, rule histories restored; records continue in {self.guard.run_dir}")
+        line = (
+            f"rl_guard: resumed from {checkpoint}: step {self.guard.step}, {self.guard.skipped_steps} skipped, "
+            f"{self.guard.rollbacks} rollbacks, rule histories restored; records continue in {self.guard.run_dir}"
+        )
         stop = saved.get("stopped")
         if stop is not None:
             earlier = checkpoints_before(args.output_dir, stop["step"])
-            healthy = (f"the newest checkpoint from before it is {earlier[-1]}" if earlier
-                       else "no checkpoint from before it is in output_dir")
-            line += (f"\n  WARNING: this checkpoint was saved when rule {stop['rule']} stopped the run at step "
-                     f"{stop['step']} ({stop['message']}): it holds "
-                     f"the state the fault left; {healthy}. A fault still present is acted on at the first resumed "
-                     "step.")
+            healthy = (
+                f"the newest checkpoint from before it is {earlier[-1]}"
+                if earlier
+                else "no checkpoint from before it is in output_dir"
+            )
+            line += (
+                f"\n  WARNING: this checkpoint was saved when rule {stop['rule']} stopped the run at step "
+                f"{stop['step']} ({stop['message']}): it holds "
+                f"the state the fault left; {healthy}. A fault still present is acted on at the first resumed "
+                "step."
+            )
         console_logger().warning(line)
 
     def _align_steps(self, state) -> None:
@@ -192,8 +202,10 @@ class RLGuardCallback(TrainerCallback):
             _ = self.guard.sinks  # started first, so a fresh run is not mistaken for a resumed one
         self.guard.start_at(state.global_step + 1)
         if self.guard.step != state.global_step + 1:
-            console_logger().warning(f"rl_guard: the saved guard state is at step {self.guard.step}, the trainer at "
-                                     f"global_step {state.global_step}: the guard follows the trainer")
+            console_logger().warning(
+                f"rl_guard: the saved guard state is at step {self.guard.step}, the trainer at "
+                f"global_step {state.global_step}: the guard follows the trainer"
+            )
             self.guard.controller.step = state.global_step + 1
         _ = self.guard.sinks  # a resumed run: records after the resume step are dropped, none duplicated
 
@@ -256,10 +268,14 @@ class RLGuardCallback(TrainerCallback):
             saved = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             earlier = checkpoints_before(args.output_dir, stop["step"])
             if saved.is_dir():
-                lines.append(f"  trainer checkpoint: {saved} (holds the state the fault left; the guard's state is in "
-                             "it, so a fault still present is acted on at the first resumed step)")
-            lines.append(f"  newest healthy checkpoint (before step {stop['step']}, not written at a stop): "
-                         + (str(earlier[-1]) if earlier else "none in output_dir"))
+                lines.append(
+                    f"  trainer checkpoint: {saved} (holds the state the fault left; the guard's state is in "
+                    "it, so a fault still present is acted on at the first resumed step)"
+                )
+            lines.append(
+                f"  newest healthy checkpoint (before step {stop['step']}, not written at a stop): "
+                + (str(earlier[-1]) if earlier else "none in output_dir")
+            )
             target = saved if saved.is_dir() else (earlier[-1] if earlier else None)
             if target is not None:
                 lines.append(f'  to resume: trainer.train(resume_from_checkpoint="{target}")')
@@ -271,6 +287,7 @@ class RLGuardCallback(TrainerCallback):
             out = original(*args, **kwargs)
             self._captured = out if self._in_loss else self._captured
             return out
+
         return wrapper
 
     def _wrap_loss(self, original):
@@ -288,6 +305,7 @@ class RLGuardCallback(TrainerCallback):
                     loss = out[0] if isinstance(out, tuple) else out
                     self.guard.observe(self._token_batch(named["inputs"]), loss=loss.detach(), context=named["inputs"])
             return out
+
         return wrapper
 
     def _wrap_rewards(self, original):
@@ -298,9 +316,11 @@ class RLGuardCallback(TrainerCallback):
             if self.trainer.model.training:
                 with self.guard.protect("observe (TRL rewards)"):
                     named = signature.bind(*args, **kwargs).arguments
-                    self._observe_rewards(per_func, named["prompts"], named["completions"],
-                                          named["completion_ids_list"])
+                    self._observe_rewards(
+                        per_func, named["prompts"], named["completions"], named["completion_ids_list"]
+                    )
             return per_func
+
         return wrapper
 
     def _observe_rewards(self, per_func, prompts, completions, completion_ids_list) -> None:
@@ -308,9 +328,10 @@ class RLGuardCallback(TrainerCallback):
         # per_func is gathered over processes: the merged statistics take this rank's slice only (where a
         # function's None is known), the (host-side) diagnostics the whole batch, identically on every rank.
         start, n = self.trainer.accelerator.process_index * len(prompts), len(prompts)
-        local = per_func[start:start + n]
-        none = (self._nones.not_applicable(n, local.device) if self._nones is not None
-                else torch.zeros_like(local).bool())
+        local = per_func[start : start + n]
+        none = (
+            self._nones.not_applicable(n, local.device) if self._nones is not None else torch.zeros_like(local).bool()
+        )
         # As TRL, a None adds nothing; unlike TRL's nansum, a NaN a function really returned stays visible.
         self.guard.observe_sequences(rewards=applicable_total(local, weights, none))
         # On one process the whole batch is local and its Nones are known; across processes only this rank's are.
@@ -318,8 +339,9 @@ class RLGuardCallback(TrainerCallback):
         samples = samples_from_rewards(self.trainer, per_func, total, prompts, completions, completion_ids_list)
         self.guard.observe_samples(samples)
         k = self.guard.config.quarantine["culprits"]
-        self.guard.observe_culprits("rewards", reward_culprits(samples, start, prompts, completions,
-                                                               completion_ids_list, k))
+        self.guard.observe_culprits(
+            "rewards", reward_culprits(samples, start, prompts, completions, completion_ids_list, k)
+        )
 
     def _describe(self, inputs, row: int) -> dict:
         """A culprit sequence of a loss micro-batch, as text and ids (read on the host only when a rule acted)."""
@@ -327,8 +349,12 @@ class RLGuardCallback(TrainerCallback):
         decode = tokenizer.decode if hasattr(tokenizer, "decode") else tokenizer.tokenizer.decode
         prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].tolist()
         completion = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].tolist()
-        return {"prompt": cut(decode(prompt)), "completion": cut(decode(completion)),
-                "prompt_ids": prompt[:IDS_LIMIT], "completion_ids": completion[:IDS_LIMIT]}
+        return {
+            "prompt": cut(decode(prompt)),
+            "completion": cut(decode(completion)),
+            "prompt_ids": prompt[:IDS_LIMIT],
+            "completion_ids": completion[:IDS_LIMIT],
+        }
 
     def _wrap_generate(self, original):
         signature = inspect.signature(original)
@@ -340,12 +366,14 @@ class RLGuardCallback(TrainerCallback):
                 if gate is not None:
                     bound.arguments["inputs"] = gate.filter(bound.arguments["inputs"])
             return original(*bound.args, **bound.kwargs)
+
         return wrapper
 
     def _wrap_clip(self, original):
         def wrapper(*args, **kwargs):
             self._preclip = original(*args, **kwargs)
             return self._preclip
+
         return wrapper
 
     def _wrap_log(self, original):
@@ -357,6 +385,7 @@ class RLGuardCallback(TrainerCallback):
                 if "loss" in logs:  # training logs only; every report_to backend then receives rl_guard/* too
                     logs.update(self.guard.last_logged)
             return original(*args, **kwargs)
+
         return wrapper
 
     # -- translating TRL tensors --------------------------------------------------------------------------------
@@ -388,10 +417,17 @@ class RLGuardCallback(TrainerCallback):
         eos = self._eos_ids(t.eos_token_ids, completion_ids.device)
         truncated = ~(torch.isin(completion_ids, eos) & inputs["completion_mask"].bool()).any(1)
         return TokenBatch(
-            logprobs=logps.detach(), mask=mask.bool(), old_logprobs=old, prox_logprobs=prox,
-            ref_logprobs=inputs.get("ref_per_token_logps"), entropy=None if entropies is None else entropies.detach(),
-            advantages=inputs["advantages"], lengths=inputs["completion_mask"].sum(1), truncated=truncated,
-            eps_low=float(t.epsilon_low), eps_high=float(t.epsilon_high),
+            logprobs=logps.detach(),
+            mask=mask.bool(),
+            old_logprobs=old,
+            prox_logprobs=prox,
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            entropy=None if entropies is None else entropies.detach(),
+            advantages=inputs["advantages"],
+            lengths=inputs["completion_mask"].sum(1),
+            truncated=truncated,
+            eps_low=float(t.epsilon_low),
+            eps_high=float(t.epsilon_high),
             clipped_loss=self._settings["loss_type"] in PPO_CLIP_LOSSES,
             importance_sampling_level=self._settings["importance_sampling_level"],
             allow_empty_mask=bool(t.mask_truncated_completions),
@@ -412,8 +448,9 @@ class RLGuardCallback(TrainerCallback):
             if decision is not None and decision.stop:
                 control.should_training_stop = control.should_save = True
             return control
-        decision = self.guard.check(params=optimizer if optimizer is not None else model, pre_clip_norm=preclip,
-                                    defer_restore=True)
+        decision = self.guard.check(
+            params=optimizer if optimizer is not None else model, pre_clip_norm=preclip, defer_restore=True
+        )
         if decision.stop:  # should_save: the trainer also writes its own checkpoint of the halted state
             control.should_training_stop = control.should_save = True
         return control
@@ -427,4 +464,3 @@ class RLGuardCallback(TrainerCallback):
             self.trainer._buffered_inputs = None
         self.guard.step_done()
         return control
-

@@ -55,7 +55,8 @@ def resume_checkpoint(args, state) -> str | None:
     guess = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
     console_logger().warning(
         f"rl_guard: could not find transformers' resume_from_checkpoint (Trainer._inner_training_loop); the run "
-        f"starts at global_step {state.global_step}, so the guard's state is read from {guess}")
+        f"starts at global_step {state.global_step}, so the guard's state is read from {guess}"
+    )
     return guess
 
 
@@ -83,7 +84,8 @@ def save_guard_state(guard, checkpoint_dir: str | Path, told: set) -> Path:
         console_logger().warning(
             f"rl_guard: the healthy snapshots ({size / 2**30:.1f} GiB in memory) are not saved in the trainer's "
             f"checkpoints (limit {SNAPSHOT_BYTES_LIMIT / 2**30:.0f} GiB): after a resume, rollback is armed again once "
-            "the guard has taken a snapshot (snapshots.where: disk keeps them across resumes)")
+            "the guard has taken a snapshot (snapshots.where: disk keeps them across resumes)"
+        )
     path = Path(checkpoint_dir) / STATE_FILE.format(rank=guard.rank)
     atomic_save(payload, path)
     if guard.stopped is not None and guard.rank == 0:  # found cheaply when looking for a healthy checkpoint

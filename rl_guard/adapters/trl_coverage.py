@@ -29,21 +29,31 @@ def trainer_configuration(trainer) -> dict:
     grpo = hasattr(trainer, "num_iterations") and hasattr(args, "steps_per_generation")
     name = type(trainer).__name__
     # RLOOTrainer keeps one old log-prob per sequence (old_logps), never per token.
-    cfg = {"trainer": name, "grpo": grpo, "sequence_old_logps": name == "RLOOTrainer",
-           "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
-           "max_grad_norm": float(args.max_grad_norm or 0.0)}
+    cfg = {
+        "trainer": name,
+        "grpo": grpo,
+        "sequence_old_logps": name == "RLOOTrainer",
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "max_grad_norm": float(args.max_grad_norm or 0.0),
+    }
     if grpo:
         from .trl_seams import settings  # verified at attach (check_seams): no default stands in for a value
 
-        cfg.update(num_iterations=int(trainer.num_iterations), steps_per_generation=int(args.steps_per_generation),
-                   beta=float(trainer.beta), use_vllm=bool(trainer.use_vllm), **settings(trainer))
+        cfg.update(
+            num_iterations=int(trainer.num_iterations),
+            steps_per_generation=int(args.steps_per_generation),
+            beta=float(trainer.beta),
+            use_vllm=bool(trainer.use_vllm),
+            **settings(trainer),
+        )
     return cfg
 
 
 def _keeps_old_logps(cfg: dict) -> bool:
     every = cfg["steps_per_generation"] * cfg["num_iterations"]
-    return (cfg["gradient_accumulation_steps"] % every != 0
-            or (cfg["use_vllm"] and cfg["vllm_importance_sampling_correction"]))
+    return cfg["gradient_accumulation_steps"] % every != 0 or (
+        cfg["use_vllm"] and cfg["vllm_importance_sampling_correction"]
+    )
 
 
 def metric_status(metric: str, cfg: dict) -> tuple[str, str]:
@@ -63,17 +73,23 @@ def metric_status(metric: str, cfg: dict) -> tuple[str, str]:
     if name.startswith("kl_ref/") and cfg["beta"] == 0:
         return "absent", "beta=0: TRL loads no reference model, so there is no reference KL"
     if name.startswith(ON_POLICY_FAMILIES) and cfg.get("sequence_old_logps"):
-        return "absent", ("RLOOTrainer keeps only per-sequence old log-probs (old_logps): no per-token ratio, "
-                          "kl_old or clip statistics")
+        return "absent", (
+            "RLOOTrainer keeps only per-sequence old log-probs (old_logps): no per-token ratio, "
+            "kl_old or clip statistics"
+        )
     if name.startswith("clip/") and cfg["loss_type"] not in PPO_CLIP_LOSSES:
-        return "absent", (f"loss_type={cfg['loss_type']} does not clip the ratio to [1 - epsilon_low, 1 + "
-                          "epsilon_high]: the clip metrics are not computed (TRL logs its own for cispo)")
+        return "absent", (
+            f"loss_type={cfg['loss_type']} does not clip the ratio to [1 - epsilon_low, 1 + "
+            "epsilon_high]: the clip metrics are not computed (TRL logs its own for cispo)"
+        )
     if name.startswith("seq_ratio/") and cfg["importance_sampling_level"] == "sequence" and _keeps_old_logps(cfg):
         return "produced", ""
     if name.startswith(ON_POLICY_FAMILIES) and not _keeps_old_logps(cfg):
-        return "constant", (f"fully on-policy (gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is a "
-                            f"multiple of steps_per_generation x num_iterations = {cfg['steps_per_generation']} x "
-                            f"{cfg['num_iterations']}): the ratio is exactly 1, kl_old exactly 0, nothing is clipped")
+        return "constant", (
+            f"fully on-policy (gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is a "
+            f"multiple of steps_per_generation x num_iterations = {cfg['steps_per_generation']} x "
+            f"{cfg['num_iterations']}): the ratio is exactly 1, kl_old exactly 0, nothing is clipped"
+        )
     return "produced", ""
 
 
@@ -85,12 +101,21 @@ def rule_coverage(rules, cfg: dict) -> list[dict]:
         live = [s for s in statuses if s[1] == "produced"]
         can = len(live) == len(statuses) if rule.mode == "all" else bool(live)
         dead = [s for s in statuses if s[1] != "produced"]
-        why = "; ".join(f"{m.removeprefix(PREFIX)} {'is never reported' if st == 'absent' else 'is constant'}: {w}"
-                        for m, st, w in dead)
+        why = "; ".join(
+            f"{m.removeprefix(PREFIX)} {'is never reported' if st == 'absent' else 'is constant'}: {w}"
+            for m, st, w in dead
+        )
         nonfinite_only = not can and any(st == "constant" for _, st, _ in dead)
-        out.append({"rule": rule.name, "action": rule.action, "can_fire": can,
-                    "only_on_nonfinite": nonfinite_only, "why": why if not can else "",
-                    "absent_metrics": [m for m, st, _ in statuses if st == "absent"]})
+        out.append(
+            {
+                "rule": rule.name,
+                "action": rule.action,
+                "can_fire": can,
+                "only_on_nonfinite": nonfinite_only,
+                "why": why if not can else "",
+                "absent_metrics": [m for m, st, _ in statuses if st == "absent"],
+            }
+        )
     return out
 
 
@@ -113,7 +138,8 @@ def write_coverage(run_dir: Path, cfg: dict, coverage: list[dict]) -> str:
     text = render(cfg, coverage)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "coverage.json").write_text(json.dumps({"configuration": cfg, "rules": coverage}, indent=1) + "\n",
-                                           encoding="utf-8")
+    (run_dir / "coverage.json").write_text(
+        json.dumps({"configuration": cfg, "rules": coverage}, indent=1) + "\n", encoding="utf-8"
+    )
     (run_dir / "coverage.txt").write_text(text + "\n", encoding="utf-8")
     return text

@@ -21,9 +21,11 @@ from ..control.culprits import IDS_LIMIT, cut, prompt_key
 def reward_culprits(samples, start: int, prompts, completions, completion_ids, k: int) -> list[dict]:
     """Candidates among this process's rows ``start .. start + len(prompts)`` of the (gathered) batch."""
     n = len(prompts)
-    rewards = np.asarray(samples.rewards, dtype=np.float64)[start:start + n]
-    components = {name: np.asarray(v, dtype=np.float64)[start:start + n]
-                  for name, v in (samples.reward_components or {}).items()}
+    rewards = np.asarray(samples.rewards, dtype=np.float64)[start : start + n]
+    components = {
+        name: np.asarray(v, dtype=np.float64)[start : start + n]
+        for name, v in (samples.reward_components or {}).items()
+    }
     bad = np.flatnonzero(~np.isfinite(rewards))
     finite = np.flatnonzero(np.isfinite(rewards))
     far = np.zeros(0, dtype=np.int64)
@@ -31,10 +33,19 @@ def reward_culprits(samples, start: int, prompts, completions, completion_ids, k
         distance = np.abs(rewards[finite] - np.median(rewards[finite]))
         far = finite[np.argsort(-distance, kind="stable")[:k]]
     chosen = [*bad[:k], *far]
-    return [{"index": int(start + i), "prompt": cut(prompts[i]), "prompt_key": prompt_key(prompts[i]),
-             "completion": cut(completions[i]), "completion_ids": list(completion_ids[i])[:IDS_LIMIT],
-             "reward": float(rewards[i]), "rewards": {name: float(v[i]) for name, v in components.items()},
-             "nonfinite": bool(not np.isfinite(rewards[i]))} for i in chosen]
+    return [
+        {
+            "index": int(start + i),
+            "prompt": cut(prompts[i]),
+            "prompt_key": prompt_key(prompts[i]),
+            "completion": cut(completions[i]),
+            "completion_ids": list(completion_ids[i])[:IDS_LIMIT],
+            "reward": float(rewards[i]),
+            "rewards": {name: float(v[i]) for name, v in components.items()},
+            "nonfinite": bool(not np.isfinite(rewards[i])),
+        }
+        for i in chosen
+    ]
 
 
 class PromptGate:

@@ -22,8 +22,9 @@ class NoneTracker:
         self.trainer = trainer
         self.original = list(trainer.reward_funcs)
         self.nones: dict[int, list[bool]] = {}
-        trainer.reward_funcs = [f if isinstance(f, torch.nn.Module) else self._wrap(i, f)
-                                for i, f in enumerate(self.original)]
+        trainer.reward_funcs = [
+            f if isinstance(f, torch.nn.Module) else self._wrap(i, f) for i, f in enumerate(self.original)
+        ]
 
     def _wrap(self, i: int, func):
         def record(out):
@@ -32,14 +33,17 @@ class NoneTracker:
             return out
 
         if inspect.iscoroutinefunction(func):
+
             @functools.wraps(func)
             async def wrapped_async(*args, **kwargs):
                 return record(await func(*args, **kwargs))
+
             return wrapped_async
 
         @functools.wraps(func)
         def wrapped(*args, **kwargs):
             return record(func(*args, **kwargs))
+
         return wrapped
 
     def not_applicable(self, n: int, device) -> torch.Tensor:

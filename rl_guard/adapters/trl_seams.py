@@ -12,17 +12,34 @@ TESTED = {"trl": ("1.16", "1.17"), "transformers": ("5.25", "5.26")}
 # Every transformers Trainer: the loss (TokenBatch and loss), the pre-clip norm, the log line the metrics join.
 TRAINER_METHODS = {"compute_loss": ("model", "inputs"), "_clip_grad_norm": ("model",), "log": ("logs",)}
 # TRL's RL trainers (those with reward functions): log-probs and entropies of the loss, rewards per function.
-RL_METHODS = {"_get_per_token_logps_and_entropies": (),
-              "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list")}
-RL_ATTRS = ("eos_token_ids", "processing_class", "epsilon_low", "epsilon_high", "mask_truncated_completions",
-            "reward_weights", "_buffered_inputs", "num_iterations", "beta", "use_vllm", "reward_funcs", "accelerator")
+RL_METHODS = {
+    "_get_per_token_logps_and_entropies": (),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+}
+RL_ATTRS = (
+    "eos_token_ids",
+    "processing_class",
+    "epsilon_low",
+    "epsilon_high",
+    "mask_truncated_completions",
+    "reward_weights",
+    "_buffered_inputs",
+    "num_iterations",
+    "beta",
+    "use_vllm",
+    "reward_funcs",
+    "accelerator",
+)
 # With quarantine on: the raw dataset rows of a generation batch, before generation (trl_quarantine.py).
 QUARANTINE_SEAM = "_generate_and_score_completions"
 GRPO_ATTRS = ("loss_type", "importance_sampling_level", "vllm_importance_sampling_correction")
 # RLOOTrainer (trl 1.16) has no such settings: its loss clips a sequence-level ratio, at the token level of sampling,
 # with no vLLM importance-sampling correction. These are its design, not defaults for a missing value.
-RLOO_SETTINGS = {"loss_type": "rloo", "importance_sampling_level": "token",
-                 "vllm_importance_sampling_correction": False}
+RLOO_SETTINGS = {
+    "loss_type": "rloo",
+    "importance_sampling_level": "token",
+    "vllm_importance_sampling_correction": False,
+}
 
 
 def check_versions() -> None:
@@ -65,6 +82,8 @@ def check_seams(trainer, quarantine: bool = False) -> dict[str, object]:
 def settings(trainer) -> dict:
     """The loss settings the token statistics depend on, read from the trainer (RLOO: its fixed design)."""
     source = RLOO_SETTINGS if is_rloo(trainer) else {k: getattr(trainer, k) for k in GRPO_ATTRS}
-    return {"loss_type": str(source["loss_type"]),
-            "importance_sampling_level": str(source["importance_sampling_level"]),
-            "vllm_importance_sampling_correction": bool(source["vllm_importance_sampling_correction"])}
+    return {
+        "loss_type": str(source["loss_type"]),
+        "importance_sampling_level": str(source["importance_sampling_level"]),
+        "vllm_importance_sampling_correction": bool(source["vllm_importance_sampling_correction"]),
+    }

@@ -67,8 +67,12 @@ from . import CONFIG_ENV, RUN_DIR_ENV
 from .seams import StepCounter, announce, arguments, halted, load_state, save_state, where
 
 TESTED = {"verl": ("0.9", "0.10")}  # constraints/verl.txt: verl 0.9.1
-ENGINE_METHODS = {"optimizer_step": (), "train_batch": (), "save_checkpoint": ("local_path",),
-                  "load_checkpoint": ("local_path",)}
+ENGINE_METHODS = {
+    "optimizer_step": (),
+    "train_batch": (),
+    "save_checkpoint": ("local_path",),
+    "load_checkpoint": ("local_path",),
+}
 ENGINE_ATTRS = ("module", "optimizer", "lr_scheduler")
 LOSS_PARAMS = ("model_output", "data")  # what engine.forward_step passes the loss function, read by name
 CONFIG_ATTRS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "policy_loss")  # ActorConfig values read
@@ -95,7 +99,7 @@ def response_positions(data, width=None) -> tuple[torch.Tensor, torch.Tensor]:
     else:  # left-padded prompts, right-padded responses (verl's trainer): lengths from the attention mask
         attention = data["attention_mask"]
         prompt_lens = attention[:, : prompts.shape[1]].sum(dim=1)
-        response_lens = attention[:, prompts.shape[1]:].sum(dim=1)
+        response_lens = attention[:, prompts.shape[1] :].sum(dim=1)
         width = responses.shape[1]
     ends = (prompt_lens + response_lens).cumsum(dim=0)
     steps = torch.arange(width, device=ends.device)
@@ -127,11 +131,19 @@ def token_batch(model_output, data, config=None) -> TokenBatch:
     scores = td.get("token_level_scores", td.get("token_level_rewards"))
     low, high, level = clip_settings(config)
     return TokenBatch(
-        logprobs=logp, mask=mask, old_logprobs=behaviour.detach(),
+        logprobs=logp,
+        mask=mask,
+        old_logprobs=behaviour.detach(),
         prox_logprobs=None if prox is None else prox.detach(),
-        ref_logprobs=td.get("ref_log_prob"), entropy=entropy, advantages=td["advantages"],
-        rewards=None if scores is None else torch.where(mask, scores, 0.0).sum(-1), lengths=mask.sum(-1),
-        eps_low=low, eps_high=high, importance_sampling_level=level)
+        ref_logprobs=td.get("ref_log_prob"),
+        entropy=entropy,
+        advantages=td["advantages"],
+        rewards=None if scores is None else torch.where(mask, scores, 0.0).sum(-1),
+        lengths=mask.sum(-1),
+        eps_low=low,
+        eps_high=high,
+        importance_sampling_level=level,
+    )
 
 
 def clip_settings(config) -> tuple[float, float, str]:
@@ -155,8 +167,10 @@ def loss_config(loss_fn, at: str):
     None, said once, when the loss function has none."""
     config = (getattr(loss_fn, "keywords", None) or {}).get("config")  # a partial's keywords, or none at all
     if config is None:
-        announce(f"verl's actor loss function {getattr(loss_fn, '__name__', loss_fn)!r} carries no ActorConfig: the "
-                 f"guard uses clip {DEFAULT_CLIP_EPS} and token-level ratios for the clip statistics")
+        announce(
+            f"verl's actor loss function {getattr(loss_fn, '__name__', loss_fn)!r} carries no ActorConfig: the "
+            f"guard uses clip {DEFAULT_CLIP_EPS} and token-level ratios for the clip statistics"
+        )
         return None
     require_attr(config, CONFIG_ATTRS, where=at)
     require_attr(config.policy_loss, ("loss_mode",), where=at)
@@ -178,6 +192,7 @@ def observing(loss_fn, guard):
                 named = arguments(loss_fn, args, kwargs)
                 guard.observe(token_batch(named["model_output"], named["data"], config), loss=out[0].detach())
         return out
+
     return guarded
 
 
@@ -188,8 +203,10 @@ def _require_params(loss_fn, at: str) -> None:
     missing = [p for p in LOSS_PARAMS if p not in params]
     if missing:
         name = getattr(getattr(loss_fn, "func", loss_fn), "__name__", repr(loss_fn))
-        raise SeamError(f"rl_guard: verl's actor loss function {name}{inspect.signature(loss_fn)} no longer takes "
-                        f"{', '.join(missing)} ({at}); the adapter reads them by name")
+        raise SeamError(
+            f"rl_guard: verl's actor loss function {name}{inspect.signature(loss_fn)} no longer takes "
+            f"{', '.join(missing)} ({at}); the adapter reads them by name"
+        )
 
 
 def check_seams(worker) -> None:
@@ -202,8 +219,10 @@ def check_seams(worker) -> None:
     require_attr(worker, ("engine", "loss_fn"), where=at)
     engine = worker.engine
     if not isinstance(engine, FSDPEngine):  # loud, not an unguarded run
-        raise RuntimeError(f"rl_guard.adapters.verl guards verl's FSDP engines (actor strategy fsdp / fsdp2), "
-                           f"not {type(engine).__name__}")
+        raise RuntimeError(
+            f"rl_guard.adapters.verl guards verl's FSDP engines (actor strategy fsdp / fsdp2), "
+            f"not {type(engine).__name__}"
+        )
     for name, params in ENGINE_METHODS.items():
         require_seam(engine, name, params=params, where=at)
     require_attr(engine, ENGINE_ATTRS, where=at)
@@ -250,12 +269,18 @@ def install(worker, guard):
 
     def verify_step() -> None:
         if not state["gated"]:
-            raise SeamError(f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
-                            f"({_where()}): the update was applied without the guard's check")
+            raise SeamError(
+                f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
+                f"({_where()}): the update was applied without the guard's check"
+            )
         skipped_at, decision = state["skipped_at"], state["decision"]
         if skipped_at is not None and steps.calls != skipped_at:
-            guard.skip_not_taken(decision, "verl", f"its optimizer stepped {steps.calls - skipped_at} time(s) in the "
-                                                   "train_batch whose update the guard dropped")
+            guard.skip_not_taken(
+                decision,
+                "verl",
+                f"its optimizer stepped {steps.calls - skipped_at} time(s) in the "
+                "train_batch whose update the guard dropped",
+            )
             raise halted(guard, decision)
 
     original_save, original_load = engine.save_checkpoint, engine.load_checkpoint

@@ -38,8 +38,12 @@ class Actions:
     def __init__(self, guard):
         self.guard = guard
         cfg = guard.config
-        self.snapshots = SnapshotRing(cfg.snapshots["keep"], cfg.snapshots["where"],
-                                      guard.run_dir / "snapshots" / f"rank{guard.rank}", on_drop=self._discard)
+        self.snapshots = SnapshotRing(
+            cfg.snapshots["keep"],
+            cfg.snapshots["where"],
+            guard.run_dir / "snapshots" / f"rank{guard.rank}",
+            on_drop=self._discard,
+        )
         self.healthy_streak = 0
         self.pending_restore: dict | None = None
         self.last_checkpoint: str | None = None
@@ -105,8 +109,11 @@ class Actions:
                 continue
             family = token_family(f.verdict.metric)
             with g.protect("culprits"):
-                out[f.rule.name] = (host_candidates(extremes, family, k, g.describe_sequence) if family else
-                                    culprits_for(f.verdict.metric, g.culprit_candidates)[:k])
+                out[f.rule.name] = (
+                    host_candidates(extremes, family, k, g.describe_sequence)
+                    if family
+                    else culprits_for(f.verdict.metric, g.culprit_candidates)[:k]
+                )
         return out
 
     def _quarantine(self, decision: Decision, culprits: dict[str, list[dict]]) -> list[dict]:
@@ -119,9 +126,11 @@ class Actions:
             new += g.quarantine.add(found, decision.step, rule, g.run_dir if g.rank == 0 else None)
         if ranks.any_rank(g.quarantine.over_limit()):  # every rank took this decision, so every rank is here
             decision.escalated_from, decision.action = decision.action, "checkpoint_and_halt"
-            decision.escalation_reason = (f"{len(g.quarantine)} quarantined prompts, {g.quarantine.share():.1%} of "
-                                          f"the data, over quarantine.max_share={cfg['max_share']:g}: a reward or "
-                                          "data source that fails this often is broken")
+            decision.escalation_reason = (
+                f"{len(g.quarantine)} quarantined prompts, {g.quarantine.share():.1%} of "
+                f"the data, over quarantine.max_share={cfg['max_share']:g}: a reward or "
+                "data source that fails this often is broken"
+            )
         return new
 
     def _bundle(self, decision: Decision, culprits: dict, ckpt: str | None, restored_to: int | None) -> str | None:
@@ -133,13 +142,30 @@ class Actions:
         from .state import rng_state
 
         lrs = [float(group["lr"]) for group in getattr(getattr(g.state, "optimizer", None), "param_groups", [])]
-        record = {"step": decision.step, "decision": decision.action, "escalated_from": decision.escalated_from,
-                  "rules": [{"rule": f.rule.name, "metric": f.verdict.metric, "value": f.verdict.value,
-                             "op": f.verdict.op, "threshold": f.verdict.threshold, "action": f.action,
-                             "message": f.message, "window": f.window, "culprits": culprits.get(f.rule.name, [])}
-                            for f in decision.firings],
-                  "learning_rates": lrs, "checkpoint": ckpt, "restored_to_step": restored_to,
-                  "counters": g.controller.counters(decision), "quarantined_prompts": len(g.quarantine)}
+        record = {
+            "step": decision.step,
+            "decision": decision.action,
+            "escalated_from": decision.escalated_from,
+            "rules": [
+                {
+                    "rule": f.rule.name,
+                    "metric": f.verdict.metric,
+                    "value": f.verdict.value,
+                    "op": f.verdict.op,
+                    "threshold": f.verdict.threshold,
+                    "action": f.action,
+                    "message": f.message,
+                    "window": f.window,
+                    "culprits": culprits.get(f.rule.name, []),
+                }
+                for f in decision.firings
+            ],
+            "learning_rates": lrs,
+            "checkpoint": ckpt,
+            "restored_to_step": restored_to,
+            "counters": g.controller.counters(decision),
+            "quarantined_prompts": len(g.quarantine),
+        }
         with g.protect("incident bundle"):
             folder, size, seconds = write_bundle(g.run_dir, decision.step, record, rng_state())
             g.last_bundle = {"path": str(folder), "bytes": size, "seconds": seconds}
@@ -172,8 +198,12 @@ class Actions:
         if not self._first_check:
             return
         self._first_check = False
-        if decision.action in (None, "warn") and not len(self.snapshots) and self.guard.state is not None \
-                and self._uses_snapshots():
+        if (
+            decision.action in (None, "warn")
+            and not len(self.snapshots)
+            and self.guard.state is not None
+            and self._uses_snapshots()
+        ):
             with self.guard.protect("snapshot"):
                 self._push(self.guard.state.capture(self.guard.step))
 
@@ -236,29 +266,56 @@ class Actions:
         self.last_checkpoint = str(path)
         return str(path)
 
-    def _incident(self, decision: Decision, firing, ckpt: str | None, restored_to: int | None = None,
-                  culprits: list[dict] | None = None, bundle: str | None = None,
-                  quarantined: list[dict] | None = None) -> None:
+    def _incident(
+        self,
+        decision: Decision,
+        firing,
+        ckpt: str | None,
+        restored_to: int | None = None,
+        culprits: list[dict] | None = None,
+        bundle: str | None = None,
+        quarantined: list[dict] | None = None,
+    ) -> None:
         g = self.guard
         if g.rank != 0:
             return
         v = firing.verdict
-        record = {"step": decision.step, "rule": firing.rule.name, "metric": v.metric, "value": v.value, "op": v.op,
-                  "threshold": v.threshold, "action": firing.action, "severity": firing.rule.severity,
-                  "message": firing.message, "detail": v.detail, "rank": g.rank, "window": firing.window,
-                  "checkpoint": ckpt, "time": time.time(), "escalated_from": decision.escalated_from,
-                  "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
-                  "restored_to_step": restored_to,  # rollback: the state from before this guard step was restored
-                  "escalation_reason": decision.escalation_reason,
-                  "culprits": [{k: c[k] for k in ("prompt", "prompt_key", "reward", "family", "value", "nonfinite")
-                                if k in c}
-                               for c in culprits or []],
-                  "bundle": bundle, "quarantined": [q["prompt"] for q in quarantined or []]}
+        record = {
+            "step": decision.step,
+            "rule": firing.rule.name,
+            "metric": v.metric,
+            "value": v.value,
+            "op": v.op,
+            "threshold": v.threshold,
+            "action": firing.action,
+            "severity": firing.rule.severity,
+            "message": firing.message,
+            "detail": v.detail,
+            "rank": g.rank,
+            "window": firing.window,
+            "checkpoint": ckpt,
+            "time": time.time(),
+            "escalated_from": decision.escalated_from,
+            "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
+            "restored_to_step": restored_to,  # rollback: the state from before this guard step was restored
+            "escalation_reason": decision.escalation_reason,
+            "culprits": [
+                {k: c[k] for k in ("prompt", "prompt_key", "reward", "family", "value", "nonfinite") if k in c}
+                for c in culprits or []
+            ],
+            "bundle": bundle,
+            "quarantined": [q["prompt"] for q in quarantined or []],
+        }
         if restored_to is not None and self.further_back:
             record["further_back"] = True  # the fault returned before a new healthy snapshot: one further back
         if self.plan is not None:  # shadow: the run only got this record; ``would`` is what the guard would have done
-            record.update(action="warn", would=firing.action, mode="shadow", restored_to_step=None,
-                          would_restore_to_step=restored_to)
+            record.update(
+                action="warn",
+                would=firing.action,
+                mode="shadow",
+                restored_to_step=None,
+                would_restore_to_step=restored_to,
+            )
         with g.protect("incident"):
             g.sinks.incident(record)
         lr_scale = g.config.rollback["lr_scale"] ** (g.controller.rollbacks + 1) if decision.rollback else None
@@ -269,14 +326,28 @@ class Actions:
         """An incident about the guard itself (e.g. it is failing internally and the run is unguarded)."""
         g = self.guard
         if g.rank == 0:
-            g.sinks.incident({"step": g.step, "rule": rule, "metric": "rl_guard/guard/unguarded", "action": action,
-                              "decision": action, "severity": "critical", "message": message, "rank": g.rank,
-                              "time": time.time()})
+            g.sinks.incident(
+                {
+                    "step": g.step,
+                    "rule": rule,
+                    "metric": "rl_guard/guard/unguarded",
+                    "action": action,
+                    "decision": action,
+                    "severity": "critical",
+                    "message": message,
+                    "rank": g.rank,
+                    "time": time.time(),
+                }
+            )
 
     def state_dict(self) -> dict:
-        return {"healthy_streak": self.healthy_streak, "snapshots": self.snapshots.state_dict(),
-                "last_checkpoint": self.last_checkpoint, "lr_factor": self.lr_factor,
-                "last_restored": self.last_restored}
+        return {
+            "healthy_streak": self.healthy_streak,
+            "snapshots": self.snapshots.state_dict(),
+            "last_checkpoint": self.last_checkpoint,
+            "lr_factor": self.lr_factor,
+            "last_restored": self.last_restored,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.healthy_streak = state["healthy_streak"]

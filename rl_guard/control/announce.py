@@ -127,16 +127,24 @@ class Announcer:
 
     def summary(self, first_step: int, last_step: int, run_dir) -> list[str]:
         """Steps guarded, actions per rule, and for a stop or halt the reason (adapters add how to resume)."""
-        actions = ", ".join(f"{rule} {action} x{n}" for (rule, action), n in sorted(self.counts.items())
-                            if action != "warn") or "none"
-        warnings = ", ".join(f"{rule} x{n}" for (rule, action), n in sorted(self.counts.items())
-                             if action == "warn") or "none"
-        lines = [f"rl_guard summary: steps {first_step}-{last_step} guarded in this process; since the run began: "
-                 f"actions {actions}; warnings {warnings}",
-                 f"  records: {run_dir} (render them: rl-guard report {run_dir})"]
+        actions = (
+            ", ".join(f"{rule} {action} x{n}" for (rule, action), n in sorted(self.counts.items()) if action != "warn")
+            or "none"
+        )
+        warnings = (
+            ", ".join(f"{rule} x{n}" for (rule, action), n in sorted(self.counts.items()) if action == "warn") or "none"
+        )
+        lines = [
+            f"rl_guard summary: steps {first_step}-{last_step} guarded in this process; since the run began: "
+            f"actions {actions}; warnings {warnings}",
+            f"  records: {run_dir} (render them: rl-guard report {run_dir})",
+        ]
         stop = self.stop_record
         if stop is not None:
-            lines.insert(1, f"  stopped at step {stop['step']} by rule {stop['rule']}: {stop['metric']} = "
-                            f"{_g(stop['value'])} {stop['op']} {_g(stop['threshold'])} -> {stop.get('decision')}"
-                            + (f"; guard checkpoint {stop['checkpoint']}" if stop.get("checkpoint") else ""))
+            lines.insert(
+                1,
+                f"  stopped at step {stop['step']} by rule {stop['rule']}: {stop['metric']} = "
+                f"{_g(stop['value'])} {stop['op']} {_g(stop['threshold'])} -> {stop.get('decision')}"
+                + (f"; guard checkpoint {stop['checkpoint']}" if stop.get("checkpoint") else ""),
+            )
         return lines

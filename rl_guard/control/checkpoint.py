@@ -63,8 +63,7 @@ class SnapshotRing:
     therefore exactly what is kept; pruning by count or age instead would, after a rollback, count the abandoned
     newer snapshots and remove an older one that the ring still offers."""
 
-    def __init__(self, keep: int = 2, where: str = "memory", directory: str | os.PathLike | None = None,
-                 on_drop=None):
+    def __init__(self, keep: int = 2, where: str = "memory", directory: str | os.PathLike | None = None, on_drop=None):
         if where == "disk" and directory is None:
             raise ValueError("snapshots kept on disk need a directory")
         self.keep, self.where = keep, where
@@ -125,4 +124,4 @@ class SnapshotRing:
         """Put saved memory snapshots back, oldest first, with any disk snapshots in step order."""
         if items:
             merged = sorted([*self._items, *items], key=_step_of)
-            self._items = deque(merged[-self.keep:])
+            self._items = deque(merged[-self.keep :])

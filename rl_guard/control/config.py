@@ -24,11 +24,41 @@ FAIL_MODES = ("open", "closed")
 # shadow: every action is only recorded (incidents say what it "would" have done); the run is never touched.
 MODES = ("enforce", "shadow")
 BUILTINS = ("nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs")
-TOP_KEYS = ("version", "run_dir", "lag_buckets", "builtin_rules", "snapshots", "rollback", "checkpoint", "sinks",
-            "rules", "fail_mode", "max_internal_failures", "sharded_grads", "log_every", "mode",
-            "max_consecutive_skips", "stats_engine", "quarantine")
-RULE_KEYS = ("name", "metric", "op", "threshold", "band", "spike", "all", "any", "action", "warmup_steps", "patience",
-             "cooldown_steps", "severity", "description")
+TOP_KEYS = (
+    "version",
+    "run_dir",
+    "lag_buckets",
+    "builtin_rules",
+    "snapshots",
+    "rollback",
+    "checkpoint",
+    "sinks",
+    "rules",
+    "fail_mode",
+    "max_internal_failures",
+    "sharded_grads",
+    "log_every",
+    "mode",
+    "max_consecutive_skips",
+    "stats_engine",
+    "quarantine",
+)
+RULE_KEYS = (
+    "name",
+    "metric",
+    "op",
+    "threshold",
+    "band",
+    "spike",
+    "all",
+    "any",
+    "action",
+    "warmup_steps",
+    "patience",
+    "cooldown_steps",
+    "severity",
+    "description",
+)
 COND_KEYS = ("metric", "op", "threshold", "band", "spike")
 SPIKE_KEYS = ("method", "window", "threshold", "factor", "direction", "min_history")
 SECTION_KEYS: dict[str, dict[str, tuple[Any, int | None]]] = {  # key -> (type or allowed values, minimum)
@@ -45,14 +75,28 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "quarantine": {"enabled": False, "max_share": 0.1, "culprits": 4},
 }
 TOP_DEFAULTS: dict[str, Any] = {
-    "mode": "enforce", "fail_mode": "open", "max_internal_failures": 3, "max_consecutive_skips": 0,
-    "sharded_grads": None, "log_every": 1, "stats_engine": "auto",
-    "sinks": ["jsonl"], "lag_buckets": list(DEFAULT_LAG_EDGES), "rules": [], "builtin_rules": {}}
+    "mode": "enforce",
+    "fail_mode": "open",
+    "max_internal_failures": 3,
+    "max_consecutive_skips": 0,
+    "sharded_grads": None,
+    "log_every": 1,
+    "stats_engine": "auto",
+    "sinks": ["jsonl"],
+    "lag_buckets": list(DEFAULT_LAG_EDGES),
+    "rules": [],
+    "builtin_rules": {},
+}
 RULE_DEFAULTS = {"warmup_steps": 0, "patience": 1, "cooldown_steps": 0, "severity": None}
 # Megatron flags grad-norm spikes at 10x the early max; a 6-sigma robust z is rare by chance (~1e-9 if normal).
 SPIKE_DEFAULTS = {"window": 100, "factor": 10.0, "min_history": 8, "threshold": 6.0, "direction": "up"}
-SEVERITY_BY_ACTION: dict[Action, str] = {"warn": "warning", "skip_step": "error", "rollback": "error",
-                                         "early_stop": "critical", "checkpoint_and_halt": "critical"}
+SEVERITY_BY_ACTION: dict[Action, str] = {
+    "warn": "warning",
+    "skip_step": "error",
+    "rollback": "error",
+    "early_stop": "critical",
+    "checkpoint_and_halt": "critical",
+}
 
 
 @dataclass
@@ -120,12 +164,19 @@ class _Checker:
         if not isinstance(name, str):
             self.err(path + ("metric",), "a metric name (string) is required, e.g. rl_guard/kl_ref/k3_mean")
         elif glossary.log_only(name):
-            self.err(path + ("metric",), f"{name!r} is logged, not checked: it differs between ranks, and every rank "
-                     "must take the same decision; rules can watch every other rl_guard/guard/... metric")
+            self.err(
+                path + ("metric",),
+                f"{name!r} is logged, not checked: it differs between ranks, and every rank "
+                "must take the same decision; rules can watch every other rl_guard/guard/... metric",
+            )
         elif not glossary.is_known(name):
             hint = glossary.closest(name)
-            self.err(path + ("metric",), f"unknown metric {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                     + " (all names: see the glossary, rl_guard.glossary.GLOSSARY)")
+            self.err(
+                path + ("metric",),
+                f"unknown metric {name!r}"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + " (all names: see the glossary, rl_guard.glossary.GLOSSARY)",
+            )
 
     def condition(self, d: dict, path: tuple) -> None:
         self.metric(d, path)
@@ -188,8 +239,9 @@ class _Checker:
         groups = [k for k in ("all", "any") if k in r]
         if groups:
             if len(groups) > 1 or any(k in r for k in COND_KEYS):
-                self.err(path, "a composite rule has either 'all' or 'any' (a list of conditions) and no metric of "
-                         "its own")
+                self.err(
+                    path, "a composite rule has either 'all' or 'any' (a list of conditions) and no metric of its own"
+                )
             subs = r[groups[0]]
             if not isinstance(subs, list) or len(subs) < 2:
                 self.err(path + (groups[0],), "needs a list of at least two conditions")
@@ -206,8 +258,9 @@ def load_config(source) -> GuardConfig:
     text, origin = read_source(source)
     data, lines, duplicates = load_with_lines(text, origin)
     if data is None:  # an empty or comment-only file is a mistake (a wrong path, a truncated write)
-        raise ConfigError([((), None, f"{origin or 'the config'} is empty; a config of defaults says at least "
-                                      "'version: 1'")])
+        raise ConfigError(
+            [((), None, f"{origin or 'the config'} is empty; a config of defaults says at least 'version: 1'")]
+        )
     c = _Checker(lines)
     for path, line in duplicates:
         c.errors.append((path, line, f"duplicate key {path[-1]!r} (YAML would silently keep only the last one)"))
@@ -233,11 +286,17 @@ def load_config(source) -> GuardConfig:
         sections[sec] = {**DEFAULTS[sec], **(given if isinstance(given, dict) else {})}
     top = {**TOP_DEFAULTS, **{k: v for k, v in data.items() if k in TOP_DEFAULTS}}
     buckets = top["lag_buckets"]
-    if not (isinstance(buckets, list) and buckets
-            and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
-            and buckets[0] == 0 and all(a < b for a, b in zip(buckets, buckets[1:]))):
-        c.err(("lag_buckets",),
-              f"lag_buckets must be increasing integers starting at 0 (lower bucket edges), got {buckets!r}")
+    if not (
+        isinstance(buckets, list)
+        and buckets
+        and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
+        and buckets[0] == 0
+        and all(a < b for a, b in zip(buckets, buckets[1:]))
+    ):
+        c.err(
+            ("lag_buckets",),
+            f"lag_buckets must be increasing integers starting at 0 (lower bucket edges), got {buckets!r}",
+        )
     builtins = _builtins(top["builtin_rules"], c)
     rules = top["rules"]
     if not isinstance(rules, list):
@@ -253,12 +312,22 @@ def load_config(source) -> GuardConfig:
     _check_sinks(top["sinks"], c)
     if c.errors:
         raise ConfigError(c.errors)
-    return GuardConfig(rules=rules, builtin_rules=builtins, lag_buckets=tuple(buckets), sinks=top["sinks"],
-                       run_dir=data.get("run_dir"), fail_mode=top["fail_mode"],
-                       max_internal_failures=top["max_internal_failures"], sharded_grads=top["sharded_grads"],
-                       log_every=top["log_every"], mode=top["mode"],
-                       max_consecutive_skips=top["max_consecutive_skips"], stats_engine=top["stats_engine"],
-                       source_text=text, **sections)
+    return GuardConfig(
+        rules=rules,
+        builtin_rules=builtins,
+        lag_buckets=tuple(buckets),
+        sinks=top["sinks"],
+        run_dir=data.get("run_dir"),
+        fail_mode=top["fail_mode"],
+        max_internal_failures=top["max_internal_failures"],
+        sharded_grads=top["sharded_grads"],
+        log_every=top["log_every"],
+        mode=top["mode"],
+        max_consecutive_skips=top["max_consecutive_skips"],
+        stats_engine=top["stats_engine"],
+        source_text=text,
+        **sections,
+    )
 
 
 def _check_sinks(sinks: Any, c: _Checker) -> None:
@@ -272,8 +341,11 @@ def _check_sinks(sinks: Any, c: _Checker) -> None:
     for i, item in enumerate(sinks):
         name = next(iter(item)) if isinstance(item, dict) and len(item) == 1 else item
         if not isinstance(name, str) or name not in SINK_NAMES:
-            c.err(("sinks", i), f"{item!r} is not a sink; allowed values: {', '.join(SINK_NAMES)} "
-                  "(a name or a one-key mapping {name: {options}})")
+            c.err(
+                ("sinks", i),
+                f"{item!r} is not a sink; allowed values: {', '.join(SINK_NAMES)} "
+                "(a name or a one-key mapping {name: {options}})",
+            )
         elif isinstance(item, dict):
             options = item[name]
             if options is not None and not isinstance(options, dict):

@@ -111,11 +111,15 @@ class Controller:
             decision.firings.append(Firing(rule, v, rule.action, "", window))
         decision.action = max((f.action for f in decision.firings), key=PRECEDENCE.index, default=None)
         if decision.action == "rollback" and (
-                not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]):
+            not can_rollback or self.rollbacks >= self.config.rollback["max_rollbacks"]
+        ):
             decision.escalated_from, decision.action = "rollback", "checkpoint_and_halt"
             limit, spent = self.config.rollback["max_rollbacks"], max(self.rollbacks, self.would_rollbacks)
-            why = (f" (rollback budget spent: {spent} of max_rollbacks={limit})" if spent >= limit
-                   else " (no trusted healthy snapshot to restore yet)")
+            why = (
+                f" (rollback budget spent: {spent} of max_rollbacks={limit})"
+                if spent >= limit
+                else " (no trusted healthy snapshot to restore yet)"
+            )
         else:
             why = ""
         persistent = self._persistent_fault(decision)
@@ -155,9 +159,12 @@ class Controller:
             if n >= MISSING_PATIENCE and m not in self.missing_warned:
                 self.missing_warned.add(m)
                 rule = next(r for r in self.rules if m in r.metrics)
-                warnings.warn(f"rl_guard: rule {rule.name!r} watches {m}, which was not reported at step {self.step}; "
-                              "it cannot fire while the metric is absent (is the input that produces it passed?)",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"rl_guard: rule {rule.name!r} watches {m}, which was not reported at step {self.step}; "
+                    "it cannot fire while the metric is absent (is the input that produces it passed?)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def _armed(self, rule: Rule, v: Verdict) -> bool:
         if rule.bypasses_modifiers(v):
@@ -185,9 +192,15 @@ class Controller:
         return {"rl_guard/guard/skipped_steps": float(skipped), "rl_guard/guard/rollbacks": float(rollbacks)}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "consecutive": dict(self.consecutive), "last_fired": dict(self.last_fired),
-                "rollbacks": self.rollbacks, "skipped_steps": self.skipped_steps,
-                "dropped_streak": self.dropped_streak, "history": self.history.state_dict()}
+        return {
+            "step": self.step,
+            "consecutive": dict(self.consecutive),
+            "last_fired": dict(self.last_fired),
+            "rollbacks": self.rollbacks,
+            "skipped_steps": self.skipped_steps,
+            "dropped_streak": self.dropped_streak,
+            "history": self.history.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.rollbacks, self.skipped_steps = state["step"], state["rollbacks"], state["skipped_steps"]
@@ -195,4 +208,3 @@ class Controller:
         self.consecutive.update(state["consecutive"])
         self.last_fired.update(state["last_fired"])
         self.history.load_state_dict(state["history"])
-

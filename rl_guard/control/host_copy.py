@@ -37,7 +37,7 @@ def _host_like(t: torch.Tensor) -> torch.Tensor:
 class HostCopies:
     def __init__(self):
         self._model_entries: list | None = None  # [(state-dict name, owner dict, key)]; [] = not plain
-        self._refs: list[weakref.ref] = []       # the live tensors of the last capture
+        self._refs: list[weakref.ref] = []  # the live tensors of the last capture
 
     # -- which tensors ------------------------------------------------------------------------------------------
     def model_tensors(self, model) -> tuple[list[str], list[torch.Tensor]] | None:

@@ -7,6 +7,7 @@ it, and one that exits early must not delete what a slower rank is still listing
 leaves a marker named by its pid; the process that exits and finds no other live marker removes the
 directory. Markers of processes that died without cleaning up do not count (their pid is gone).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -18,8 +19,9 @@ from pathlib import Path
 SHM = Path("/dev/shm")
 
 
-def ram_dir(run_dir: str | os.PathLike, rank: int, name: str = "", where: str = "memory",
-            root: Path = SHM) -> Path | None:
+def ram_dir(
+    run_dir: str | os.PathLike, rank: int, name: str = "", where: str = "memory", root: Path = SHM
+) -> Path | None:
     """The snapshot directory for ``run_dir`` under ``root`` (one per run directory), or None when ``where``
     is not ``memory`` or the node has no ``/dev/shm``. Rank 0 clears what an earlier process left there; the
     directory is removed when this node's last live process of the run exits."""

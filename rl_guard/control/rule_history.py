@@ -68,15 +68,17 @@ class History:
 
     def state_dict(self) -> dict:
         # Copies: a state dict must not change when training goes on after it was taken.
-        return {"recent": {k: self.values(k) for k in self._rings},
-                "first": {k: list(v) for k, v in self.first.items()}}
+        return {
+            "recent": {k: self.values(k) for k in self._rings},
+            "first": {k: list(v) for k, v in self.first.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.first = {k: list(v) for k, v in state["first"].items()}
         self._rings, self._sorted = {}, {}
         for k, values in state["recent"].items():
             ring = self._rings[k] = _Ring(self.maxlen)
-            for v in values[-self.maxlen:]:
+            for v in values[-self.maxlen :]:
                 ring.append(float(v))
 
 

@@ -50,9 +50,11 @@ class Verdict:
     text: Callable[[], tuple[str | None, str]] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
-        return (f"Verdict(fired={self.fired}, reason={self.reason!r}, metric={self.metric!r}, value={self.value!r}, "
-                f"op={self.op!r}, threshold={self.threshold!r}, missing={self.missing}, detail={self.detail!r}, "
-                f"nonfinite={self.nonfinite})")
+        return (
+            f"Verdict(fired={self.fired}, reason={self.reason!r}, metric={self.metric!r}, value={self.value!r}, "
+            f"op={self.op!r}, threshold={self.threshold!r}, missing={self.missing}, detail={self.detail!r}, "
+            f"nonfinite={self.nonfinite})"
+        )
 
     @property
     def reason(self) -> str:
@@ -68,8 +70,17 @@ class Verdict:
         return self.text()[1] if self.text is not None else ""
 
     def _key(self) -> tuple:
-        return (self.fired, self.metric, self.value, self.op, self.threshold, self.missing, self.nonfinite,
-                self.reason, self.detail)
+        return (
+            self.fired,
+            self.metric,
+            self.value,
+            self.op,
+            self.threshold,
+            self.missing,
+            self.nonfinite,
+            self.reason,
+            self.detail,
+        )
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Verdict) and self._key() == other._key()
@@ -191,8 +202,14 @@ class Condition:
                 return Verdict(False, self.metric, x)
             factor = float(s["factor"])
             limit = factor * top
-            return verdict(x >= limit, self.metric, x, ">=", limit,
-                           lambda: f"{factor:g} x early max {_fmt(top)} (first {window} steps)")
+            return verdict(
+                x >= limit,
+                self.metric,
+                x,
+                ">=",
+                limit,
+                lambda: f"{factor:g} x early max {_fmt(top)} (first {window} steps)",
+            )
         stats = self._window_stats(history)
         if stats is None:
             return Verdict(False, self.metric, x)
@@ -315,9 +332,16 @@ class Rule:
             details = [v.detail for v in shown]
             return joiner.join(r for r in reasons if r), "; ".join(d for d in details if d)
 
-        return Verdict(ok, lead.metric, lead.value, lead.op, lead.threshold,
-                       missing=all(v.missing for v in verdicts), nonfinite=ok and any(v.nonfinite for v in fired),
-                       text=text)
+        return Verdict(
+            ok,
+            lead.metric,
+            lead.value,
+            lead.op,
+            lead.threshold,
+            missing=all(v.missing for v in verdicts),
+            nonfinite=ok and any(v.nonfinite for v in fired),
+            text=text,
+        )
 
     def bypasses_modifiers(self, verdict: Verdict) -> bool:
         """Built-in non-finite rules, and any non-finite value, skip warmup and patience (the ladder's first rung)."""
@@ -326,11 +350,25 @@ class Rule:
 
 def builtin_rules(config_builtins: dict[str, dict | None]) -> list[Rule]:
     """The always-on non-finite checks (unless disabled in YAML)."""
-    metric = {"nonfinite_loss": "rl_guard/loss/nonfinite", "nonfinite_grad": "rl_guard/grad/nonfinite",
-              "nonfinite_logprobs": "rl_guard/input/logprobs/nonfinite"}
+    metric = {
+        "nonfinite_loss": "rl_guard/loss/nonfinite",
+        "nonfinite_grad": "rl_guard/grad/nonfinite",
+        "nonfinite_logprobs": "rl_guard/input/logprobs/nonfinite",
+    }
     rules = []
     for name, spec in config_builtins.items():
         if spec is not None:
-            rules.append(Rule({"name": name, "metric": metric[name], "op": ">", "threshold": 0,
-                               "action": spec["action"], "severity": "critical"}, builtin=True))
+            rules.append(
+                Rule(
+                    {
+                        "name": name,
+                        "metric": metric[name],
+                        "op": ">",
+                        "threshold": 0,
+                        "action": spec["action"],
+                        "severity": "critical",
+                    },
+                    builtin=True,
+                )
+            )
     return rules

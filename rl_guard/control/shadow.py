@@ -55,4 +55,4 @@ class SnapshotPlan:
                 self.steps = [step]
         self.streak = self.streak + 1 if action in APPLIED else 0
         if self.enabled and snapshot_due(self.streak, self.snapshots):
-            self.steps = (self.steps + [step + 1])[-self.snapshots["keep"]:]  # labelled as Actions: state after step
+            self.steps = (self.steps + [step + 1])[-self.snapshots["keep"] :]  # labelled as Actions: state after step

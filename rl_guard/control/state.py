@@ -38,8 +38,11 @@ def rng_state() -> dict:
     assert isinstance(np_state, tuple)  # numpy's global generator is MT19937: its state is the legacy tuple
     state = {
         "python": random.getstate(),
-        "numpy": {"key": np_state[0], "pos": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "rest": list(np_state[2:])},
+        "numpy": {
+            "key": np_state[0],
+            "pos": torch.from_numpy(np_state[1].astype(np.int64)),
+            "rest": list(np_state[2:]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -86,7 +89,7 @@ class TrainState:
                 snap["optimizer"] = _to_host(self.optimizer.state_dict())
         else:
             snap = {"step": step, "model": dict(zip(model[0], copies)), "rng": rng_state()}
-            for (out, k), c in zip(places, copies[len(model[0]):]):
+            for (out, k), c in zip(places, copies[len(model[0]) :]):
                 out[k] = c
             if optimizer is not None:
                 snap["optimizer"] = optimizer

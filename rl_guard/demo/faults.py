@@ -83,4 +83,3 @@ class FaultInjector(TrainerCallback):
 
         reward.__name__ = base.__name__
         return reward
-

@@ -49,9 +49,18 @@ class DemoResult:
     injector: FaultInjector
 
 
-def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30, fault_step: int = 12,
-             run_dir: str | os.PathLike = "runs/demo", seed: int = 0, guard_yaml: str | None = None,
-             quiet: bool = False, shadow: bool = False, **grpo_overrides) -> DemoResult:
+def run_demo(
+    fault: str = "lr_blowup",
+    action: str = "rollback",
+    steps: int = 30,
+    fault_step: int = 12,
+    run_dir: str | os.PathLike = "runs/demo",
+    seed: int = 0,
+    guard_yaml: str | None = None,
+    quiet: bool = False,
+    shadow: bool = False,
+    **grpo_overrides,
+) -> DemoResult:
     """``shadow``: the guard runs in ``mode: shadow`` (incidents say what it would have done; the run goes on
     exactly as unguarded)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -70,17 +79,36 @@ def run_demo(fault: str = "lr_blowup", action: str = "rollback", steps: int = 30
     work = Path(tempfile.mkdtemp(prefix="rl_guard_demo_"))
     model_path = build_tiny_model(work / "model", seed=seed)
     injector = FaultInjector(fault, at_step=fault_step)
-    settings: dict[str, Any] = dict(output_dir=str(work / "trainer"), per_device_train_batch_size=8, num_generations=4,
-                    max_completion_length=8, max_steps=steps, logging_steps=5, use_cpu=True, bf16=False,
-                    report_to=[], learning_rate=3e-3, save_strategy="no", seed=seed, beta=0.04,
-                    num_iterations=2, steps_per_generation=2, disable_tqdm=quiet, max_grad_norm=1.0)
+    settings: dict[str, Any] = dict(
+        output_dir=str(work / "trainer"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=steps,
+        logging_steps=5,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        learning_rate=3e-3,
+        save_strategy="no",
+        seed=seed,
+        beta=0.04,
+        num_iterations=2,
+        steps_per_generation=2,
+        disable_tqdm=quiet,
+        max_grad_norm=1.0,
+    )
     settings.update(grpo_overrides)
     args = GRPOConfig(**settings)
     guard_yaml = guard_yaml or (demo_config(action, mode="shadow") if shadow else demo_config(action))
     guard = RLGuardCallback(guard_yaml, run_dir=str(run_dir))
-    trainer = GRPOTrainer(model=str(model_path),
-                          reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
-                          args=args, train_dataset=prompt_dataset(256, seed=seed), callbacks=[injector, guard])
+    trainer = GRPOTrainer(
+        model=str(model_path),
+        reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
+        args=args,
+        train_dataset=prompt_dataset(256, seed=seed),
+        callbacks=[injector, guard],
+    )
     _quiet_logs(trainer)
     trainer.train()
     finite = all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
@@ -103,8 +131,15 @@ def _quiet_logs(trainer) -> None:
 
 
 def main(args) -> int:
-    res = run_demo(fault=args.fault, action=args.action, steps=args.steps, fault_step=args.fault_step,
-                   run_dir=args.run_dir, seed=args.seed, shadow=getattr(args, "shadow", False))
+    res = run_demo(
+        fault=args.fault,
+        action=args.action,
+        steps=args.steps,
+        fault_step=args.fault_step,
+        run_dir=args.run_dir,
+        seed=args.seed,
+        shadow=getattr(args, "shadow", False),
+    )
     acted = [i for i in res.incidents if i["action"] != "warn"]
     print("\n" + "=" * 78)
     print(f"fault injected: {args.fault} at step {args.fault_step} (at steps {res.injector.injected_at})")
@@ -117,8 +152,10 @@ def main(args) -> int:
             print(f"  {incident['message']}")
         restored = acted[0].get("restored_to_step")
         if restored is not None:
-            print(f"  rolled back to the healthy state from before step {restored}, undoing the suspect update(s)"
-                  f" in between, and continued")
+            print(
+                f"  rolled back to the healthy state from before step {restored}, undoing the suspect update(s)"
+                f" in between, and continued"
+            )
         later = sorted({i["step"] for i in acted if i["step"] != step})
         if later:
             print(f"  (and at steps {later}; see incidents.jsonl)")
@@ -127,8 +164,10 @@ def main(args) -> int:
     print(f"steps run: {res.steps}; every weight finite at the end: {res.weights_finite}")
     cost = guard_cost(res.run_dir)
     if cost:
-        print(f"the guard's own time: {cost[0]:.1f} ms per step, {100 * cost[1]:.0f}% of the step (median; "
-              "rl_guard/guard/host_ms and host_frac in the logs)")
+        print(
+            f"the guard's own time: {cost[0]:.1f} ms per step, {100 * cost[1]:.0f}% of the step (median; "
+            "rl_guard/guard/host_ms and host_frac in the logs)"
+        )
     print(f"run directory: {res.run_dir} (metrics.jsonl, incidents.jsonl, config.yaml, checkpoints/)")
     print(f"render the report: rl-guard report {res.run_dir}")
     return 0 if res.weights_finite else 1
@@ -144,8 +183,10 @@ def guard_cost(run_dir: Path) -> tuple[float, float] | None:
     rows = [r for r in read_jsonl(path) if "rl_guard/guard/host_ms" in r] if path.exists() else []
     if not rows:
         return None
-    return (statistics.median(r["rl_guard/guard/host_ms"] for r in rows),
-            statistics.median(r["rl_guard/guard/host_frac"] for r in rows))
+    return (
+        statistics.median(r["rl_guard/guard/host_ms"] for r in rows),
+        statistics.median(r["rl_guard/guard/host_frac"] for r in rows),
+    )
 
 
 def _print_shadow(incidents: list) -> None:
@@ -164,12 +205,20 @@ def add_arguments(ap) -> None:
     from . import FAULTS  # not .faults: that module loads torch, and --help should not
 
     ap.add_argument("--fault", choices=FAULTS, default="lr_blowup", help="fault to inject")
-    ap.add_argument("--action", choices=("rollback", "halt"), default="rollback",
-                    help="what the guard does on a precursor: roll back and continue, or checkpoint and halt")
+    ap.add_argument(
+        "--action",
+        choices=("rollback", "halt"),
+        default="rollback",
+        help="what the guard does on a precursor: roll back and continue, or checkpoint and halt",
+    )
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps to train")
     ap.add_argument("--fault-step", type=int, default=12, help="the step at which the fault is injected")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
-    ap.add_argument("--run-dir", default="runs/demo",
-                    help="where the guard writes metrics.jsonl, incidents.jsonl and config.yaml")
-    ap.add_argument("--shadow", action="store_true",
-                    help="mode: shadow: record what the guard would have done, touch nothing (see incidents.jsonl)")
+    ap.add_argument(
+        "--run-dir", default="runs/demo", help="where the guard writes metrics.jsonl, incidents.jsonl and config.yaml"
+    )
+    ap.add_argument(
+        "--shadow",
+        action="store_true",
+        help="mode: shadow: record what the guard would have done, touch nothing (see incidents.jsonl)",
+    )

@@ -13,8 +13,9 @@ DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight"
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-def build_tiny_model(path: str | os.PathLike, seed: int = 0, hidden: int = 32, layers: int = 2,
-                     max_positions: int = 64) -> Path:
+def build_tiny_model(
+    path: str | os.PathLike, seed: int = 0, hidden: int = 32, layers: int = 2, max_positions: int = 64
+) -> Path:
     """Save a tiny LlamaForCausalLM and its tokenizer under ``path``; returns the path. ``max_positions``: the
     longest prompt + completion it takes."""
     import torch
@@ -26,14 +27,24 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, hidden: int = 32, l
     vocab = {tok: i for i, tok in enumerate(SPECIAL + DIGITS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                  unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
     tok.padding_side = "left"
     tok.save_pretrained(path)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions, pad_token_id=vocab["<pad>"],
-                         bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"], tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=vocab["<bos>"],
+        eos_token_id=vocab["<eos>"],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return path

@@ -57,18 +57,29 @@ class _Columns:
 
     def __init__(self, p: Prepared):
         self.ids, self.group_ids, self.termination = p.ids, p.group_ids, p.termination
-        self.floats = [(name, arr.tolist()) for name, arr in (("reward", p.rewards), ("outcome", p.outcome),
-                                                               ("length", p.lengths)) if arr is not None]
+        self.floats = [
+            (name, arr.tolist())
+            for name, arr in (("reward", p.rewards), ("outcome", p.outcome), ("length", p.lengths))
+            if arr is not None
+        ]
         self.rewards = self.floats[0][1] if p.rewards is not None else None  # the list above, not a second copy
         self.texts = [(name, seq) for name, seq in (("prompt", p.prompts), ("text", p.texts)) if seq is not None]
 
 
 class AuditWriter:
-    def __init__(self, run_dir, k: int = 3, max_files: int = 10, max_chars: int = 2000, updates_per_file: int = 20,
-                 flush_every: int = 10):
+    def __init__(
+        self,
+        run_dir,
+        k: int = 3,
+        max_files: int = 10,
+        max_chars: int = 2000,
+        updates_per_file: int = 20,
+        flush_every: int = 10,
+    ):
         if k < 0 or max_files < 1 or max_chars < 1 or updates_per_file < 1 or flush_every < 1:
-            raise ValueError("audit needs k >= 0, max_files >= 1, max_chars >= 1, updates_per_file >= 1 and "
-                             "flush_every >= 1")
+            raise ValueError(
+                "audit needs k >= 0, max_files >= 1, max_chars >= 1, updates_per_file >= 1 and flush_every >= 1"
+            )
         self.dir = Path(run_dir) / "audit"
         self.k, self.max_files, self.max_chars, self.updates_per_file = k, max_files, max_chars, updates_per_file
         self.flush_every = flush_every
@@ -92,7 +103,7 @@ class AuditWriter:
         for name, seq in c.texts:
             if seq[i] is not None:
                 full = str(seq[i])
-                rec[name] = full[:self.max_chars]
+                rec[name] = full[: self.max_chars]
                 rec[f"{name}_chars"] = len(full)
         return rec
 
@@ -101,15 +112,15 @@ class AuditWriter:
         if p.rewards is not None and p.reward_ok.any():
             valid = np.flatnonzero(p.reward_ok)
             # Ties keep batch order in both lists; a sample is never both top and bottom.
-            top = valid[np.argsort(-p.rewards[valid], kind="stable")][:self.k].tolist()
+            top = valid[np.argsort(-p.rewards[valid], kind="stable")][: self.k].tolist()
             up = valid[np.argsort(p.rewards[valid], kind="stable")].tolist()
-            chosen += [("top", i) for i in top] + [("bottom", i) for i in [i for i in up if i not in top][:self.k]]
+            chosen += [("top", i) for i in top] + [("bottom", i) for i in [i for i in up if i not in top][: self.k]]
         taken = {i for _, i in chosen}
         others = [i for i in range(p.n) if i not in taken]
         if others and self.k:
             # the first k of a random permutation: a uniform draw without replacement (Generator.choice with
             # replace=False costs several times more on a batch this small)
-            pick = rng.permutation(len(others))[:self.k].tolist()
+            pick = rng.permutation(len(others))[: self.k].tolist()
             chosen += [("random", others[j]) for j in sorted(pick)]
         return chosen
 
@@ -130,8 +141,11 @@ class AuditWriter:
         for step, p, cells, rng in pending:
             text = self._text(step, p, cells, rng)  # a value JSON cannot hold fails before this update's write
             file = self._file
-            if (file is None or self._updates >= self.updates_per_file
-                    or (self._last_step is not None and step <= self._last_step)):
+            if (
+                file is None
+                or self._updates >= self.updates_per_file
+                or (self._last_step is not None and step <= self._last_step)
+            ):
                 file = self._open(step)
             file.write(text)
             self._updates, self._last_step = self._updates + 1, step
@@ -143,13 +157,20 @@ class AuditWriter:
         c = _Columns(p)
         lines = [self._record(c, i, kind, step) for kind, i in self.select(p, rng)]
         for cell, idx in cells.items():
-            lines.append({"step": step, "kind": "quadrant_cell", "cell": cell, "count": len(idx),
-                          "ids": [_cut(c.ids[i], self.max_chars) for i in idx[:MAX_CELL_IDS]]})
+            lines.append(
+                {
+                    "step": step,
+                    "kind": "quadrant_cell",
+                    "cell": cell,
+                    "count": len(idx),
+                    "ids": [_cut(c.ids[i], self.max_chars) for i in idx[:MAX_CELL_IDS]],
+                }
+            )
             sign = -1.0 if cell == "hacking" else 1.0
             rewards = c.rewards
             assert rewards is not None  # quadrant cells exist only with rewards
             ordered = sorted(idx, key=lambda i: (sign * rewards[i], i))
-            lines += [self._record(c, i, cell, step) for i in ordered[:self.k]]
+            lines += [self._record(c, i, cell, step) for i in ordered[: self.k]]
         return "".join(_JSON.encode(rec) + "\n" for rec in lines)
 
     def _open(self, step: int) -> TextIO:
@@ -165,7 +186,7 @@ class AuditWriter:
         self._updates = 0
         self._files[step] = self._path
         if len(self._files) > self.max_files:
-            for old in sorted(self._files)[:len(self._files) - self.max_files]:
+            for old in sorted(self._files)[: len(self._files) - self.max_files]:
                 self._files.pop(old).unlink(missing_ok=True)
         return file
 

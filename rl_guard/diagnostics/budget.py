@@ -23,8 +23,10 @@ COUNTERS = ("episodes", "rollout_tokens", "train_tokens", "optimizer_updates")
 
 DOCS = {
     **{f"budget/{c}": f"{c.replace('_', ' ')} spent on this generation batch (>= 0)." for c in COUNTERS},
-    **{f"budget/{c}_total": f"Cumulative {c.replace('_', ' ')} since the run started (survives resume)."
-       for c in COUNTERS},
+    **{
+        f"budget/{c}_total": f"Cumulative {c.replace('_', ' ')} since the run started (survives resume)."
+        for c in COUNTERS
+    },
     "budget/seconds/<name>": "Wall-clock seconds spent in phase <name> for this batch (e.g. rollout, reward, train).",
     "budget/seconds_total/<name>": "Cumulative seconds in phase <name> since the run started (survives resume).",
 }
@@ -35,11 +37,11 @@ def spent(s: SampleBatch, p: Prepared, optimizer_updates: int | None) -> dict[st
     funnel = s.funnel or {}
     given = {
         "episodes": s.episodes if s.episodes is not None else p.n,
-        "rollout_tokens": s.rollout_tokens if s.rollout_tokens is not None
+        "rollout_tokens": s.rollout_tokens
+        if s.rollout_tokens is not None
         else (p.lengths[np.isfinite(p.lengths)].sum() if p.lengths is not None else None),
         "train_tokens": s.train_tokens if s.train_tokens is not None else funnel.get("action_tokens"),
-        "optimizer_updates": optimizer_updates if optimizer_updates is not None
-        else funnel.get("optimizer_updates", 1),
+        "optimizer_updates": optimizer_updates if optimizer_updates is not None else funnel.get("optimizer_updates", 1),
     }
     this = {k: float(v) for k, v in given.items() if v is not None}
     seconds = {label(k): float(v) for k, v in (s.phase_seconds or {}).items()}

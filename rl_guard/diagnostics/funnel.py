@@ -20,8 +20,18 @@ from __future__ import annotations
 from .names import Out, frac
 from .samples import SampleBatch, SampleError, label
 
-LAYERS = ("sampled", "started", "completed", "truncated", "failed", "reward_available", "valid", "accepted",
-          "action_tokens", "optimizer_updates")
+LAYERS = (
+    "sampled",
+    "started",
+    "completed",
+    "truncated",
+    "failed",
+    "reward_available",
+    "valid",
+    "accepted",
+    "action_tokens",
+    "optimizer_updates",
+)
 # Nearest present ancestor wins, so a pipeline that does not count one layer still gets a ratio.
 PARENTS = {
     "started": ("sampled",),
@@ -35,8 +45,11 @@ PARENTS = {
 
 DOCS = {
     **{f"funnel/{layer}/count": f"Funnel layer '{layer}': count this batch." for layer in LAYERS},
-    **{f"funnel/{layer}/keep_frac": f"count({layer}) / count(nearest present parent: {' > '.join(PARENTS[layer])}); "
-       "[0, 1], down is trouble." for layer in PARENTS},
+    **{
+        f"funnel/{layer}/keep_frac": f"count({layer}) / count(nearest present parent: {' > '.join(PARENTS[layer])}); "
+        "[0, 1], down is trouble."
+        for layer in PARENTS
+    },
     "funnel/action_tokens/keep_frac": "Effective action tokens / rollout tokens generated this batch; [0, 1], down "
     "is trouble (tokens generated but never trained on).",
     "funnel/drop/<name>": "Samples dropped this batch for reason <name> (count, >= 0).",

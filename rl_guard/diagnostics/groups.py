@@ -52,8 +52,10 @@ DOCS = {
 
 def _per_group(codes: np.ndarray, mask: np.ndarray, values: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
     """(count, sum) of values[mask] per group."""
-    return (np.bincount(codes[mask], minlength=g).astype(np.float64),
-            np.bincount(codes[mask], weights=values[mask], minlength=g))
+    return (
+        np.bincount(codes[mask], minlength=g).astype(np.float64),
+        np.bincount(codes[mask], weights=values[mask], minlength=g),
+    )
 
 
 def groups(p: Prepared, out: Out) -> None:

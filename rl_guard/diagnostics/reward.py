@@ -57,7 +57,7 @@ def excess_kurtosis(v: np.ndarray) -> float | None:
     # Spread at the level of float rounding (e.g. a constant 0.1) would give a meaningless ratio.
     if m2 <= (1e-12 * float(np.max(np.abs(v)))) ** 2 or m2 == 0.0:
         return None
-    return float(mean(d ** 4)) / (m2 * m2) - 3.0
+    return float(mean(d**4)) / (m2 * m2) - 3.0
 
 
 def shape_flags(v: np.ndarray, kurt: float | None = None) -> dict[str, int]:

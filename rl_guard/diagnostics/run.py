@@ -38,12 +38,27 @@ class RunDiagnostics:
     sampler's RNG state are in ``state_dict`` so they continue across a resume.
     """
 
-    def __init__(self, run_dir=None, audit_k: int = 3, audit_max_files: int = 10, seed: int = 0, *,
-                 window: int = 20, audit_max_chars: int = 2000, audit_updates_per_file: int = 20,
-                 audit_flush_every: int = 10, quadrant_threshold: float | None = None):
+    def __init__(
+        self,
+        run_dir=None,
+        audit_k: int = 3,
+        audit_max_files: int = 10,
+        seed: int = 0,
+        *,
+        window: int = 20,
+        audit_max_chars: int = 2000,
+        audit_updates_per_file: int = 20,
+        audit_flush_every: int = 10,
+        quadrant_threshold: float | None = None,
+    ):
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.audit = (AuditWriter(self.run_dir, audit_k, audit_max_files, audit_max_chars, audit_updates_per_file,
-                                  audit_flush_every) if self.run_dir else None)
+        self.audit = (
+            AuditWriter(
+                self.run_dir, audit_k, audit_max_files, audit_max_chars, audit_updates_per_file, audit_flush_every
+            )
+            if self.run_dir
+            else None
+        )
         self.quadrant_threshold = quadrant_threshold
         # Private generator: audit sampling must not shift the training run's global RNG streams.
         self.rng = np.random.Generator(np.random.PCG64(seed))
@@ -97,10 +112,16 @@ class RunDiagnostics:
         try:  # the queued updates draw their samples first: the saved generator state follows them
             self.flush()
         except OSError as e:  # a side record: a full disk must not fail the checkpoint that carries this state
-            warnings.warn(f"rl_guard: the queued audit samples could not be written ({e})", RuntimeWarning,
-                          stacklevel=2)
-        return {"version": STATE_VERSION, "budget": self.budget.state_dict(), "trend": self.trend.state_dict(),
-                "rng": self.rng.bit_generator.state, "signal": [self.batch_has_signal, self.steps_without_signal]}
+            warnings.warn(
+                f"rl_guard: the queued audit samples could not be written ({e})", RuntimeWarning, stacklevel=2
+            )
+        return {
+            "version": STATE_VERSION,
+            "budget": self.budget.state_dict(),
+            "trend": self.trend.state_dict(),
+            "rng": self.rng.bit_generator.state,
+            "signal": [self.batch_has_signal, self.steps_without_signal],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:

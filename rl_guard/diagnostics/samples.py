@@ -25,11 +25,32 @@ class SampleError(InputError):
     """A ``SampleBatch`` (or a budget / funnel figure passed with it) that does not satisfy its contract."""
 
 
-TERMINATIONS = ("success", "task_failure", "invalid_action", "timeout", "truncated_budget",
-                "environment_error", "verifier_error", "infrastructure_error")
+TERMINATIONS = (
+    "success",
+    "task_failure",
+    "invalid_action",
+    "timeout",
+    "truncated_budget",
+    "environment_error",
+    "verifier_error",
+    "infrastructure_error",
+)
 SYSTEM_ERRORS = ("environment_error", "verifier_error", "infrastructure_error")
-PER_SAMPLE = ("ids", "group_ids", "rewards", "outcome", "lengths", "truncated", "termination", "texts", "prompts",
-              "advantages", "values", "returns", "versions")
+PER_SAMPLE = (
+    "ids",
+    "group_ids",
+    "rewards",
+    "outcome",
+    "lengths",
+    "truncated",
+    "termination",
+    "texts",
+    "prompts",
+    "advantages",
+    "values",
+    "returns",
+    "versions",
+)
 
 
 @dataclass
@@ -38,20 +59,20 @@ class SampleBatch:
     success), e.g. a held-out verifier that is not part of the training reward."""
 
     ids: Any = None
-    group_ids: Any = None                       # prompt id (GRPO / RLOO groups)
-    rewards: Any = None                         # total training reward
+    group_ids: Any = None  # prompt id (GRPO / RLOO groups)
+    rewards: Any = None  # total training reward
     reward_components: dict[str, Any] | None = None
     outcome: Any = None
-    lengths: Any = None                         # response tokens
-    truncated: Any = None                       # True = no EOS
-    termination: Any = None                     # strings from TERMINATIONS
+    lengths: Any = None  # response tokens
+    truncated: Any = None  # True = no EOS
+    termination: Any = None  # strings from TERMINATIONS
     texts: Any = None
     prompts: Any = None
     advantages: Any = None
-    values: Any = None                          # critic V(s0)
-    returns: Any = None                         # realised return G
-    versions: Any = None                        # policy version that generated the sample
-    funnel: dict[str, int] | None = None        # per batch: count per funnel layer
+    values: Any = None  # critic V(s0)
+    returns: Any = None  # realised return G
+    versions: Any = None  # policy version that generated the sample
+    funnel: dict[str, int] | None = None  # per batch: count per funnel layer
     drop_reasons: dict[str, int] | None = None  # per batch: dropped samples per reason
     episodes: int | None = None
     rollout_tokens: int | None = None
@@ -118,8 +139,9 @@ class Prepared:
         n = self.n = next(iter(lengths.values()), 0)
         self.ids = _objects(s.ids) if s.ids is not None else list(range(n))
         self.rewards = _floats(s.rewards, "rewards") if s.rewards is not None else None
-        self.components = {label(c): _floats(v, f"reward_components[{c!r}]")
-                           for c, v in (s.reward_components or {}).items()}
+        self.components = {
+            label(c): _floats(v, f"reward_components[{c!r}]") for c, v in (s.reward_components or {}).items()
+        }
         self.outcome = _floats(s.outcome, "outcome") if s.outcome is not None else None
         self.lengths = _floats(s.lengths, "lengths") if s.lengths is not None else None
         self.truncated = _floats(s.truncated, "truncated") != 0 if s.truncated is not None else None
@@ -141,8 +163,11 @@ class Prepared:
             codes: dict = {}
             self.group_ids = _objects(s.group_ids)
             self.group = np.array([codes.setdefault(g, len(codes)) for g in self.group_ids], dtype=np.int64)
-        self.system_error = np.array([t in SYSTEM_ERRORS for t in self.termination], dtype=bool) \
-            if self.termination is not None else np.zeros(n, dtype=bool)
+        self.system_error = (
+            np.array([t in SYSTEM_ERRORS for t in self.termination], dtype=bool)
+            if self.termination is not None
+            else np.zeros(n, dtype=bool)
+        )
         self.ok = ~self.system_error  # samples that may enter reward / outcome / critic statistics
         # Masks are arrays even for an absent field (all False then); readers test the field, not the mask.
         self.reward_ok = self.ok & np.isfinite(self.rewards) if self.rewards is not None else np.zeros(n, dtype=bool)

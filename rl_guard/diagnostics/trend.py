@@ -33,16 +33,20 @@ from .samples import Prepared
 SERIES = ("reward", "length", "outcome")
 MIN_POINTS = 3
 _START, _END = "  - name: reward_hacking_triad", "    action: warn\n"
-TRIAD_RULE = __doc__[__doc__.index(_START):__doc__.index(_END) + len(_END)]  # the snippet above, for reuse
+TRIAD_RULE = __doc__[__doc__.index(_START) : __doc__.index(_END) + len(_END)]  # the snippet above, for reuse
 
 DOCS = {
     "length/no_eos_frac": "Share of samples that ended without EOS (truncated) this batch; up is trouble.",
     **{f"trend/{x}_mean": f"Batch mean of {x} (the point the trend is fitted on)." for x in SERIES},
-    **{f"trend/{x}_slope": f"Least-squares slope of the batch mean {x} per training step over the last `window` "
-       "updates (>= 3 points)." for x in SERIES},
+    **{
+        f"trend/{x}_slope": f"Least-squares slope of the batch mean {x} per training step over the last `window` "
+        "updates (>= 3 points)."
+        for x in SERIES
+    },
 }
-DOCS["trend/length_slope"] += (" Up together with reward_slope while outcome_slope is flat: reward hacking "
-                               "(docs/sources.md#debugging-guide).")
+DOCS["trend/length_slope"] += (
+    " Up together with reward_slope while outcome_slope is flat: reward hacking (docs/sources.md#debugging-guide)."
+)
 
 
 class Trend:

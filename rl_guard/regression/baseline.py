@@ -34,8 +34,9 @@ def _reward_table(reward_fn_or_table, shape) -> torch.Tensor:
     s, k = shape
     if callable(reward_fn_or_table):
         # reward_fn(state_index, action_index) -> float
-        return torch.tensor([[float(reward_fn_or_table(i, a)) for a in range(k)] for i in range(s)],
-                            dtype=torch.float64)
+        return torch.tensor(
+            [[float(reward_fn_or_table(i, a)) for a in range(k)] for i in range(s)], dtype=torch.float64
+        )
     r = as_f64(reward_fn_or_table)
     return r.reshape(s, k) if r.numel() == s * k else r.expand(s, k).clone()
 
@@ -84,8 +85,13 @@ def _compare(name, logits, adv0, advb, rtol) -> CheckResult:
             f"g_b = {float(gb[idx]):.6g}. The subtracted baseline must not depend on the action "
             f"(check broadcasting of per-state baselines, advantage clipping, per-action terms)."
         )
-    return CheckResult(name=name, metric="rel_grad_diff", value=rel, tolerance=rtol,
-                       detail=f"relative |g_b - g_0| = {rel:.3g} over {tuple(g0.shape)} logits")
+    return CheckResult(
+        name=name,
+        metric="rel_grad_diff",
+        value=rel,
+        tolerance=rtol,
+        detail=f"relative |g_b - g_0| = {rel:.3g} over {tuple(g0.shape)} logits",
+    )
 
 
 def check_baseline_invariance(

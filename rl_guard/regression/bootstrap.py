@@ -54,18 +54,37 @@ _VALUES = (10.0, 20.0, 40.0, 80.0)
 _F, _T = False, True
 _CASES: list[tuple[str, tuple, tuple, tuple]] = [
     # (clause, terminated, truncated, expected returns)
-    ("segment end without a flag bootstraps values[T]", (_F, _F, _F), (_F, _F, _F),
-     (1 + 0.5 * 24, 2 + 0.5 * 44, 4 + 0.5 * 80)),
-    ("terminal last step must not bootstrap", (_F, _F, _T), (_F, _F, _F),
-     (1 + 0.5 * 4, 2 + 0.5 * 4, 4.0)),
-    ("truncated last step must bootstrap values[T]", (_F, _F, _F), (_F, _F, _T),
-     (1 + 0.5 * 24, 2 + 0.5 * 44, 4 + 0.5 * 80)),
-    ("terminal mid-segment: no bootstrap, no flow from the next episode", (_F, _T, _F), (_F, _F, _F),
-     (1 + 0.5 * 2, 2.0, 4 + 0.5 * 80)),
-    ("truncated mid-segment: bootstrap values[t+1], no flow from the next episode", (_F, _F, _F),
-     (_F, _T, _F), (1 + 0.5 * 22, 2 + 0.5 * 40, 4 + 0.5 * 80)),
-    ("terminated and truncated together: terminal wins, no bootstrap", (_F, _F, _T), (_F, _F, _T),
-     (1 + 0.5 * 4, 2 + 0.5 * 4, 4.0)),
+    (
+        "segment end without a flag bootstraps values[T]",
+        (_F, _F, _F),
+        (_F, _F, _F),
+        (1 + 0.5 * 24, 2 + 0.5 * 44, 4 + 0.5 * 80),
+    ),
+    ("terminal last step must not bootstrap", (_F, _F, _T), (_F, _F, _F), (1 + 0.5 * 4, 2 + 0.5 * 4, 4.0)),
+    (
+        "truncated last step must bootstrap values[T]",
+        (_F, _F, _F),
+        (_F, _F, _T),
+        (1 + 0.5 * 24, 2 + 0.5 * 44, 4 + 0.5 * 80),
+    ),
+    (
+        "terminal mid-segment: no bootstrap, no flow from the next episode",
+        (_F, _T, _F),
+        (_F, _F, _F),
+        (1 + 0.5 * 2, 2.0, 4 + 0.5 * 80),
+    ),
+    (
+        "truncated mid-segment: bootstrap values[t+1], no flow from the next episode",
+        (_F, _F, _F),
+        (_F, _T, _F),
+        (1 + 0.5 * 22, 2 + 0.5 * 40, 4 + 0.5 * 80),
+    ),
+    (
+        "terminated and truncated together: terminal wins, no bootstrap",
+        (_F, _F, _T),
+        (_F, _F, _T),
+        (1 + 0.5 * 4, 2 + 0.5 * 4, 4.0),
+    ),
 ]
 
 
@@ -77,10 +96,15 @@ def check_bootstrap_contract(returns_fn: ReturnsFn, *, atol: float = 1e-12) -> C
     """
     worst = 0.0
     for clause, term, trunc, expected in _CASES:
-        got = as_f64(returns_fn(
-            torch.tensor(_REWARDS, dtype=torch.float64), torch.tensor(_VALUES, dtype=torch.float64),
-            torch.tensor(term), torch.tensor(trunc), _GAMMA,
-        ))
+        got = as_f64(
+            returns_fn(
+                torch.tensor(_REWARDS, dtype=torch.float64),
+                torch.tensor(_VALUES, dtype=torch.float64),
+                torch.tensor(term),
+                torch.tensor(trunc),
+                _GAMMA,
+            )
+        )
         want = torch.tensor(expected, dtype=torch.float64)
         if got.shape != want.shape:
             raise RegressionCheckFailed(
@@ -94,5 +118,10 @@ def check_bootstrap_contract(returns_fn: ReturnsFn, *, atol: float = 1e-12) -> C
                 f"values={list(_VALUES)}, terminated={list(term)}, truncated={list(trunc)})"
             )
         worst = max(worst, err)
-    return CheckResult(name="bootstrap_contract", metric="max_abs_return_err", value=worst,
-                       tolerance=atol, detail=f"{len(_CASES)} hand-computed cases match")
+    return CheckResult(
+        name="bootstrap_contract",
+        metric="max_abs_return_err",
+        value=worst,
+        tolerance=atol,
+        detail=f"{len(_CASES)} hand-computed cases match",
+    )

@@ -53,21 +53,29 @@ def check_group_advantage_zero_on_ties(
             row = int(torch.nonzero(bad_rows)[0])
             vals = tied[row].tolist()
             nan = not bool(torch.isfinite(tied[row]).all())
-            why = ("non-finite advantages: std = 0 for a tied group, divide by (std + eps) or skip the "
-                   "division" if nan else f"nonzero advantages (max |A| {float(tied[row].abs().max()):.6g} > "
-                   f"atol {atol:g}); a rounding-level std must not be divided into rounding noise")
+            why = (
+                "non-finite advantages: std = 0 for a tied group, divide by (std + eps) or skip the division"
+                if nan
+                else f"nonzero advantages (max |A| {float(tied[row].abs().max()):.6g} > "
+                f"atol {atol:g}); a rounding-level std must not be divided into rounding noise"
+            )
             raise RegressionCheckFailed(
                 f"[group_adv_zero_on_ties] group_size={g}, {g} tied rewards = {tie_values[row]!r} gave "
                 f"advantages {vals}: {why}"
             )
         worst = max(worst, float(tied.abs().max()))
         if control:
-            c = adv[ties.numel():]
+            c = adv[ties.numel() :]
             if not (torch.isfinite(c).all() and (c[1:] > c[:-1]).all()):
                 raise RegressionCheckFailed(
                     f"[group_adv_zero_on_ties] control group of distinct rewards {ctrl.tolist()} "
                     f"(group_size={g}) gave advantages {c.tolist()}; expected finite and strictly "
                     f"increasing with the reward"
                 )
-    return CheckResult(name="group_adv_zero_on_ties", metric="max_abs_tied_adv", value=worst,
-                       tolerance=atol, detail=f"group sizes {list(group_sizes)}, {len(tie_values)} tie values")
+    return CheckResult(
+        name="group_adv_zero_on_ties",
+        metric="max_abs_tied_adv",
+        value=worst,
+        tolerance=atol,
+        detail=f"group sizes {list(group_sizes)}, {len(tie_values)} tie values",
+    )

@@ -22,8 +22,11 @@ def _describe(value: Any) -> str:
             return repr(value)[:200]
     nan = any(math.isnan(x) for x in flat)
     zero = bool(flat) and all(x == 0 for x in flat)
-    tag = " (NaN: masked mean divided by a zero token count)" if nan else (
-        " (silent zero: the empty batch masquerades as a real statistic)" if zero else "")
+    tag = (
+        " (NaN: masked mean divided by a zero token count)"
+        if nan
+        else (" (silent zero: the empty batch masquerades as a real statistic)" if zero else "")
+    )
     return f"{repr(value)[:200]}{tag}"
 
 
@@ -51,8 +54,9 @@ def check_empty_mask_raises(
                 f"[empty_mask_raises] raised ValueError without mentioning the mask: {exc!r}; "
                 f"say what is wrong, e.g. 'empty action mask: no tokens to average'"
             ) from exc
-        return CheckResult(name="empty_mask_raises", metric="raised", value=1.0, tolerance=0.0,
-                           detail=f"{type(exc).__name__}: {exc}")
+        return CheckResult(
+            name="empty_mask_raises", metric="raised", value=1.0, tolerance=0.0, detail=f"{type(exc).__name__}: {exc}"
+        )
     except Exception as exc:  # any other error type is the failure being reported
         raise RegressionCheckFailed(
             f"[empty_mask_raises] empty mask raised {type(exc).__name__}: {exc!r}, which looks accidental; "

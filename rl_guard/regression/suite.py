@@ -45,15 +45,31 @@ def run_all(
     """
     # name -> the check bound to its inputs, None (skipped) when they are not all given
     plan: list[tuple[str, Callable[[], Any] | None]] = [
-        ("ratio_is_one", None if logprob_fn is None or ratio_batch is None
-         else functools.partial(check_ratio_is_one, logprob_fn, ratio_batch, mask=ratio_mask)),
-        ("zero_adv_zero_grad", None if loss_fn is None or params is None or loss_batch is None
-         else functools.partial(check_zero_advantage_zero_grad, loss_fn, params, loss_batch)),
-        ("advantage_fn_baseline_invariance", None if baseline_advantage_fn is None
-         else functools.partial(check_advantage_fn_baseline_invariance, baseline_advantage_fn)),
+        (
+            "ratio_is_one",
+            None
+            if logprob_fn is None or ratio_batch is None
+            else functools.partial(check_ratio_is_one, logprob_fn, ratio_batch, mask=ratio_mask),
+        ),
+        (
+            "zero_adv_zero_grad",
+            None
+            if loss_fn is None or params is None or loss_batch is None
+            else functools.partial(check_zero_advantage_zero_grad, loss_fn, params, loss_batch),
+        ),
+        (
+            "advantage_fn_baseline_invariance",
+            None
+            if baseline_advantage_fn is None
+            else functools.partial(check_advantage_fn_baseline_invariance, baseline_advantage_fn),
+        ),
         ("bootstrap_contract", None if returns_fn is None else functools.partial(check_bootstrap_contract, returns_fn)),
-        ("group_adv_zero_on_ties", None if group_advantage_fn is None
-         else functools.partial(check_group_advantage_zero_on_ties, group_advantage_fn)),
+        (
+            "group_adv_zero_on_ties",
+            None
+            if group_advantage_fn is None
+            else functools.partial(check_group_advantage_zero_on_ties, group_advantage_fn),
+        ),
         ("empty_mask_raises", None if stats_fn is None else functools.partial(check_empty_mask_raises, stats_fn)),
     ]
     checks: dict[str, dict[str, Any]] = {}
@@ -62,8 +78,9 @@ def run_all(
         if run is not None:
             try:
                 res = run()
-                entry.update(status="passed", metric=res.metric, value=res.value,
-                             tolerance=res.tolerance, message=res.detail)
+                entry.update(
+                    status="passed", metric=res.metric, value=res.value, tolerance=res.tolerance, message=res.detail
+                )
             except RegressionCheckFailed as exc:
                 entry.update(status="failed", message=str(exc))
             except Exception as exc:  # noqa: BLE001 - one broken input must not hide the other checks

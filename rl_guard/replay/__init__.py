@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"History": ".history", "HistoryFormatError": ".history", "load_history": ".load", "Replay": ".loop",
-            "replay": ".loop"}
+_EXPORTS = {
+    "History": ".history",
+    "HistoryFormatError": ".history",
+    "load_history": ".load",
+    "Replay": ".loop",
+    "replay": ".loop",
+}
 __all__ = ["History", "HistoryFormatError", "load_history", "Replay", "replay"]
 
 

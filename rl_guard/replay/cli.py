@@ -10,11 +10,17 @@ RUN_CONFIG = "config.yaml"  # the guard writes the config it ran with into every
 
 
 def add_replay_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("history", metavar="HISTORY", help="metrics.jsonl (or its run dir), trainer_state.json, a "
-                    "TensorBoard event dir, or an offline wandb run dir")
-    ap.add_argument("--config", metavar="FILE",
-                    help="guard YAML (a path or a preset name; default: the run's own HISTORY/config.yaml, which the "
-                         "guard writes into every run directory)")
+    ap.add_argument(
+        "history",
+        metavar="HISTORY",
+        help="metrics.jsonl (or its run dir), trainer_state.json, a TensorBoard event dir, or an offline wandb run dir",
+    )
+    ap.add_argument(
+        "--config",
+        metavar="FILE",
+        help="guard YAML (a path or a preset name; default: the run's own HISTORY/config.yaml, which the "
+        "guard writes into every run directory)",
+    )
     ap.add_argument("--json", metavar="OUT", help="write the replayed incidents as incidents.jsonl records")
     ap.add_argument("--report", metavar="DIR", help="render rl-guard report's plots with the replayed incidents")
 
@@ -32,9 +38,11 @@ def replay_main(args: argparse.Namespace) -> int:
     if config_name is None:
         config_name = run_config(args.history)
         if config_name is None:
-            print(f"rl-guard replay: no --config given and {args.history} has no {RUN_CONFIG} next to it (the guard "
-                  "writes one into each run directory); pass --config FILE or a preset name (--config grpo)",
-                  file=sys.stderr)
+            print(
+                f"rl-guard replay: no --config given and {args.history} has no {RUN_CONFIG} next to it (the guard "
+                "writes one into each run directory); pass --config FILE or a preset name (--config grpo)",
+                file=sys.stderr,
+            )
             return 2
         print(f"config: {config_name} (the run's own, as --config was not given)")
     try:
@@ -70,14 +78,16 @@ def _live_records(history) -> list[str]:
     if found:
         out += ["", f"live incident bundles ({len(found)}, {run_dir / 'incidents'}):"]
         for _, b in found:
-            culprits = [c.get("prompt", f"row {c.get('row')}")
-                        for r in b.get("rules", []) for c in r.get("culprits", [])]
+            culprits = [
+                c.get("prompt", f"row {c.get('row')}") for r in b.get("rules", []) for c in r.get("culprits", [])
+            ]
             shown = "; ".join(" ".join(str(c).split())[:60] for c in culprits[:3])
             out.append(f"  step {b.get('step')}: {b.get('decision')}" + (f"; culprits: {shown}" if shown else ""))
     if held:
         out += ["", f"quarantined prompts ({len(held)}, {run_dir / 'quarantine.jsonl'}):"]
-        out += [f"  step {q.get('step')} ({q.get('rule')}): {' '.join(str(q.get('prompt')).split())[:80]}"
-                for q in held]
+        out += [
+            f"  step {q.get('step')} ({q.get('rule')}): {' '.join(str(q.get('prompt')).split())[:80]}" for q in held
+        ]
     return out
 
 
@@ -95,13 +105,21 @@ def add_suggest_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("histories", nargs="+", metavar="HISTORY", help="one or more healthy histories (formats as replay)")
     from .history import MIN_STEPS
 
-    ap.add_argument("--rules", default="grpo", metavar="FILE",
-                    help="guard YAML whose rules get thresholds (a path or a preset name)")
+    ap.add_argument(
+        "--rules",
+        default="grpo",
+        metavar="FILE",
+        help="guard YAML whose rules get thresholds (a path or a preset name)",
+    )
     ap.add_argument("--quantile", type=float, default=0.99, help="healthy quantile the threshold starts from")
     ap.add_argument("--margin", type=float, default=1.5, help="factor applied beyond the healthy quantile")
-    ap.add_argument("--min-steps", type=int, default=MIN_STEPS, metavar="N",
-                    help="healthy values a condition needs before it is calibrated; with fewer it keeps its setting "
-                         "and says so")
+    ap.add_argument(
+        "--min-steps",
+        type=int,
+        default=MIN_STEPS,
+        metavar="N",
+        help="healthy values a condition needs before it is calibrated; with fewer it keeps its setting and says so",
+    )
 
 
 def suggest_main(args: argparse.Namespace) -> int:
@@ -124,17 +142,23 @@ def suggest_main(args: argparse.Namespace) -> int:
     for h in histories:
         acted = _acted(h)
         if acted:
-            print(f"rl-guard suggest: warning: {h.path} is not a healthy run: its guard acted {acted} time(s) "
-                  "(incidents.jsonl); thresholds from it will tolerate that fault", file=sys.stderr)
+            print(
+                f"rl-guard suggest: warning: {h.path} is not a healthy run: its guard acted {acted} time(s) "
+                "(incidents.jsonl); thresholds from it will tolerate that fault",
+                file=sys.stderr,
+            )
     kw = {} if min_steps is None else {"min_steps": min_steps}
     suggestions = suggest(config, histories, quantile=args.quantile, margin=args.margin, **kw)
     short = [e for s in suggestions for e in s.evidence if TOO_SHORT in e]
     if short:
         steps = sum(len(h.records) for h in histories)
-        print(f"rl-guard suggest: warning: too short to calibrate from: {len(short)} condition(s) have fewer healthy "
-              f"values than --min-steps {kw.get('min_steps', MIN_STEPS)} ({steps} steps in "
-              f"{len(histories)} histor{'y' if len(histories) == 1 else 'ies'}); they keep the settings of "
-              f"{args.rules} (see the comments)", file=sys.stderr)
+        print(
+            f"rl-guard suggest: warning: too short to calibrate from: {len(short)} condition(s) have fewer healthy "
+            f"values than --min-steps {kw.get('min_steps', MIN_STEPS)} ({steps} steps in "
+            f"{len(histories)} histor{'y' if len(histories) == 1 else 'ies'}); they keep the settings of "
+            f"{args.rules} (see the comments)",
+            file=sys.stderr,
+        )
     print(to_yaml(suggestions, histories, args))
     return 0
 

@@ -20,8 +20,12 @@ from pathlib import Path
 # (entropy_spike) where the preset has 20, and lr_growth > 1.5 (lr_jump) where it has 10.
 MIN_STEPS = 50
 
-ACCEPTED = ("the guard's metrics.jsonl (or its run directory)", "a transformers/TRL trainer_state.json",
-            "a TensorBoard event directory (events.out.tfevents.*)", "an offline wandb run directory (run-*.wandb)")
+ACCEPTED = (
+    "the guard's metrics.jsonl (or its run directory)",
+    "a transformers/TRL trainer_state.json",
+    "a TensorBoard event directory (events.out.tfevents.*)",
+    "an offline wandb run directory (run-*.wandb)",
+)
 
 
 class HistoryFormatError(ValueError):

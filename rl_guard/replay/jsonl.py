@@ -15,7 +15,10 @@ def read(path: Path) -> History:
         step = rec.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise HistoryFormatError(path, f"line {i + 1} has no integer 'step' (not a metrics.jsonl of rl_guard)")
-        rows[step] = {k: float(v) for k, v in rec.items()
-                      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        rows[step] = {
+            k: float(v)
+            for k, v in rec.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
     names = {k for r in rows.values() for k in r}
     return History(path, "rl_guard metrics.jsonl", ordered(rows), {k: "rl_guard" for k in names})

@@ -21,8 +21,9 @@ def detect(path: Path) -> str:
             return "tensorboard"
         if next(path.rglob("run-*.wandb"), None) is not None:
             return "wandb"
-        raise HistoryFormatError(path, "the directory holds no metrics.jsonl, trainer_state.json, TensorBoard event "
-                                       "file or run-*.wandb file")
+        raise HistoryFormatError(
+            path, "the directory holds no metrics.jsonl, trainer_state.json, TensorBoard event file or run-*.wandb file"
+        )
     name = path.name
     if name.endswith(".jsonl"):
         return "jsonl"

@@ -54,21 +54,48 @@ class Replay:
 def incident(decision, firing, restored_to, source: str, after_halt: bool) -> dict:
     """The live ``incidents.jsonl`` record (``control/actions.py``), marked as replayed."""
     v = firing.verdict
-    return {"step": decision.step, "rule": firing.rule.name, "metric": v.metric, "value": v.value, "op": v.op,
-            "threshold": v.threshold, "action": firing.action, "severity": firing.rule.severity,
-            "message": firing.message, "detail": v.detail, "rank": 0, "window": firing.window, "checkpoint": None,
-            "time": None, "escalated_from": decision.escalated_from, "decision": decision.action,
-            "restored_to_step": restored_to, "escalation_reason": decision.escalation_reason,
-            # the sequences behind a firing are not in a metrics history: the live record and its bundle name them
-            "culprits": [], "bundle": None, "quarantined": [],
-            "replayed": True, "would": firing.action, "source": source, "after_halt": after_halt}
+    return {
+        "step": decision.step,
+        "rule": firing.rule.name,
+        "metric": v.metric,
+        "value": v.value,
+        "op": v.op,
+        "threshold": v.threshold,
+        "action": firing.action,
+        "severity": firing.rule.severity,
+        "message": firing.message,
+        "detail": v.detail,
+        "rank": 0,
+        "window": firing.window,
+        "checkpoint": None,
+        "time": None,
+        "escalated_from": decision.escalated_from,
+        "decision": decision.action,
+        "restored_to_step": restored_to,
+        "escalation_reason": decision.escalation_reason,
+        # the sequences behind a firing are not in a metrics history: the live record and its bundle name them
+        "culprits": [],
+        "bundle": None,
+        "quarantined": [],
+        "replayed": True,
+        "would": firing.action,
+        "source": source,
+        "after_halt": after_halt,
+    }
 
 
 def rule_inputs(controller: Controller, history: History) -> list[RuleInput]:
     out = []
     for rule in controller.rules:
-        out.append(RuleInput(rule.name, rule.action, {m: history.count(m) for m in rule.metrics},
-                             {m: history.origin.get(m, "") for m in rule.metrics}, rule.mode))
+        out.append(
+            RuleInput(
+                rule.name,
+                rule.action,
+                {m: history.count(m) for m in rule.metrics},
+                {m: history.origin.get(m, "") for m in rule.metrics},
+                rule.mode,
+            )
+        )
     return out
 
 
@@ -85,12 +112,14 @@ def replay(history: History, config: GuardConfig) -> Replay:
         for rec in history.records:
             step = rec["step"]
             controller.step = step
-            decision = controller.decide({k: v for k, v in rec.items() if k != "step"},
-                                         can_rollback=plan.can_rollback(step))
+            decision = controller.decide(
+                {k: v for k, v in rec.items() if k != "step"}, can_rollback=plan.can_rollback(step)
+            )
             restored = plan.rollback(step) if decision.rollback else None
             for firing in decision.firings:
-                result.incidents.append(incident(decision, firing, restored, str(history.path),
-                                                 result.halted_at is not None))
+                result.incidents.append(
+                    incident(decision, firing, restored, str(history.path), result.halted_at is not None)
+                )
             if decision.stop and result.halted_at is None:
                 result.halted_at = step
             plan.after_step(decision.action, step)

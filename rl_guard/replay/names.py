@@ -47,9 +47,17 @@ TRL_KEYS: dict[str, str] = {
     "loss": "rl_guard/loss/value",
     "grad_norm": "rl_guard/grad/norm",
 }
-GENERATION_KEYS = ("completions/clipped_ratio", "completions/mean_length", "completions/min_length",
-                   "completions/max_length", "reward", "reward_std", "sampling/importance_sampling_ratio/mean",
-                   "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+GENERATION_KEYS = (
+    "completions/clipped_ratio",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "reward",
+    "reward_std",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/max",
+)
 CARRIED = ", repeated over the steps that train on its generation"
 NONFINITE_FROM = {"loss": "rl_guard/loss/nonfinite", "grad_norm": "rl_guard/grad/nonfinite"}
 

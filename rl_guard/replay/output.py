@@ -14,9 +14,12 @@ SHOWN = 5  # messages printed per rule
 def lines(result: Replay, config_name: str) -> list[str]:
     h = result.history
     steps = h.steps
-    out = [f"replay of {h.path} ({h.kind}, {len(steps)} steps, {steps[0]}-{steps[-1]}) with {config_name}", "",
-           "per rule: the steps it would have fired at, its input (records holding the metric / all records) and the "
-           f"messages it would have given (the first {SHOWN}; all of them with --json)"]
+    out = [
+        f"replay of {h.path} ({h.kind}, {len(steps)} steps, {steps[0]}-{steps[-1]}) with {config_name}",
+        "",
+        "per rule: the steps it would have fired at, its input (records holding the metric / all records) and the "
+        f"messages it would have given (the first {SHOWN}; all of them with --json)",
+    ]
     fired = result.steps_by_rule()
     for inp in result.inputs:
         steps_fired = fired.get(inp.rule, [])
@@ -40,8 +43,11 @@ def lines(result: Replay, config_name: str) -> list[str]:
         if len(mine) > SHOWN:
             out.append(f"      > ... and {len(mine) - SHOWN} more")
     if result.halted_at is not None:
-        out += ["", f"the run would have stopped at step {result.halted_at}; later incidents are what the rules say "
-                    "on the recorded continuation"]
+        out += [
+            "",
+            f"the run would have stopped at step {result.halted_at}; later incidents are what the rules say "
+            "on the recorded continuation",
+        ]
     return out
 
 

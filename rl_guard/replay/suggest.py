@@ -80,8 +80,10 @@ def _threshold(spec: dict, cond: Condition, series, q: float, margin: float, min
         band = [round_away(lo - pad, False), round_away(hi + pad, True)]
         inside = int(np.sum((values < band[0]) | (values > band[1])))
         old, spec["band"] = spec["band"], band
-        return (f"{cond.metric}: {_healthy(values)}, p{100 * (1 - q):g}-p{100 * q:g} [{lo:.4g}, {hi:.4g}] widened by "
-                f"{margin:g}x its width -> {band} (was {old}); healthy steps outside: {inside}")
+        return (
+            f"{cond.metric}: {_healthy(values)}, p{100 * (1 - q):g}-p{100 * q:g} [{lo:.4g}, {hi:.4g}] widened by "
+            f"{margin:g}x its width -> {band} (was {old}); healthy steps outside: {inside}"
+        )
     up = op in (">", ">=")
     base = float(np.quantile(values, q if up else 1 - q))
     label = f"p{100 * (q if up else 1 - q):g}"
@@ -92,8 +94,10 @@ def _threshold(spec: dict, cond: Condition, series, q: float, margin: float, min
     beyond = int(np.sum(fires(values, new)))
     old, spec["threshold"] = spec["threshold"], new
     how = f"x {margin:g}" if up else f"/ {margin:g}"
-    return (f"{cond.metric}: {_healthy(values)}, {label} {base:.4g} {how} -> {new} (was {old}); "
-            f"healthy steps beyond: {beyond}")
+    return (
+        f"{cond.metric}: {_healthy(values)}, {label} {base:.4g} {how} -> {new} (was {old}); "
+        f"healthy steps beyond: {beyond}"
+    )
 
 
 def _z_scores(values: np.ndarray, s: dict) -> list[float]:
@@ -117,34 +121,46 @@ def _spike(spec: dict, cond: Condition, series, margin: float, min_steps: int = 
     s = {"window": 100, "min_history": 8, "threshold": 6.0, "factor": 10.0, "direction": "up", **cond.spike}
     n = sum(len(v) for v in series)
     if s["method"] == "early_max":
-        ratios = [float(v[s["window"]:].max() / v[:s["window"]].max()) for v in series
-                  if len(v) > s["window"] and v[:s["window"]].max() > 0]
+        ratios = [
+            float(v[s["window"] :].max() / v[: s["window"]].max())
+            for v in series
+            if len(v) > s["window"] and v[: s["window"]].max() > 0
+        ]
         if not ratios:
-            return (f"{cond.metric}: early_max never armed ({n} healthy steps, needs more than window={s['window']}): "
-                    "kept")
+            return (
+                f"{cond.metric}: early_max never armed ({n} healthy steps, needs more than window={s['window']}): kept"
+            )
         after = sum(max(0, len(v) - s["window"]) for v in series)  # the steps compared with the early max
         if after < min_steps:
             return _short(cond.metric, after, f"healthy steps after the early window of {s['window']}", min_steps)
         new = max(1.0, round_away(max(ratios) * margin, True))
         old, spec["spike"]["factor"] = s["factor"], new
-        return (f"{cond.metric}: {n} healthy steps, largest multiple of the early max {max(ratios):.3g} x {margin:g} "
-                f"-> factor {new} (was {old:g})")
+        return (
+            f"{cond.metric}: {n} healthy steps, largest multiple of the early max {max(ratios):.3g} x {margin:g} "
+            f"-> factor {new} (was {old:g})"
+        )
     z = [x for v in series for x in _z_scores(v, s)]
     if not z:
-        return (f"{cond.metric}: {s['method']} never armed ({n} healthy steps; needs min_history={s['min_history']} "
-                "per history): kept")
+        return (
+            f"{cond.metric}: {s['method']} never armed ({n} healthy steps; needs min_history={s['min_history']} "
+            "per history): kept"
+        )
     if len(z) < min_steps:
-        return _short(cond.metric, len(z), f"scored healthy steps of {n}, after min_history={s['min_history']}",
-                      min_steps)
+        return _short(
+            cond.metric, len(z), f"scored healthy steps of {n}, after min_history={s['min_history']}", min_steps
+        )
     worst = max(z)
     new = max(0.1, round_away(worst * margin, True))
     old, spec["spike"]["threshold"] = s["threshold"], new
-    return (f"{cond.metric}: {s['method']} z ({s['direction']}) on {len(z)} scored healthy steps, max {worst:.3g} "
-            f"x {margin:g} -> threshold {new} (was {old:g}; it fired on {sum(x > old for x in z)} healthy steps)")
+    return (
+        f"{cond.metric}: {s['method']} z ({s['direction']}) on {len(z)} scored healthy steps, max {worst:.3g} "
+        f"x {margin:g} -> threshold {new} (was {old:g}; it fired on {sum(x > old for x in z)} healthy steps)"
+    )
 
 
-def suggest(config, histories, quantile: float = 0.99, margin: float = 1.5,
-            min_steps: int = MIN_STEPS) -> list[Suggestion]:
+def suggest(
+    config, histories, quantile: float = 0.99, margin: float = 1.5, min_steps: int = MIN_STEPS
+) -> list[Suggestion]:
     out = []
     for given in config.rules:
         rule = copy.deepcopy(given)
@@ -166,13 +182,17 @@ def suggest(config, histories, quantile: float = 0.99, margin: float = 1.5,
 
 def to_yaml(suggestions: list[Suggestion], histories, args) -> str:
     plural = "y" if len(histories) == 1 else "ies"
-    lines = [f"# rl-guard suggest: thresholds from {len(histories)} healthy histor{plural}"
-             f" (quantile {args.quantile:g}, margin {args.margin:g}; rules from {args.rules})"]
+    lines = [
+        f"# rl-guard suggest: thresholds from {len(histories)} healthy histor{plural}"
+        f" (quantile {args.quantile:g}, margin {args.margin:g}; rules from {args.rules})"
+    ]
     lines += [f"#   {h.path}: {h.kind}, {len(h.records)} steps" for h in histories]
     short = sum(TOO_SHORT in e for s in suggestions for e in s.evidence)
     if short:
-        lines.append(f"# {short} condition(s) {TOO_SHORT}: fewer than {getattr(args, 'min_steps', MIN_STEPS)} healthy "
-                     "values; they keep their settings (record a longer healthy run, or lower --min-steps knowingly)")
+        lines.append(
+            f"# {short} condition(s) {TOO_SHORT}: fewer than {getattr(args, 'min_steps', MIN_STEPS)} healthy "
+            "values; they keep their settings (record a longer healthy run, or lower --min-steps knowingly)"
+        )
     lines.append("rules:")
     for s in suggestions:
         lines += [f"  # {e}" for e in s.evidence]

@@ -17,13 +17,15 @@ def read(path: Path) -> History:
     try:
         from tensorboard.backend.event_processing import event_accumulator as ea
     except ImportError as exc:  # optional: only needed for this format
-        raise HistoryFormatError(path, "reading TensorBoard files needs the tensorboard package "
-                                       "(pip install tensorboard)") from exc
+        raise HistoryFormatError(
+            path, "reading TensorBoard files needs the tensorboard package (pip install tensorboard)"
+        ) from exc
     directory = path.parent if path.is_file() else path
     dirs = sorted({f.parent for f in directory.rglob("events.out.tfevents.*")})
     if len(dirs) != 1:
-        raise HistoryFormatError(path, "event files in several directories: pass one of "
-                                       + ", ".join(str(d) for d in dirs))
+        raise HistoryFormatError(
+            path, "event files in several directories: pass one of " + ", ".join(str(d) for d in dirs)
+        )
     acc = ea.EventAccumulator(str(dirs[0]), size_guidance={ea.SCALARS: 0})
     acc.Reload()
     raw: dict[int, dict] = {}

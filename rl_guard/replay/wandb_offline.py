@@ -33,10 +33,10 @@ def records(path: Path):
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if pos + 7 + length > len(data):  # a torn last record (a crash, or a write still under way): dropped
             break
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0:  # zero padding up to the block end
             pos += left - 7 - length
@@ -58,8 +58,12 @@ def _value(text: str):
 def read(path: Path) -> History:
     files = [path] if path.is_file() else sorted(path.rglob("run-*.wandb"))
     if len(files) != 1:
-        raise HistoryFormatError(path, "not exactly one wandb run: pass one run directory or .wandb file (found "
-                                       + (", ".join(str(f) for f in files) or "none") + ")")
+        raise HistoryFormatError(
+            path,
+            "not exactly one wandb run: pass one run directory or .wandb file (found "
+            + (", ".join(str(f) for f in files) or "none")
+            + ")",
+        )
     rows: dict[int, dict] = {}
     origin: dict[str, str] = {}
     for rec in records(files[0]):

@@ -43,21 +43,35 @@ def bundle_lines(run_dir: pathlib.Path) -> list[str]:
     found, held = bundles(run_dir), quarantined(run_dir)
     lines: list[str] = []
     if found:
-        lines += ["", "## Incident bundles", "",
-                  "One folder per step a rule acted on: `bundle.json` (the rules and their windows, the culprit "
-                  "sequences with their prompts, completions and rewards, the learning rates, the counters) and "
-                  "`rng.pt`.", "", "| step | decision | rules | culprits | folder |", "|---:|---|---|---|---|"]
+        lines += [
+            "",
+            "## Incident bundles",
+            "",
+            "One folder per step a rule acted on: `bundle.json` (the rules and their windows, the culprit "
+            "sequences with their prompts, completions and rewards, the learning rates, the counters) and "
+            "`rng.pt`.",
+            "",
+            "| step | decision | rules | culprits | folder |",
+            "|---:|---|---|---|---|",
+        ]
         for folder, b in found[:MAX_BUNDLES]:
             culprits = [c for r in b.get("rules", []) for c in r.get("culprits", [])]
             named = "; ".join(_cell(c.get("prompt", f"row {c.get('row')}")) for c in culprits[:3]) or "-"
             rules = ", ".join(r["rule"] for r in b.get("rules", []) if r.get("action") != "warn")
-            lines.append(f"| {b.get('step')} | {b.get('decision')} | {rules} | {named} | "
-                         f"`{folder.relative_to(run_dir)}` |")
+            lines.append(
+                f"| {b.get('step')} | {b.get('decision')} | {rules} | {named} | `{folder.relative_to(run_dir)}` |"
+            )
         if len(found) > MAX_BUNDLES:
             lines.append(f"\n{len(found) - MAX_BUNDLES} more bundles under `incidents/`")
     if held:
-        lines += ["", "## Quarantined prompts", "",
-                  f"{len(held)} prompts kept out of further sampling (`quarantine.jsonl`).", "",
-                  "| step | rule | prompt |", "|---:|---|---|"]
+        lines += [
+            "",
+            "## Quarantined prompts",
+            "",
+            f"{len(held)} prompts kept out of further sampling (`quarantine.jsonl`).",
+            "",
+            "| step | rule | prompt |",
+            "|---:|---|---|",
+        ]
         lines += [f"| {q.get('step')} | {q.get('rule')} | {_cell(q.get('prompt'))} |" for q in held]
     return lines

@@ -9,8 +9,14 @@ import sys
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `report` subcommand's arguments to `ap`."""
     ap.add_argument("run_dir", help="run directory written by the guard (holds metrics.jsonl / incidents.jsonl)")
-    ap.add_argument("-o", "--out", "--out-dir", dest="out_dir", default=None,
-                    help="where to write the PNGs and report.md (default: RUN_DIR/report/)")
+    ap.add_argument(
+        "-o",
+        "--out",
+        "--out-dir",
+        dest="out_dir",
+        default=None,
+        help="where to write the PNGs and report.md (default: RUN_DIR/report/)",
+    )
     ap.add_argument("--dpi", type=int, default=110, help="resolution of the PNG files (default: 110)")
     ap.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     return ap

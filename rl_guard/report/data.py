@@ -140,8 +140,9 @@ def load_run(run_dir) -> RunData:
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     mpath, ipath = run_dir / METRICS_FILE, run_dir / INCIDENTS_FILE
     if not mpath.exists() and not ipath.exists():
-        raise FileNotFoundError(f"{run_dir} has neither {METRICS_FILE} nor {INCIDENTS_FILE}; "
-                                "is it a run directory written by rl_guard?")
+        raise FileNotFoundError(
+            f"{run_dir} has neither {METRICS_FILE} nor {INCIDENTS_FILE}; is it a run directory written by rl_guard?"
+        )
     records = read_jsonl(mpath) if mpath.exists() else []
     incidents = read_jsonl(ipath) if ipath.exists() else []
     return RunData(run_dir, records, incidents)

@@ -17,7 +17,7 @@ from .data import PREFIX
 
 
 def kind(rec: dict) -> str:
-    """"replayed", "shadow" or "live"."""
+    """ "replayed", "shadow" or "live"."""
     if rec.get("replayed"):
         return "replayed"
     if rec.get("mode") == "shadow":
@@ -34,7 +34,7 @@ def step_of(rec: dict) -> int | None:
 
 def short_metric(metric) -> str:
     metric = str(metric or "")
-    return metric[len(PREFIX):] if metric.startswith(PREFIX) else metric
+    return metric[len(PREFIX) :] if metric.startswith(PREFIX) else metric
 
 
 def number(v) -> str:

@@ -105,12 +105,30 @@ def draw_labels(ax, labels: list[Label], lowest_allowed: float = LOWEST) -> tupl
         while text is None:
             hits = []
             for right in (True, False):  # right of the marker line, else left of it, else a row further down
-                cand = ax.annotate(lab.text, xy=(lab.first, y), xycoords=ax.get_xaxis_transform(),
-                                   xytext=(3 if right else -3, 0), textcoords="offset points",
-                                   ha="left" if right else "right", va="top", multialignment="left", fontsize=FONT,
-                                   color="#222222", linespacing=1.15, zorder=5, gid=GID, annotation_clip=False,
-                                   bbox=dict(boxstyle="round,pad=0.25", fc="white", ec=action_color(lab.action),
-                                             lw=1.0, ls="--" if lab.dashed else "-", alpha=0.88))
+                cand = ax.annotate(
+                    lab.text,
+                    xy=(lab.first, y),
+                    xycoords=ax.get_xaxis_transform(),
+                    xytext=(3 if right else -3, 0),
+                    textcoords="offset points",
+                    ha="left" if right else "right",
+                    va="top",
+                    multialignment="left",
+                    fontsize=FONT,
+                    color="#222222",
+                    linespacing=1.15,
+                    zorder=5,
+                    gid=GID,
+                    annotation_clip=False,
+                    bbox=dict(
+                        boxstyle="round,pad=0.25",
+                        fc="white",
+                        ec=action_color(lab.action),
+                        lw=1.0,
+                        ls="--" if lab.dashed else "-",
+                        alpha=0.88,
+                    ),
+                )
                 ext = cand.get_window_extent(renderer)
                 hit = [p for p in placed if _overlaps(ext.padded(pad), p)]
                 inside = box.x0 <= ext.x0 and ext.x1 <= box.x1
@@ -146,10 +164,24 @@ def mark_rollbacks(ax, run: RunData) -> None:
         if step is None or not isinstance(target, (int, float)) or (step, target) in seen:
             continue
         seen.add((step, target))
-        ax.annotate("", xy=(target, 0.035), xytext=(step, 0.035), xycoords=ax.get_xaxis_transform(),
-                    textcoords=ax.get_xaxis_transform(), annotation_clip=False, zorder=5, gid="rollback_arrow",
-                    arrowprops=dict(arrowstyle="-|>", color=action_color("rollback"), lw=1.4, shrinkA=0, shrinkB=0,
-                                    ls="-" if inc.kind(rec) == "live" else "--"))
+        ax.annotate(
+            "",
+            xy=(target, 0.035),
+            xytext=(step, 0.035),
+            xycoords=ax.get_xaxis_transform(),
+            textcoords=ax.get_xaxis_transform(),
+            annotation_clip=False,
+            zorder=5,
+            gid="rollback_arrow",
+            arrowprops=dict(
+                arrowstyle="-|>",
+                color=action_color("rollback"),
+                lw=1.4,
+                shrinkA=0,
+                shrinkB=0,
+                ls="-" if inc.kind(rec) == "live" else "--",
+            ),
+        )
 
 
 def make_headroom(ax, lowest: float) -> None:

@@ -28,8 +28,18 @@ def _quantile_panel(family: str, log: bool) -> Callable:
     def draw(ax, run: RunData) -> bool:
         if not style.quantile_bands(ax, run, family):
             return False
-        style.line(ax, run, f"{family}/min", color=style.BAND_COLOR, ls="none", marker="o", ms=style.dot_size(run),
-                   mfc="none", alpha=0.8, label="min")
+        style.line(
+            ax,
+            run,
+            f"{family}/min",
+            color=style.BAND_COLOR,
+            ls="none",
+            marker="o",
+            ms=style.dot_size(run),
+            mfc="none",
+            alpha=0.8,
+            label="min",
+        )
         if log:
             ax.axhline(1.0, color="#444444", lw=0.8, ls="--", zorder=1)
             style.set_log_y(ax)
@@ -43,8 +53,9 @@ def _kl(family: str) -> Callable:
         c, mean, worst = KL_COLORS[family], f"{family}/k3_mean", f"{family}/k3_seq_max"
         bottom = style.log_floor(run.column(mean), run.column(worst))
         got = style.line(ax, run, mean, floor=bottom, color=c, lw=1.8, label="k3 mean (per token)")
-        got |= style.line(ax, run, worst, floor=bottom, color=c, lw=1.2, ls="--", alpha=0.85,
-                          label="k3 seq_max (worst sequence)")
+        got |= style.line(
+            ax, run, worst, floor=bottom, color=c, lw=1.2, ls="--", alpha=0.85, label="k3 seq_max (worst sequence)"
+        )
         if got and bottom is not None:
             style.set_log_y(ax, bottom)
         return got
@@ -54,11 +65,12 @@ def _kl(family: str) -> Callable:
 
 def draw_clip(ax, run: RunData) -> bool:
     got = False
-    for stat, color, label in (("low_frac", "#4c72b0", "low (r < 1-eps, A < 0)"),
-                               ("high_frac", "#c44e52", "high (r > 1+eps, A > 0)"),
-                               ("region_frac", "#333333", "region (either)")):
-        got |= style.line(ax, run, f"clip/{stat}", color=color, lw=1.6 if stat == "region_frac" else 1.2,
-                          label=label)
+    for stat, color, label in (
+        ("low_frac", "#4c72b0", "low (r < 1-eps, A < 0)"),
+        ("high_frac", "#c44e52", "high (r > 1+eps, A > 0)"),
+        ("region_frac", "#333333", "region (either)"),
+    ):
+        got |= style.line(ax, run, f"clip/{stat}", color=color, lw=1.6 if stat == "region_frac" else 1.2, label=label)
     if got:
         ax.set_ylim(bottom=0)
     return got
@@ -78,8 +90,9 @@ def grad_spikes(run: RunData) -> list[tuple[int, str, str]]:
 def draw_grad(ax, run: RunData) -> bool:
     bottom = style.log_floor(run.column("grad/norm"), run.column("grad/norm_postclip"))
     got = style.line(ax, run, "grad/norm", floor=bottom, color="#4c72b0", lw=1.6, label="grad norm (before clipping)")
-    got |= style.line(ax, run, "grad/norm_postclip", floor=bottom, color="#8172b3", lw=1.2, ls="--",
-                      label="grad norm after clipping")
+    got |= style.line(
+        ax, run, "grad/norm_postclip", floor=bottom, color="#8172b3", lw=1.2, ls="--", label="grad norm after clipping"
+    )
     if not got:
         return False
     if bottom is not None:
@@ -95,10 +108,21 @@ def draw_grad(ax, run: RunData) -> bool:
     for (action, onedge), xy in sorted(pts.items(), key=lambda kv: (style.action_rank(kv[0][0]), kv[0][1])):
         x, y = zip(*xy)
         # A spike whose value is not plottable still gets its star, on the top edge like other non-finite data.
-        ax.plot(x, y, ls="none", marker="*", ms=ms, mec="black", mew=0.8, color=style.action_color(action),
-                zorder=7, clip_on=False, gid="grad_spike",
-                transform=ax.get_xaxis_transform() if onedge else ax.transData,
-                label=None if onedge and (action, False) in pts else f"grad rule -> {action}")
+        ax.plot(
+            x,
+            y,
+            ls="none",
+            marker="*",
+            ms=ms,
+            mec="black",
+            mew=0.8,
+            color=style.action_color(action),
+            zorder=7,
+            clip_on=False,
+            gid="grad_spike",
+            transform=ax.get_xaxis_transform() if onedge else ax.transData,
+            label=None if onedge and (action, False) in pts else f"grad rule -> {action}",
+        )
     return True
 
 
@@ -109,8 +133,11 @@ def _bucket_key(name: str) -> tuple[int, str]:
 
 def lag_buckets(run: RunData) -> list[str]:
     """Bucket labels ("0", "1", "3-4", "9+") ordered by their lower edge."""
-    names = [n[len("rl_guard/lag/"):-len("/token_frac")] for n in run.with_prefix("lag/")
-             if n.endswith("/token_frac") and n.count("/") == 3]
+    names = [
+        n[len("rl_guard/lag/") : -len("/token_frac")]
+        for n in run.with_prefix("lag/")
+        if n.endswith("/token_frac") and n.count("/") == 3
+    ]
     return sorted(names, key=_bucket_key)
 
 
@@ -125,8 +152,7 @@ def draw_lag(ax, run: RunData) -> bool:
     stacked = [np.where(np.isfinite(c), c, 0.0) for c in cols]
     cmap = colormaps["viridis"]
     colors = [cmap(i / max(1, len(buckets) - 1)) for i in range(len(buckets))]
-    ax.stackplot(run.steps, *stacked, labels=[f"lag {b}" for b in buckets], colors=colors, alpha=0.85,
-                 gid="lag_stack")
+    ax.stackplot(run.steps, *stacked, labels=[f"lag {b}" for b in buckets], colors=colors, alpha=0.85, gid="lag_stack")
     for b in buckets:
         s = run.get(f"lag/{b}/token_frac")
         style.mark_nonfinite(ax, s.steps, s.values)
@@ -140,8 +166,7 @@ def draw_reward(ax, run: RunData) -> bool:
     x, (mean, std) = style.aligned(run, "reward/mean", "reward/std")
     ok = np.isfinite(mean) & np.isfinite(std)
     if ok.any():
-        ax.fill_between(x, mean - std, mean + std, where=ok, color="#55a868", alpha=0.25, lw=0,
-                        label="mean +- std")
+        ax.fill_between(x, mean - std, mean + std, where=ok, color="#55a868", alpha=0.25, lw=0, label="mean +- std")
     style.line(ax, run, "reward/mean", color="#2d7a3e", lw=1.8, label="mean")
     style.line(ax, run, "reward/max", color="#2d7a3e", lw=0.8, ls=":", marker="", label="max / min")
     style.line(ax, run, "reward/min", color="#2d7a3e", lw=0.8, ls=":", marker="")
@@ -167,8 +192,17 @@ def draw_lr(ax, run: RunData) -> bool:
     got = style.line(ax, run, "optim/lr", floor=bottom, color="#1f77b4", lw=1.8, label="learning rate")
     differ = [g for g in groups if not np.array_equal(run.column(g), cols[0], equal_nan=True)]
     for i, g in enumerate(differ):
-        style.line(ax, run, g, floor=bottom, color=f"C{(i + 1) % 10}", lw=0.9, ls="--", marker="",
-                   label=g[len("rl_guard/optim/"):-len("/lr")])
+        style.line(
+            ax,
+            run,
+            g,
+            floor=bottom,
+            color=f"C{(i + 1) % 10}",
+            lw=0.9,
+            ls="--",
+            marker="",
+            label=g[len("rl_guard/optim/") : -len("/lr")],
+        )
     if got and bottom is not None:
         style.set_log_y(ax, bottom)
     return got
@@ -182,12 +216,19 @@ def _group_key(name: str) -> tuple[int, str]:
 def draw_update(ax, run: RunData) -> bool:
     """||dtheta|| / ||theta|| of each optimizer step; a step the guard dropped has no update (no point)."""
     bottom = style.log_floor(run.column("update/rel"), run.column("update/external_rel"))
-    got = style.line(ax, run, "update/rel", floor=bottom, color="#6a3d9a", lw=1.8,
-                     label="||dtheta|| / ||theta||")
+    got = style.line(ax, run, "update/rel", floor=bottom, color="#6a3d9a", lw=1.8, label="||dtheta|| / ||theta||")
     ext = run.get("update/external_rel")
     if len(ext) and np.any(ext.values[np.isfinite(ext.values)] != 0):  # exactly 0 when healthy: drawn only if not
-        got |= style.line(ax, run, "update/external_rel", floor=bottom, color="#e31a1c", lw=1.2, ls="--",
-                          label="changed outside optimizer.step()")
+        got |= style.line(
+            ax,
+            run,
+            "update/external_rel",
+            floor=bottom,
+            color="#e31a1c",
+            lw=1.2,
+            ls="--",
+            label="changed outside optimizer.step()",
+        )
     if got and bottom is not None:
         style.set_log_y(ax, bottom)
     return got
@@ -209,26 +250,39 @@ class Panel:
 
 
 def _ratio_panel(family: str) -> Panel:
-    return Panel(RATIO_FAMILIES[family], "ratio (log)", _quantile_panel(family, log=True),
-                 tuple(f"{family}/{q}" for q in QUANTS))
+    return Panel(
+        RATIO_FAMILIES[family], "ratio (log)", _quantile_panel(family, log=True), tuple(f"{family}/{q}" for q in QUANTS)
+    )
 
 
 PANELS: dict[str, Panel] = {
     **{f: _ratio_panel(f) for f in RATIO_FAMILIES},
-    "entropy": Panel("token entropy (nats)", "entropy", _quantile_panel("entropy", log=False),
-                     tuple(f"entropy/{q}" for q in QUANTS)),
-    "kl_old": Panel("KL to the rollout policy (k3): how far this update moved", "KL", _kl("kl_old"),
-                    ("kl_old/k3_mean", "kl_old/k3_seq_max")),
+    "entropy": Panel(
+        "token entropy (nats)", "entropy", _quantile_panel("entropy", log=False), tuple(f"entropy/{q}" for q in QUANTS)
+    ),
+    "kl_old": Panel(
+        "KL to the rollout policy (k3): how far this update moved",
+        "KL",
+        _kl("kl_old"),
+        ("kl_old/k3_mean", "kl_old/k3_seq_max"),
+    ),
     "kl_ref": Panel("KL to the reference policy (k3)", "KL", _kl("kl_ref"), ("kl_ref/k3_mean", "kl_ref/k3_seq_max")),
-    "clip": Panel("clipped token fractions", "fraction of tokens", draw_clip,
-                  ("clip/low_frac", "clip/high_frac", "clip/region_frac")),
-    "grad": Panel("gradient norm (stars: gradient rules fired)", "norm", draw_grad,
-                  ("grad/norm", "grad/norm_postclip")),
+    "clip": Panel(
+        "clipped token fractions",
+        "fraction of tokens",
+        draw_clip,
+        ("clip/low_frac", "clip/high_frac", "clip/region_frac"),
+    ),
+    "grad": Panel(
+        "gradient norm (stars: gradient rules fired)", "norm", draw_grad, ("grad/norm", "grad/norm_postclip")
+    ),
     "lag": Panel("token share per policy lag (versions behind)", "token share", draw_lag, ()),
-    "lr": Panel("learning rate (the rate each step was to use, before the guard acted)", "learning rate", draw_lr,
-                ("optim/lr",)),
-    "update": Panel("update size of each optimizer step  ||dtheta|| / ||theta||", "relative update", draw_update,
-                    ("update/rel",)),
+    "lr": Panel(
+        "learning rate (the rate each step was to use, before the guard acted)", "learning rate", draw_lr, ("optim/lr",)
+    ),
+    "update": Panel(
+        "update size of each optimizer step  ||dtheta|| / ||theta||", "relative update", draw_update, ("update/rel",)
+    ),
     "reward": Panel("reward", "reward", draw_reward, ("reward/mean",)),
     "length": Panel("response length (tokens)", "tokens", draw_length, ("length/mean", "length/max")),
     "truncated": Panel("truncated fraction (no EOS)", "fraction", draw_truncated, ("length/truncated_frac",)),
@@ -245,16 +299,18 @@ def available(name: str, run: RunData) -> bool:
 # num_iterations=1; no reference model with beta=0): panel -> why. A panel constant for any other reason is drawn.
 BY_DESIGN = {
     "ratio": "the policy that sampled each batch is the one trained on it (one update per batch, e.g. TRL's default "
-             "num_iterations=1), so the old log-probs are the log-probs and every ratio is exactly 1",
+    "num_iterations=1), so the old log-probs are the log-probs and every ratio is exactly 1",
     "seq_ratio": "the per-sequence ratio of the same log-probs: exactly 1 on-policy, like the token ratio",
     "importance_weight": "the proximal policy is the current one, so every weight is exactly 1",
     "behave_imp_weight": "the sampler's log-probs are the trainer's own (no separate inference engine), so every "
-                         "weight is exactly 1",
+    "weight is exactly 1",
     "kl_old": "KL between the policy and itself before the update: exactly 0 on-policy",
     "clip": "with every ratio exactly 1 no token reaches the clip range: every fraction is exactly 0",
 }
-CAVEAT = ("If this run reused each batch for several updates (TRL: num_iterations > 1) these panels should move; "
-          "flat there, they would mean the guard never saw the old log-probs.")
+CAVEAT = (
+    "If this run reused each batch for several updates (TRL: num_iterations > 1) these panels should move; "
+    "flat there, they would mean the guard never saw the old log-probs."
+)
 
 
 def panel_metrics(name: str, run: RunData) -> list[str]:
@@ -321,12 +377,29 @@ def draw_panel(ax, name: str, run: RunData, xlim: tuple[float, float] | None = N
     mark_rollbacks(ax, run)
     value = constant_value(name, run)
     if value is not None:
-        ax.text(0.5, 0.12, constant_note(name, value), transform=ax.transAxes, ha="center", va="bottom",
-                fontsize=9, color="#333333", zorder=5, gid="constant",
-                bbox=dict(boxstyle="round,pad=0.3", fc="#f2f2f2", ec="#999999", lw=0.8, alpha=0.95))
+        ax.text(
+            0.5,
+            0.12,
+            constant_note(name, value),
+            transform=ax.transAxes,
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            color="#333333",
+            zorder=5,
+            gid="constant",
+            bbox=dict(boxstyle="round,pad=0.3", fc="#f2f2f2", ec="#999999", lw=0.8, alpha=0.95),
+        )
     handles, labels = ax.get_legend_handles_labels()
     if handles:
         # Outside, right of the axes: an inside legend always ends up over some band or spike.
-        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), framealpha=0.8,
-                  borderaxespad=0.0)
+        ax.legend(
+            handles,
+            labels,
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            framealpha=0.8,
+            borderaxespad=0.0,
+        )
     return True

@@ -70,8 +70,16 @@ def _x_range(run: RunData) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
-def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int = 1, width: float = 11.0,
-           left_out: tuple[str, ...] = ()):
+def _build(
+    Figure,
+    FigureCanvasAgg,
+    run: RunData,
+    names,
+    title: str,
+    ncols: int = 1,
+    width: float = 11.0,
+    left_out: tuple[str, ...] = (),
+):
     names = [n for n in names if panels.available(n, run) and n not in left_out]
     if not names:
         return None
@@ -82,8 +90,14 @@ def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int 
     axes_w = (width - LEFT - ncols * LEGEND - (ncols - 1) * LEFT) / ncols
     fig = Figure(figsize=(width, height), dpi=110)
     FigureCanvasAgg(fig)
-    grid = dict(left=LEFT / width, right=1 - LEGEND / width, top=1 - TOP / height, bottom=bottom / height,
-                wspace=(LEGEND + LEFT) / axes_w, hspace=GAP / AXES_H)
+    grid = dict(
+        left=LEFT / width,
+        right=1 - LEGEND / width,
+        top=1 - TOP / height,
+        bottom=bottom / height,
+        wspace=(LEGEND + LEFT) / axes_w,
+        hspace=GAP / AXES_H,
+    )
     axes = fig.subplots(nrows, ncols, squeeze=False, gridspec_kw=grid).ravel()
     xlim = _x_range(run)
     drawn = []
@@ -93,26 +107,41 @@ def _build(Figure, FigureCanvasAgg, run: RunData, names, title: str, ncols: int 
             drawn.append(ax)
         else:
             ax.set_visible(False)
-    for ax in axes[len(names):]:
+    for ax in axes[len(names) :]:
         ax.set_visible(False)
     for ax in drawn:
         # Step numbers only under the lowest panel of each column; the others line up with it.
         ss = ax.get_subplotspec()
-        below = [a for a in drawn if a.get_subplotspec().colspan == ss.colspan
-                 and a.get_subplotspec().rowspan.start > ss.rowspan.start]
+        below = [
+            a
+            for a in drawn
+            if a.get_subplotspec().colspan == ss.colspan and a.get_subplotspec().rowspan.start > ss.rowspan.start
+        ]
         if below:
             ax.tick_params(labelbottom=False)
         else:
             ax.set_xlabel("step", fontsize=9)
     if left_out:
-        title += " (left out, constant by design: " + ", ".join(
-            f"{n} = {panels.constant_value(n, run):g}" for n in left_out) + ")"
-    fig.suptitle(f"{title} - {run.run_dir.name or run.run_dir}", fontsize=12, x=0.01, y=1 - 0.08 / height,
-                 ha="left", va="top")
+        title += (
+            " (left out, constant by design: "
+            + ", ".join(f"{n} = {panels.constant_value(n, run):g}" for n in left_out)
+            + ")"
+        )
+    fig.suptitle(
+        f"{title} - {run.run_dir.name or run.run_dir}", fontsize=12, x=0.01, y=1 - 0.08 / height, ha="left", va="top"
+    )
     style.action_legend(fig, run)
     if any(getattr(ax, "rl_guard_hidden_labels", 0) for ax in drawn):
-        fig.text(0.995, 0.005, "some incident labels had no room in a panel; report.md lists every incident",
-                 ha="right", va="bottom", fontsize=7, color="#555555", gid="incident_labels_hidden")
+        fig.text(
+            0.995,
+            0.005,
+            "some incident labels had no room in a panel; report.md lists every incident",
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="#555555",
+            gid="incident_labels_hidden",
+        )
     return fig
 
 
@@ -136,7 +165,8 @@ def render_report(run_dir, out_dir=None, *, keep_figures: bool = False, dpi: int
     status = {name: panels.status(name, run) for name in panels.PANELS}
     flat = tuple(n for n in OVERVIEW if status[n][0] == "constant by design")
     specs: list[tuple[str, tuple[str, ...], str, int, float, tuple[str, ...]]] = [
-        (name, FIGURES[name], FIGURE_TITLES[name], 1, 11.0, ()) for name in FIGURES]
+        (name, FIGURES[name], FIGURE_TITLES[name], 1, 11.0, ()) for name in FIGURES
+    ]
     specs.append(("overview", OVERVIEW, FIGURE_TITLES["overview"], 2, 16.0, flat))
     for name, panel_names, title, ncols, width, left_out in specs:
         path = out / f"{name}.png"
@@ -150,8 +180,16 @@ def render_report(run_dir, out_dir=None, *, keep_figures: bool = False, dpi: int
         if keep_figures:
             figures[name] = fig
     md = write_markdown(run, out / "report.md", plots, status)
-    result = {"run_dir": str(run.run_dir), "out_dir": str(out), "plots": plots, "skipped": skipped, "panels": status,
-              "markdown": str(md), "steps": int(len(run.steps)), "incidents": len(run.incidents)}
+    result = {
+        "run_dir": str(run.run_dir),
+        "out_dir": str(out),
+        "plots": plots,
+        "skipped": skipped,
+        "panels": status,
+        "markdown": str(md),
+        "steps": int(len(run.steps)),
+        "incidents": len(run.incidents),
+    }
     if keep_figures:
         result["figures"] = figures
     return result

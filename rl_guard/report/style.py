@@ -54,10 +54,18 @@ def mark_incidents(ax, run: RunData) -> None:
         mild, dense = action == "warn", len(steps) > DENSE
         style = "--" if replayed and not dense else ("-" if dense or not mild else ":")
         # y in axes coordinates: full height whatever the scale, and the y autoscaling is left alone.
-        ax.vlines(steps, 0.96 if dense else 0.0, 1.0, transform=ax.get_xaxis_transform(),
-                  colors=action_color(action), linewidths=1.0 if mild else 1.8, linestyles=style,
-                  alpha=0.6 if mild else 0.9, zorder=1.5 + action_rank(action) * 0.1,
-                  gid=f"incident:{action}" + (":replayed" if replayed else ""))
+        ax.vlines(
+            steps,
+            0.96 if dense else 0.0,
+            1.0,
+            transform=ax.get_xaxis_transform(),
+            colors=action_color(action),
+            linewidths=1.0 if mild else 1.8,
+            linestyles=style,
+            alpha=0.6 if mild else 0.9,
+            zorder=1.5 + action_rank(action) * 0.1,
+            gid=f"incident:{action}" + (":replayed" if replayed else ""),
+        )
 
 
 def mark_nonfinite(ax, steps: np.ndarray, values: np.ndarray) -> int:
@@ -68,9 +76,20 @@ def mark_nonfinite(ax, steps: np.ndarray, values: np.ndarray) -> int:
     labelled = any(line.get_gid() == "nonfinite" for line in ax.lines)
     ys = np.where(np.isneginf(values[bad]), 0.0, 1.0)
     # x in data coordinates, y in axes coordinates: the marker sits on the edge whatever the y range is.
-    ax.plot(steps[bad], ys, ls="none", marker="x", ms=9, mew=2.2, color=NONFINITE_COLOR, clip_on=False,
-            transform=ax.get_xaxis_transform(), zorder=6, gid="nonfinite",
-            label=None if labelled else "non-finite")
+    ax.plot(
+        steps[bad],
+        ys,
+        ls="none",
+        marker="x",
+        ms=9,
+        mew=2.2,
+        color=NONFINITE_COLOR,
+        clip_on=False,
+        transform=ax.get_xaxis_transform(),
+        zorder=6,
+        gid="nonfinite",
+        label=None if labelled else "non-finite",
+    )
     return int(bad.sum())
 
 
@@ -127,15 +146,25 @@ def quantile_bands(ax, run: RunData, family: str, color: str = BAND_COLOR, label
         if ok.sum() == 1:  # a single step has no area: show it as an error bar instead
             i = int(np.nonzero(ok)[0][0])
             ax.vlines(x[i], lo[i], hi[i], color=color, alpha=min(1.0, alpha * 2.5), lw=6)
-        ax.fill_between(x, np.where(ok, lo, np.nan), np.where(ok, hi, np.nan), where=ok, color=color,
-                        alpha=alpha, lw=0, label=f"{label}{pair[0]}-{pair[1]}", gid=f"band:{pair[0]}-{pair[1]}")
+        ax.fill_between(
+            x,
+            np.where(ok, lo, np.nan),
+            np.where(ok, hi, np.nan),
+            where=ok,
+            color=color,
+            alpha=alpha,
+            lw=0,
+            label=f"{label}{pair[0]}-{pair[1]}",
+            gid=f"band:{pair[0]}-{pair[1]}",
+        )
         for q in pair:
             s = run.get(f"{family}/{q}")
             mark_nonfinite(ax, s.steps, s.values)
         drawn = True
     drawn |= line(ax, run, f"{family}/p50", color=color, lw=1.8, label=f"{label}p50")
-    drawn |= line(ax, run, f"{family}/max", color=color, ls="none", marker="o", ms=dot_size(run), alpha=0.9,
-                  label=f"{label}max")
+    drawn |= line(
+        ax, run, f"{family}/max", color=color, ls="none", marker="o", ms=dot_size(run), alpha=0.9, label=f"{label}max"
+    )
     return drawn
 
 
@@ -200,8 +229,9 @@ LEGEND_PREFIX = {"live": "rule fired", "shadow": "shadow mode, rule fired", "rep
 
 
 def _restores(run: RunData) -> bool:
-    return any(r.get("restored_to_step") is not None or r.get("would_restore_to_step") is not None
-               for r in run.incidents)
+    return any(
+        r.get("restored_to_step") is not None or r.get("would_restore_to_step") is not None for r in run.incidents
+    )
 
 
 def legend_rows(run: RunData, width: float) -> int:
@@ -219,17 +249,49 @@ def action_legend(fig, run: RunData) -> None:
     from matplotlib.lines import Line2D
 
     counts = _legend_counts(run)
-    handles = [Line2D([], [], color=action_color(a), lw=1.0 if a == "warn" else 1.8,
-                      ls="--" if k == "replayed" else (":" if a == "warn" else "-"),
-                      label=f"{LEGEND_PREFIX[k]} -> {a} ({counts[a, k]})")
-               for a, k in sorted(counts, key=lambda k: (action_rank(k[0]), k[0], k[1]))]
+    handles = [
+        Line2D(
+            [],
+            [],
+            color=action_color(a),
+            lw=1.0 if a == "warn" else 1.8,
+            ls="--" if k == "replayed" else (":" if a == "warn" else "-"),
+            label=f"{LEGEND_PREFIX[k]} -> {a} ({counts[a, k]})",
+        )
+        for a, k in sorted(counts, key=lambda k: (action_rank(k[0]), k[0], k[1]))
+    ]
     if any(line.get_gid() == "nonfinite" for ax in fig.axes for line in ax.lines):
-        handles.append(Line2D([], [], ls="none", marker="x", ms=8, mew=2, color=NONFINITE_COLOR,
-                              label="non-finite value (drawn at the edge)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                ls="none",
+                marker="x",
+                ms=8,
+                mew=2,
+                color=NONFINITE_COLOR,
+                label="non-finite value (drawn at the edge)",
+            )
+        )
     if _restores(run):  # labels.mark_rollbacks
-        handles.append(Line2D([], [], color=action_color("rollback"), lw=1.4, marker="<", ms=6,
-                              label="arrow: back to the step a rollback restored"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=action_color("rollback"),
+                lw=1.4,
+                marker="<",
+                ms=6,
+                label="arrow: back to the step a rollback restored",
+            )
+        )
     if not handles:
         handles.append(Line2D([], [], color="none", label="no rule fired"))
-    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
-               ncol=min(len(handles), legend_cols(fig.get_figwidth())), fontsize=9, frameon=False)
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=min(len(handles), legend_cols(fig.get_figwidth())),
+        fontsize=9,
+        frameon=False,
+    )

@@ -62,23 +62,30 @@ def summary_lines(run: RunData, plots: dict[str, str], panels: dict[str, tuple] 
     else:
         lines.append("- steps logged: 0 (no metrics.jsonl records)")
     if inc:
-        lines.append(f"- incidents: {len(inc)}" + (f" (first at step {min(steps)}, last at step {max(steps)})"
-                                                   if steps else ""))
+        lines.append(
+            f"- incidents: {len(inc)}" + (f" (first at step {min(steps)}, last at step {max(steps)})" if steps else "")
+        )
     else:
         lines.append("- incidents: 0 (no rule fired)")
     kinds = Counter(describe.kind(r) for r in inc)
     if kinds["replayed"]:
         sources = sorted({str(r["source"]) for r in inc if r.get("replayed") and r.get("source")})
-        lines.append(f"- replayed incidents: {kinds['replayed']} (`rl-guard replay`"
-                     + (" of " + ", ".join(f"`{s}`" for s in sources) if sources else "")
-                     + ": what the rules would have done on that history; none of it happened live)")
+        lines.append(
+            f"- replayed incidents: {kinds['replayed']} (`rl-guard replay`"
+            + (" of " + ", ".join(f"`{s}`" for s in sources) if sources else "")
+            + ": what the rules would have done on that history; none of it happened live)"
+        )
     if kinds["shadow"]:
-        lines.append(f"- shadow-mode incidents: {kinds['shadow']} (`mode: shadow`: the guard only warned; the "
-                     "action column says what it would have done)")
+        lines.append(
+            f"- shadow-mode incidents: {kinds['shadow']} (`mode: shadow`: the guard only warned; the "
+            "action column says what it would have done)"
+        )
     bad = run.nonfinite()
     if bad:
-        lines.append("- non-finite values: " + "; ".join(
-            f"`{m}` at step{'s' if len(s) > 1 else ''} {step_ranges(s)}" for m, s in bad.items()))
+        lines.append(
+            "- non-finite values: "
+            + "; ".join(f"`{m}` at step{'s' if len(s) > 1 else ''} {step_ranges(s)}" for m, s in bad.items())
+        )
     if "overview" in plots:
         lines += ["", f"![overview]({pathlib.Path(plots['overview']).name})"]
     if inc:
@@ -96,19 +103,28 @@ def summary_lines(run: RunData, plots: dict[str, str], panels: dict[str, tuple] 
 
 def _incident_rows(inc: list[dict]) -> list[str]:
     """One row per incident: what fired, on which value, what the guard did, and where it went back to."""
-    lines = ["", "## Incidents", "",
-             "One row per incident, by step. *restored to / checkpoint*: the step whose state a rollback restored "
-             "(the run went on from the weights it had before that step), or the checkpoint written.", "",
-             "| step | rule | metric | value | condition | action | restored to / checkpoint |",
-             "|---:|---|---|---:|---|---|---|"]
+    lines = [
+        "",
+        "## Incidents",
+        "",
+        "One row per incident, by step. *restored to / checkpoint*: the step whose state a rollback restored "
+        "(the run went on from the weights it had before that step), or the checkpoint written.",
+        "",
+        "| step | rule | metric | value | condition | action | restored to / checkpoint |",
+        "|---:|---|---|---:|---|---|---|",
+    ]
     for r in inc[:MAX_ROWS]:
         step = _step(r)
-        lines.append(f"| {'-' if step is None else step} | {_cell(r.get('rule'))} | `{_cell(r.get('metric'))}` | "
-                     f"{_cell(describe.number(r.get('value')))} | {_cell(describe.condition(r))} | "
-                     f"{_cell(describe.action(r))} | {_cell(describe.outcome(r))} |")
+        lines.append(
+            f"| {'-' if step is None else step} | {_cell(r.get('rule'))} | `{_cell(r.get('metric'))}` | "
+            f"{_cell(describe.number(r.get('value')))} | {_cell(describe.condition(r))} | "
+            f"{_cell(describe.action(r))} | {_cell(describe.outcome(r))} |"
+        )
     if len(inc) > MAX_ROWS:
-        lines.append(f"\n{len(inc) - MAX_ROWS} more incidents after step {_step(inc[MAX_ROWS - 1])}: see "
-                     "incidents.jsonl (the per-rule tables below count them all)")
+        lines.append(
+            f"\n{len(inc) - MAX_ROWS} more incidents after step {_step(inc[MAX_ROWS - 1])}: see "
+            "incidents.jsonl (the per-rule tables below count them all)"
+        )
     return lines
 
 
@@ -121,13 +137,17 @@ def _panel_lines(panels: dict[str, tuple]) -> list[str]:
     if by["drawn"]:
         lines.append("- drawn: " + ", ".join(f"`{n}`" for n, _ in by["drawn"]))
     if by["constant by design"]:
-        lines.append("- constant by design in this run: left out of overview.png, drawn in their own figure "
-                     "labelled \"constant by design in this run (value X)\":")
+        lines.append(
+            "- constant by design in this run: left out of overview.png, drawn in their own figure "
+            'labelled "constant by design in this run (value X)":'
+        )
         lines += [f"  - `{n}` = {v:g}: {BY_DESIGN[n]}" for n, v in by["constant by design"]]
         lines.append(f"  {CAVEAT}")
     if by["constant"]:
-        lines.append("- constant in this run (drawn everywhere, labelled with the value): "
-                     + ", ".join(f"`{n}` = {v:g}" for n, v in by["constant"]))
+        lines.append(
+            "- constant in this run (drawn everywhere, labelled with the value): "
+            + ", ".join(f"`{n}` = {v:g}" for n, v in by["constant"])
+        )
     if by["no data"]:
         lines.append("- no data in this run (left out): " + ", ".join(f"`{n}`" for n, _ in by["no data"]))
     return lines
@@ -137,8 +157,13 @@ def _incident_tables(inc: list[dict]) -> list[str]:
     by_rule: dict[tuple, list[dict]] = defaultdict(list)
     for r in inc:
         by_rule[(str(r.get("rule")), str(r.get("action")), str(r.get("metric")))].append(r)
-    lines = ["", "## Incidents per rule", "", "| rule | action | metric | count | first step | last step |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = [
+        "",
+        "## Incidents per rule",
+        "",
+        "| rule | action | metric | count | first step | last step |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for (rule, action, metric), recs in sorted(by_rule.items(), key=lambda kv: (-action_rank(kv[0][1]), kv[0])):
         st = [s for s in (_step(r) for r in recs) if s is not None]
         first, last = (min(st), max(st)) if st else ("-", "-")
@@ -153,8 +178,12 @@ def _incident_tables(inc: list[dict]) -> list[str]:
     # The first incident is often a mild warning; the one that changed the run matters more.
     worst = max(inc, key=lambda r: action_rank(str(r.get("action"))))
     if worst is not first and action_rank(str(worst.get("action"))) > action_rank(str(first.get("action"))):
-        lines += ["", f"## First `{_cell(worst.get('action'))}` (most severe action taken)", "",
-                  f"> {_cell(worst.get('message') or worst)}"]
+        lines += [
+            "",
+            f"## First `{_cell(worst.get('action'))}` (most severe action taken)",
+            "",
+            f"> {_cell(worst.get('message') or worst)}",
+        ]
     return lines
 
 
@@ -187,8 +216,9 @@ def _same_or_parent(entry: pathlib.Path, ref: pathlib.Path) -> bool:
     return entry == ref or entry in ref.parents
 
 
-def write_markdown(run: RunData, path: pathlib.Path, plots: dict[str, str],
-                   panels: dict[str, tuple] | None = None) -> pathlib.Path:
+def write_markdown(
+    run: RunData, path: pathlib.Path, plots: dict[str, str], panels: dict[str, tuple] | None = None
+) -> pathlib.Path:
     path = pathlib.Path(path)
     path.write_text("\n".join(summary_lines(run, plots, panels)), encoding="utf-8")
     return path

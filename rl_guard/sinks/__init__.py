@@ -50,8 +50,11 @@ def sink_options_error(name: str, options: dict) -> list[tuple[str | None, str]]
     unknown option names (with the allowed ones) and values the sink's constructor refuses."""
     cls = _REGISTRY[name]
     allowed = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
-    unknown = [(k, f"unknown option {k!r} for sink {name!r}; allowed: {', '.join(allowed)}") for k in options
-               if k not in allowed]
+    unknown = [
+        (k, f"unknown option {k!r} for sink {name!r}; allowed: {', '.join(allowed)}")
+        for k in options
+        if k not in allowed
+    ]
     if unknown:
         return unknown
     try:
@@ -75,7 +78,7 @@ def _entries(spec: Any) -> Iterable[Sink]:
             for name in filter(None, (p.strip() for p in item.split(","))):
                 yield make_sink(name)
         elif isinstance(item, dict) and len(item) == 1:
-            (name, options), = item.items()
+            ((name, options),) = item.items()
             if options is not None and not isinstance(options, dict):
                 raise ValueError(f"options for sink {name!r} must be a dict, got {options!r}")
             yield make_sink(name, options)
@@ -86,8 +89,13 @@ def _entries(spec: Any) -> Iterable[Sink]:
             )
 
 
-def build_sinks(spec: SinkSpec | Iterable[SinkSpec] | None, run_dir: str | pathlib.Path | None = None,
-                *, is_main_process: bool = True, ensure_jsonl: bool = True) -> SinkSet:
+def build_sinks(
+    spec: SinkSpec | Iterable[SinkSpec] | None,
+    run_dir: str | pathlib.Path | None = None,
+    *,
+    is_main_process: bool = True,
+    ensure_jsonl: bool = True,
+) -> SinkSet:
     """Build a `SinkSet` from names, `{name: options}` dicts and/or Sink instances.
 
     The jsonl sink is added first when missing (`ensure_jsonl`), because `metrics.jsonl` and
@@ -100,7 +108,19 @@ def build_sinks(spec: SinkSpec | Iterable[SinkSpec] | None, run_dir: str | pathl
 
 
 __all__ = [
-    "SINK_NAMES", "Histograms", "Sink", "SinkOptionError", "SinkSet", "build_sinks", "make_sink", "sink_options_error",
-    "JsonlSink", "TensorBoardSink", "WandbSink", "ConsoleSink",
-    "read_jsonl", "METRICS_FILE", "INCIDENTS_FILE",
+    "SINK_NAMES",
+    "Histograms",
+    "Sink",
+    "SinkOptionError",
+    "SinkSet",
+    "build_sinks",
+    "make_sink",
+    "sink_options_error",
+    "JsonlSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "ConsoleSink",
+    "read_jsonl",
+    "METRICS_FILE",
+    "INCIDENTS_FILE",
 ]

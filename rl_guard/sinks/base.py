@@ -69,14 +69,13 @@ class SinkSet:
     with the others (the jsonl sink in particular keeps recording).
     """
 
-    def __init__(self, sinks: Iterable[Sink] = (), is_main_process: bool = True,
-                 run_dir: pathlib.Path | str | None = None) -> None:
+    def __init__(
+        self, sinks: Iterable[Sink] = (), is_main_process: bool = True, run_dir: pathlib.Path | str | None = None
+    ) -> None:
         self.sinks: list[Sink] = list(sinks)
         self.is_main_process = bool(is_main_process)
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
-        self.active: list[Sink] = [
-            s for s in self.sinks if self.is_main_process or not s.main_process_only
-        ]
+        self.active: list[Sink] = [s for s in self.sinks if self.is_main_process or not s.main_process_only]
         self.disabled: dict[str, BaseException] = {}
 
     # -- forwarding ---------------------------------------------------------

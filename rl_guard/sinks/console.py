@@ -16,19 +16,36 @@ from .base import Histograms, Sink, whole_steps
 
 # (row label, [(column label, metric name), ...]) in display order.
 KEY_METRICS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("ratio", (("p50", "rl_guard/ratio/p50"), ("p99", "rl_guard/ratio/p99"),
-               ("max", "rl_guard/ratio/max"))),
+    ("ratio", (("p50", "rl_guard/ratio/p50"), ("p99", "rl_guard/ratio/p99"), ("max", "rl_guard/ratio/max"))),
     ("kl k3", (("old", "rl_guard/kl_old/k3_mean"), ("ref", "rl_guard/kl_ref/k3_mean"))),
     ("entropy", (("mean", "rl_guard/entropy/mean"),)),
     ("clip", (("region_frac", "rl_guard/clip/region_frac"),)),
     ("grad", (("norm", "rl_guard/grad/norm"),)),
     ("lag", (("max", "rl_guard/lag/max"),)),
-    ("reward", (("mean", "rl_guard/reward/mean"), ("std", "rl_guard/reward/std"),
-                ("nonfinite", "rl_guard/input/rewards/nonfinite"))),
-    ("groups", (("mixed", "rl_guard/group/mixed_frac"), ("zero_std", "rl_guard/group/zero_std_frac"),
-                ("unique", "rl_guard/group/unique_frac"))),
-    ("funnel", (("sampled", "rl_guard/funnel/sampled/count"), ("completed", "rl_guard/funnel/completed/keep_frac"),
-                ("truncated", "rl_guard/funnel/truncated/keep_frac"))),
+    (
+        "reward",
+        (
+            ("mean", "rl_guard/reward/mean"),
+            ("std", "rl_guard/reward/std"),
+            ("nonfinite", "rl_guard/input/rewards/nonfinite"),
+        ),
+    ),
+    (
+        "groups",
+        (
+            ("mixed", "rl_guard/group/mixed_frac"),
+            ("zero_std", "rl_guard/group/zero_std_frac"),
+            ("unique", "rl_guard/group/unique_frac"),
+        ),
+    ),
+    (
+        "funnel",
+        (
+            ("sampled", "rl_guard/funnel/sampled/count"),
+            ("completed", "rl_guard/funnel/completed/keep_frac"),
+            ("truncated", "rl_guard/funnel/truncated/keep_frac"),
+        ),
+    ),
     ("guard", (("skipped", "rl_guard/guard/skipped_steps"), ("rollbacks", "rl_guard/guard/rollbacks"))),
 )
 

@@ -8,10 +8,20 @@ from collections.abc import Iterable
 # What a person scanning the console needs to see a run drift: the update and its learning rate, the gradient,
 # the policy's entropy and distance to the old / reference policy, rewards, lengths, and what the guard did.
 CORE_METRICS: tuple[str, ...] = (
-    "rl_guard/grad/norm", "rl_guard/update/rel", "rl_guard/optim/lr", "rl_guard/entropy/mean",
-    "rl_guard/ratio/p99", "rl_guard/kl_old/k3_mean", "rl_guard/kl_ref/k3_mean", "rl_guard/clip/region_frac",
-    "rl_guard/reward/mean", "rl_guard/length/truncated_frac", "rl_guard/guard/fired",
-    "rl_guard/guard/skipped_steps", "rl_guard/guard/rollbacks", "rl_guard/guard/host_ms",
+    "rl_guard/grad/norm",
+    "rl_guard/update/rel",
+    "rl_guard/optim/lr",
+    "rl_guard/entropy/mean",
+    "rl_guard/ratio/p99",
+    "rl_guard/kl_old/k3_mean",
+    "rl_guard/kl_ref/k3_mean",
+    "rl_guard/clip/region_frac",
+    "rl_guard/reward/mean",
+    "rl_guard/length/truncated_frac",
+    "rl_guard/guard/fired",
+    "rl_guard/guard/skipped_steps",
+    "rl_guard/guard/rollbacks",
+    "rl_guard/guard/host_ms",
 )
 PRINTED_CHOICES = ("core", "all", "none")
 

@@ -51,8 +51,9 @@ class TensorBoardSink(Sink):
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: str | pathlib.Path | None = None, flush_secs: int = 30,
-                 histograms: bool = True) -> None:
+    def __init__(
+        self, log_dir: str | pathlib.Path | None = None, flush_secs: int = 30, histograms: bool = True
+    ) -> None:
         super().__init__()
         self.log_dir = log_dir
         self.flush_secs = flush_secs
@@ -73,9 +74,7 @@ class TensorBoardSink(Sink):
 
         # purge_step makes TensorBoard hide events at steps > resume_step left by the lost run.
         purge = None if resume_step is None else int(resume_step) + 1
-        self.writer = SummaryWriter(
-            log_dir=str(self.resolved_log_dir()), purge_step=purge, flush_secs=self.flush_secs
-        )
+        self.writer = SummaryWriter(log_dir=str(self.resolved_log_dir()), purge_step=purge, flush_secs=self.flush_secs)
 
     def log(self, values: dict[str, float], step: int, histograms: Histograms | None = None) -> None:
         step = int(step)

@@ -24,10 +24,20 @@ import numpy as np
 from .base import Histograms, Sink
 
 STEP_KEY = "rl_guard/step"
-INCIDENT_COLUMNS = ("step", "rule", "metric", "value", "op", "threshold", "action",
-                    "severity", "rank", "time", "message")
-_LEVELS = {"info": "INFO", "warn": "WARN", "warning": "WARN", "error": "ERROR",
-           "critical": "ERROR", "fatal": "ERROR"}
+INCIDENT_COLUMNS = (
+    "step",
+    "rule",
+    "metric",
+    "value",
+    "op",
+    "threshold",
+    "action",
+    "severity",
+    "rank",
+    "time",
+    "message",
+)
+_LEVELS = {"info": "INFO", "warn": "WARN", "warning": "WARN", "error": "ERROR", "critical": "ERROR", "fatal": "ERROR"}
 
 
 def alert_level(severity: Any) -> str:
@@ -52,8 +62,14 @@ class WandbSink(Sink):
 
     name = "wandb"
 
-    def __init__(self, init: dict | None = None, alert_every_s: float = 300.0,
-                 alerts: bool = True, histograms: bool = True, metrics: bool = True) -> None:
+    def __init__(
+        self,
+        init: dict | None = None,
+        alert_every_s: float = 300.0,
+        alerts: bool = True,
+        histograms: bool = True,
+        metrics: bool = True,
+    ) -> None:
         super().__init__()
         self.metrics = metrics
         self.init_kwargs = dict(init) if init is not None else None  # {} = start with defaults
@@ -86,8 +102,12 @@ class WandbSink(Sink):
         if run is None:
             if not self._warned_no_run:
                 self._warned_no_run = True
-                warnings.warn("rl_guard: no active wandb run and no `init` options; the wandb "
-                              "sink drops records until a run starts", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "rl_guard: no active wandb run and no `init` options; the wandb "
+                    "sink drops records until a run starts",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return None
         if self._defined_for != run.id:
             run.define_metric(STEP_KEY)

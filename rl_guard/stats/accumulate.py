@@ -122,8 +122,10 @@ class StepAccumulator:
         host = to_host(buf)
         self._segments.clear()
         if host[-2] != -host[-1]:
-            raise RankMismatch("ranks fed different statistics layouts this step (some rank saw fields the others "
-                               "did not); feed the same TokenBatch fields on every rank")
+            raise RankMismatch(
+                "ranks fed different statistics layouts this step (some rank saw fields the others "
+                "did not); feed the same TokenBatch fields on every rank"
+            )
         return unpack(layouts, host[:-2])
 
 

@@ -14,8 +14,13 @@ import torch
 
 # family -> the metric prefixes whose rules it explains
 FAMILY_METRICS = {
-    "logratio": ("rl_guard/ratio/", "rl_guard/seq_ratio/", "rl_guard/kl_old/", "rl_guard/clip/",
-                 "rl_guard/behave_imp_weight/"),
+    "logratio": (
+        "rl_guard/ratio/",
+        "rl_guard/seq_ratio/",
+        "rl_guard/kl_old/",
+        "rl_guard/clip/",
+        "rl_guard/behave_imp_weight/",
+    ),
     "kl_ref": ("rl_guard/kl_ref/",),
     "entropy": ("rl_guard/entropy/",),
     "nonfinite_logprobs": ("rl_guard/input/logprobs/",),
@@ -41,8 +46,7 @@ def sequence_extremes(batch, k: int) -> dict[str, tuple[torch.Tensor, torch.Tens
     k = min(k, logp.shape[0])
     tokens = mask.sum(1).clamp(min=1)
     finite = torch.isfinite(logp)
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-        "nonfinite_logprobs": _top(((~finite) & mask).sum(1), k)}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"nonfinite_logprobs": _top(((~finite) & mask).sum(1), k)}
     old = batch.old_logprobs if batch.old_logprobs is not None else batch.prox_logprobs
     if old is not None:
         d = (logp - old).abs().masked_fill(~mask, 0.0).nan_to_num(nan=float("inf"))
@@ -72,8 +76,13 @@ def host_candidates(kept: list[tuple[dict, dict | None]], family: str, k: int, d
     rows.sort(key=lambda r: r[0] if lowest_first else -r[0])
     out = []
     for value, mb, i, context in rows[:k]:
-        entry = {"family": family, "value": value, "microbatch": mb, "row": i,
-                 "nonfinite": family == "nonfinite_logprobs" and value > 0}
+        entry = {
+            "family": family,
+            "value": value,
+            "microbatch": mb,
+            "row": i,
+            "nonfinite": family == "nonfinite_logprobs" and value > 0,
+        }
         if describe is not None and context is not None:
             entry.update(describe(context, i))
         out.append(entry)

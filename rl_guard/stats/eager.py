@@ -33,9 +33,11 @@ from .token_rows import kl_finish, row_plan, seq_log_ratio
 def probe_on_host(b: TokenBatch, lag_edges) -> Partial:
     """A small CPU micro-batch computed by numpy (``host_engine.py``) in the eager layout; a failure is raised."""
     seq_clip, token_clip = _clip_modes(b)
-    return host_engine.computed(host_engine.signature(b, seq_clip, token_clip),
-                                lambda: eager_probe(_one_token_like(b), lag_edges, None),
-                                lambda sig: host_engine.probe(b, _plan_of(b), sig, seq_clip, token_clip))
+    return host_engine.computed(
+        host_engine.signature(b, seq_clip, token_clip),
+        lambda: eager_probe(_one_token_like(b), lag_edges, None),
+        lambda sig: host_engine.probe(b, _plan_of(b), sig, seq_clip, token_clip),
+    )
 
 
 def _one_token_like(b: TokenBatch) -> TokenBatch:
@@ -45,20 +47,34 @@ def _one_token_like(b: TokenBatch) -> TokenBatch:
         t = getattr(b, name)
         if t is not None:
             fields[name] = torch.ones((1,) if t.dim() == 1 else (1, 1), dtype=t.dtype)
-    return TokenBatch(**fields, clipped_loss=b.clipped_loss, importance_sampling_level=b.importance_sampling_level,
-                      allow_empty_mask=b.allow_empty_mask)
+    return TokenBatch(
+        **fields,
+        clipped_loss=b.clipped_loss,
+        importance_sampling_level=b.importance_sampling_level,
+        allow_empty_mask=b.allow_empty_mask,
+    )
 
 
 def _clip_modes(b: TokenBatch) -> tuple[bool, bool]:
     """(GSPO's sequence-level clipping, token-level clipping)."""
-    seq_clip = (b.clipped_loss and b.importance_sampling_level == "sequence" and b.old_logprobs is not None
-                and b.prox_logprobs is None)
+    seq_clip = (
+        b.clipped_loss
+        and b.importance_sampling_level == "sequence"
+        and b.old_logprobs is not None
+        and b.prox_logprobs is None
+    )
     return seq_clip, b.clipped_loss and not seq_clip
 
 
 def _plan_of(b: TokenBatch):
-    return row_plan(b.entropy is not None, b.advantages is not None, b.prox_logprobs is not None,
-                    b.old_logprobs is not None, b.ref_logprobs is not None, b.versions is not None)
+    return row_plan(
+        b.entropy is not None,
+        b.advantages is not None,
+        b.prox_logprobs is not None,
+        b.old_logprobs is not None,
+        b.ref_logprobs is not None,
+        b.versions is not None,
+    )
 
 
 @torch.no_grad()
@@ -74,8 +90,9 @@ def eager_probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False) 
         families.probe_chunk(acc, b, ch, plan, static, lag_edges, compiled)
     acc.chunks_done()
     if lut is not None:  # versions given
-        lag_finish(acc, lut, len(lag_edges), ratio=b.old_logprobs is not None,
-                   clipped=token_clip and b.advantages is not None)
+        lag_finish(
+            acc, lut, len(lag_edges), ratio=b.old_logprobs is not None, clipped=token_clip and b.advantages is not None
+        )
     kl_finish(acc, plan)
     if b.old_logprobs is not None:
         s_lr, s_ok = seq_log_ratio(acc, plan)
@@ -104,8 +121,10 @@ def sequence_fields(lengths=None, truncated=None, rewards=None) -> dict:
     first = next(iter(fields.values()))
     for name, t in fields.items():
         if t.dim() != 1 or t.shape != first.shape:
-            raise BatchError(f"{name} must be one value per sequence, 1-D and as long as the other per-sequence "
-                             f"fields; got shape {tuple(t.shape)} (expected {(first.numel(),)})")
+            raise BatchError(
+                f"{name} must be one value per sequence, 1-D and as long as the other per-sequence "
+                f"fields; got shape {tuple(t.shape)} (expected {(first.numel(),)})"
+            )
     return fields
 
 

@@ -65,10 +65,13 @@ class EagerEngine:
         if not fields:
             return Partial()
         if self._host_on() and host_engine.takes_sequences(fields, self.host_max_tokens):
-            p = self._on_host(lambda: host_engine.computed(
-                ("sequences", tuple((name, t.dtype) for name, t in fields.items())),
-                lambda: eager_sequence_stats(sequence_layout_sample(fields)),
-                lambda sig: host_engine.sequence_probe(fields, sig)))
+            p = self._on_host(
+                lambda: host_engine.computed(
+                    ("sequences", tuple((name, t.dtype) for name, t in fields.items())),
+                    lambda: eager_sequence_stats(sequence_layout_sample(fields)),
+                    lambda sig: host_engine.sequence_probe(fields, sig),
+                )
+            )
             if p is not None:
                 return p
         return eager_sequence_stats(fields)
@@ -84,8 +87,10 @@ class EagerEngine:
     def describe(self, device) -> str:
         """What computes the token statistics on ``device``, in one sentence."""
         if torch.device(device).type == "cpu" and self._host_on():
-            return (f"eager (plain torch operations; micro-batches of up to {self.host_max_tokens} tokens computed "
-                    "in place by numpy)")
+            return (
+                f"eager (plain torch operations; micro-batches of up to {self.host_max_tokens} tokens computed "
+                "in place by numpy)"
+            )
         return "eager (plain torch operations)"
 
     def _host_on(self) -> bool:
@@ -96,8 +101,12 @@ class EagerEngine:
             return compute()
         except Exception as e:  # noqa: BLE001 - a fault of the host path must cost speed, never the statistics
             self.host_failure = _short(e)
-            warnings.warn(f"rl_guard: the host path for small CPU micro-batches failed ({self.host_failure}); "
-                          "computing them with torch (same statistics, slower)", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"rl_guard: the host path for small CPU micro-batches failed ({self.host_failure}); "
+                "computing them with torch (same statistics, slower)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
 
 
@@ -107,8 +116,7 @@ class CompiledEngine(EagerEngine):
 
     name = "compiled"
 
-    def __init__(self, host_max_tokens: int = HOST_MAX_TOKENS,
-                 cpu_min_tokens: int = COMPILED_CPU_MIN_TOKENS) -> None:
+    def __init__(self, host_max_tokens: int = HOST_MAX_TOKENS, cpu_min_tokens: int = COMPILED_CPU_MIN_TOKENS) -> None:
         super().__init__(host_max_tokens)
         self.cpu_min_tokens = cpu_min_tokens
         self.failure: str | None = None  # why the compiled path is off for this engine (None: usable)
@@ -129,14 +137,21 @@ class CompiledEngine(EagerEngine):
                 raise
             except Exception as e:  # noqa: BLE001 - a compiler problem must cost speed, never the statistics
                 self.failure = _short(e)
-                warnings.warn(f"rl_guard: stats_engine 'compiled' is unavailable here ({self.failure}); using the "
-                              "eager engine (same statistics, slower)", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"rl_guard: stats_engine 'compiled' is unavailable here ({self.failure}); using the "
+                    "eager engine (same statistics, slower)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return super().probe(b, lag_edges, chunk_tokens)
 
     def describe(self, device) -> str:
         dev = torch.device(device)
-        where = ("Triton kernels" if dev.type == "cuda"
-                 else f"C++ loops, CPU micro-batches from {self.cpu_min_tokens} tokens")
+        where = (
+            "Triton kernels"
+            if dev.type == "cuda"
+            else f"C++ loops, CPU micro-batches from {self.cpu_min_tokens} tokens"
+        )
         off = f"; off after a failure: {self.failure}" if self.failure else ""
         return f"compiled (torch.compile fuses each chunk's probes: {where}; the first step compiles{off})"
 
@@ -171,8 +186,11 @@ class AutoEngine:
     def describe(self, device) -> str:
         dev = torch.device(device)
         if dev.type == "cuda":
-            why = ("each eager operation is a kernel launch, ~300-500 per micro-batch" if self._triton
-                   else "Triton, which the compiled engine needs on CUDA, is not installed")
+            why = (
+                "each eager operation is a kernel launch, ~300-500 per micro-batch"
+                if self._triton
+                else "Triton, which the compiled engine needs on CUDA, is not installed"
+            )
         else:
             why = "on CPU a first compile costs 10-30 s and small micro-batches gain nothing from it"
         return f"auto -> {self.pick(dev).describe(dev)} on {dev.type}: {why}"
@@ -190,4 +208,3 @@ def make_engine(name: str, host_max_tokens: int = HOST_MAX_TOKENS) -> Engine:
     if name == "eager":
         return EagerEngine(host_max_tokens)
     raise ValueError(f"unknown stats_engine {name!r}; allowed: {', '.join(STATS_ENGINES)}")
-

@@ -84,12 +84,30 @@ def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
     lag = "" if b.versions is None else ("cells" if plan.has("ratio") else "counts")
     cell_rows = plan.cell_rows
     ratio_cell = cell_rows.index("ratio") if plan.lag_cells else -1
-    consts = tuple((spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
-                   for spec, start in zip(plan.hist_specs, plan.hist_starts))
-    return Static(plan.rows, plan.values, plan.n_extremes, plan.log_ratios, len(plan.ratio_families), plan.kl_first,
-                  (plan.at(cell_rows[0]) if cell_rows else 0, len(cell_rows)), consts, len(plan.hist_rows),
-                  ratio_cell, plan.hist_starts[ratio_cell] if ratio_cell >= 0 else 0, clip_row, (hi - lo) / 2,
-                  (hi + lo) / 2, lag, edges[0], edges[-1], b.lengths is None)
+    consts = tuple(
+        (spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
+        for spec, start in zip(plan.hist_specs, plan.hist_starts)
+    )
+    return Static(
+        plan.rows,
+        plan.values,
+        plan.n_extremes,
+        plan.log_ratios,
+        len(plan.ratio_families),
+        plan.kl_first,
+        (plan.at(cell_rows[0]) if cell_rows else 0, len(cell_rows)),
+        consts,
+        len(plan.hist_rows),
+        ratio_cell,
+        plan.hist_starts[ratio_cell] if ratio_cell >= 0 else 0,
+        clip_row,
+        (hi - lo) / 2,
+        (hi + lo) / 2,
+        lag,
+        edges[0],
+        edges[-1],
+        b.lengths is None,
+    )
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +138,9 @@ def _seq_sums(x: torch.Tensor, ids, num_seqs, row_sums=None) -> torch.Tensor:
     return torch.zeros(num_seqs, dtype=torch.float64, device=x.device).index_add_(0, ids, x.reshape(-1).double())
 
 
-def chunk_stats(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a,
-                *, s: Static):
+def chunk_stats(
+    lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a, *, s: Static
+):
     """The statistics of one chunk (inputs ``[r, T]``: whole padded rows; packed chunks ``[1, n]`` with sequence
     ``ids``), by name (a name is present only when its statistic is computed for these fields: module docstring).
 
@@ -145,8 +164,9 @@ def chunk_stats(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
     if old is not None:
         y["ratio"] = lpg - full(old)
     if prox is not None and old is not None:
-        y["behave_imp_weight"] = (torch.sub(full(prox), full(old)).float() + y["importance_weight"] * 0.0
-                                  + y["ratio"] * 0.0)
+        y["behave_imp_weight"] = (
+            torch.sub(full(prox), full(old)).float() + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
+        )
     if ref is not None:
         y["kl_ref"] = full(ref) - lpg
     ys = [y[r] for r in s.rows]
@@ -157,12 +177,17 @@ def chunk_stats(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
     counts = torch.stack([t.sum() for t in v_rows])
     n_mask = m.sum(-1).sum()
     ext = ys[: s.n_ext]
-    out = {"tokens": n_mask, "counts": counts,
-           "sums": torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
-           "maxes": torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)]) if n
-           else torch.full((len(ext),), -INF, device=lp.device),  # an empty chunk (an empty batch): no extremes
-           "mins": torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)]) if n
-           else torch.full((len(ext),), INF, device=lp.device)}
+    out = {
+        "tokens": n_mask,
+        "counts": counts,
+        "sums": torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
+        "maxes": torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)])
+        if n
+        else torch.full((len(ext),), -INF, device=lp.device),  # an empty chunk (an empty batch): no extremes
+        "mins": torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)])
+        if n
+        else torch.full((len(ext),), INF, device=lp.device),
+    }
     if s.lengths:
         out["lengths"] = _seq_sums(m.int(), ids, num_seqs)
     i_adv = s.rows.index("adv") if "adv" in s.rows else -1
@@ -177,8 +202,10 @@ def chunk_stats(lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int
     r0, k0 = s.log_ratios, s.kl_first
     k3 = [_k3(t) for t in z[r0:]]  # r - 1 = log r + k3
     if s.n_ratio:
-        out["ratio_sums"] = (torch.stack([(t + k).sum(-1).sum() for t, k in zip(z[r0 : r0 + s.n_ratio], k3)])
-                             + counts[r0 : r0 + s.n_ratio])
+        out["ratio_sums"] = (
+            torch.stack([(t + k).sum(-1).sum() for t, k in zip(z[r0 : r0 + s.n_ratio], k3)])
+            + counts[r0 : r0 + s.n_ratio]
+        )
     k3 = k3[k0 - r0 :]
     if k3:
         if "ratio" in s.rows:
@@ -257,8 +284,16 @@ def gspo_clip_stats(lp, mask, old, adv, versions, seq_lr, current_version: int, 
 def probe_gspo_chunk(acc, b, ch, seq_lr, s: Static, lut, nb: int) -> None:
     """``gspo_clip_stats`` of one chunk added to ``acc``; clipped tokens per lag bucket (``lut``: slot -> bucket)."""
     view = ch.block
-    out = gspo_clip_stats(view(b.logprobs), view(b.mask), view(b.old_logprobs), view(b.advantages), view(b.versions),
-                          ch.block(seq_lr, per_seq=True), int(b.current_version or 0), s=s)
+    out = gspo_clip_stats(
+        view(b.logprobs),
+        view(b.mask),
+        view(b.old_logprobs),
+        view(b.advantages),
+        view(b.versions),
+        ch.block(seq_lr, per_seq=True),
+        int(b.current_version or 0),
+        s=s,
+    )
     acc.sum(keys.CLIP.count, out["clip_count"])
     acc.sum(keys.CLIP.low, out["clip_low"])
     acc.sum(keys.CLIP.high, out["clip_high"])
@@ -288,10 +323,20 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool) -> 
     """One chunk's statistics (``chunk_stats``, run as it is or compiled) added to ``acc`` by name, in a fixed
     order: the layout of a micro-batch's ``Partial`` is the same whichever way it ran."""
     view, device = ch.block, b.device
-    out = kernel(s, compiled)(view(b.logprobs), view(b.mask), view(b.entropy), view(b.advantages),
-                              view(b.prox_logprobs), view(b.old_logprobs), view(b.ref_logprobs), view(b.versions),
-                              ch.seq_ids() if b.packed else None, b.num_seqs, int(b.current_version or 0),
-                              device_constant("nonfinite", plan, device))
+    out = kernel(s, compiled)(
+        view(b.logprobs),
+        view(b.mask),
+        view(b.entropy),
+        view(b.advantages),
+        view(b.prox_logprobs),
+        view(b.old_logprobs),
+        view(b.ref_logprobs),
+        view(b.versions),
+        ch.seq_ids() if b.packed else None,
+        b.num_seqs,
+        int(b.current_version or 0),
+        device_constant("nonfinite", plan, device),
+    )
     names = plan.names
     acc.sum(keys.TOKENS.count, out["tokens"])
     if "lengths" in out:
@@ -330,5 +375,7 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool) -> 
             acc.sum(keys.LAG.slots, count_cells(out["lag_slots"].reshape(-1), slots))
         else:
             acc.sum(keys.LAG.cells, count_cells(out["lag_cells"].reshape(-1), 3 * slots * LOG_RATIO.bins))
-            acc.sum(keys.LAG.cells_k3, count_cells(out["lag_regions"].reshape(-1), 3 * slots,
-                                                   weights=out["lag_k3"].reshape(-1)))
+            acc.sum(
+                keys.LAG.cells_k3,
+                count_cells(out["lag_regions"].reshape(-1), 3 * slots, weights=out["lag_k3"].reshape(-1)),
+            )

@@ -202,8 +202,11 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None, h
         for i in range(len(spans)):
             entries[keys.grad_group(i)] = torch.zeros(1, dtype=torch.float64)
     if pre_clip_norm is not None:  # a number is filled in on the device, not copied there
-        norm = pre_clip_norm.to(torch.float64) if torch.is_tensor(pre_clip_norm) else \
-            torch.full((), float(pre_clip_norm), dtype=torch.float64, device=device)
+        norm = (
+            pre_clip_norm.to(torch.float64)
+            if torch.is_tensor(pre_clip_norm)
+            else torch.full((), float(pre_clip_norm), dtype=torch.float64, device=device)
+        )
         p.add_max(keys.GRAD.preclip_sq, norm * norm)
     return p
 
@@ -213,8 +216,7 @@ def _on_host(device, weights: list[float], pre_clip_norm) -> bool:
     a pre-clip norm that is a number or one value in host memory."""
     if torch.is_tensor(pre_clip_norm) and (pre_clip_norm.device.type != "cpu" or pre_clip_norm.numel() != 1):
         return False
-    return device is not None and device.type == "cpu" and \
-        all(w == 1.0 for w in weights)
+    return device is not None and device.type == "cpu" and all(w == 1.0 for w in weights)
 
 
 def _host_number(x) -> float | None:

@@ -52,9 +52,13 @@ _layouts: dict = {}  # signature -> the eager engine's layout and its packing of
 def takes(b, max_tokens: int) -> bool:
     """Whether this path computes micro-batch ``b`` (see the module docstring)."""
     lp = b.logprobs
-    return (lp.device.type == "cpu" and b.cu_seqlens is None and b.versions is None
-            and 0 < lp.numel() <= max_tokens
-            and all(getattr(b, f) is None or getattr(b, f).dtype == torch.float32 for f in FLOAT_FIELDS))
+    return (
+        lp.device.type == "cpu"
+        and b.cu_seqlens is None
+        and b.versions is None
+        and 0 < lp.numel() <= max_tokens
+        and all(getattr(b, f) is None or getattr(b, f).dtype == torch.float32 for f in FLOAT_FIELDS)
+    )
 
 
 def signature(b, seq_clip: bool, token_clip: bool) -> tuple:
@@ -132,8 +136,14 @@ def sequence_probe(fields: dict, sig: tuple) -> Partial:
     mn: dict = {}
     lengths = fields.get("lengths")
     with np.errstate(all="ignore"):
-        _sequence_fields(s, mx, mn, None if lengths is None else _np(lengths).reshape(-1).astype(F64),
-                         fields.get("truncated"), fields.get("rewards"))
+        _sequence_fields(
+            s,
+            mx,
+            mn,
+            None if lengths is None else _np(lengths).reshape(-1).astype(F64),
+            fields.get("truncated"),
+            fields.get("rewards"),
+        )
     return _packed(sig, s, mx, mn)
 
 
@@ -238,9 +248,15 @@ def _on_policy(b, plan, seq_clip: bool) -> bool:
     """Whether the old log-probs are the log-probs themselves (TRL without ``old_per_token_logps``: one pass per
     rollout batch, its default), the only log-ratio row: pi / pi_old is exactly 1 on every valid token."""
     old, lp = b.old_logprobs, b.logprobs
-    return (old is not None and not seq_clip and plan.rows[plan.log_ratios:] == ("ratio",)
-            and old.data_ptr() == lp.data_ptr() and old.stride() == lp.stride() and old.shape == lp.shape
-            and old.dtype == lp.dtype)
+    return (
+        old is not None
+        and not seq_clip
+        and plan.rows[plan.log_ratios :] == ("ratio",)
+        and old.data_ptr() == lp.data_ptr()
+        and old.stride() == lp.stride()
+        and old.shape == lp.shape
+        and old.dtype == lp.dtype
+    )
 
 
 def _on_policy_ratio(s, mx, mn, plan, v, counts) -> None:
@@ -371,8 +387,7 @@ def _kl(s, mx, plan, v, z, e, counts) -> np.ndarray:
         s[keys.KL_OLD.count] = counts[plan.at("ratio")]
     zk = z[k0:]
     k3 = e[k0 - plan.log_ratios :] - zk
-    seq = np.stack([v[k0:].sum(2, dtype=F64), zk.sum(2, dtype=F64), (zk * zk).sum(2, dtype=F64),
-                    k3.sum(2, dtype=F64)])
+    seq = np.stack([v[k0:].sum(2, dtype=F64), zk.sum(2, dtype=F64), (zk * zk).sum(2, dtype=F64), k3.sum(2, dtype=F64)])
     valid = seq[0] > 0
     _rows(names["seqs"], s, valid.sum(1).astype(F64))
     est = seq[1:] * np.array([-1.0, 0.5, 1.0])[:, None, None]
@@ -432,5 +447,10 @@ def _seq_clip(s, b, lp, old, gate, adv, s_lr) -> None:
     a = a + a * F32(0.0)
     v_adv = (a == a).astype(F32)
     clip_lr = s_lr.astype(F32)[:, None] + lr * F32(0.0)
-    _clip(s, b, np.where(clip_lr == clip_lr, clip_lr, F32(0.0)), np.sign(np.where(a == a, a, F32(0.0))),
-          float((v * v_adv).sum(dtype=F64)))
+    _clip(
+        s,
+        b,
+        np.where(clip_lr == clip_lr, clip_lr, F32(0.0)),
+        np.sign(np.where(a == a, a, F32(0.0))),
+        float((v * v_adv).sum(dtype=F64)),
+    )

@@ -11,13 +11,39 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 # The fields a family may carry (not every family carries every field).
 _FIELDS = (
-    "count", "sum", "sumsq", "min", "max", "logmin", "logmax", "hist", "zero", "truncated",  # value / ratio
-    "seqs", "tokens", "lr", "lr2", "k3",  # KL: sequence count and per-sequence accumulators
-    "low", "high", "clip",  # clip regions, per-lag clip counts
-    "microbatches", "empty_microbatches", "ranks", "nonfinite",  # tokens / loss bookkeeping
-    "sq", "max_abs", "preclip_sq",  # gradients
-    "base_sq", "param_sq", "drift_sq", "changed", "prev_param_sq",  # update probe (stats/update.py)
-    "slots", "cells", "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/token_probes.py)
+    "count",
+    "sum",
+    "sumsq",
+    "min",
+    "max",
+    "logmin",
+    "logmax",
+    "hist",
+    "zero",
+    "truncated",  # value / ratio
+    "seqs",
+    "tokens",
+    "lr",
+    "lr2",
+    "k3",  # KL: sequence count and per-sequence accumulators
+    "low",
+    "high",
+    "clip",  # clip regions, per-lag clip counts
+    "microbatches",
+    "empty_microbatches",
+    "ranks",
+    "nonfinite",  # tokens / loss bookkeeping
+    "sq",
+    "max_abs",
+    "preclip_sq",  # gradients
+    "base_sq",
+    "param_sq",
+    "drift_sq",
+    "changed",
+    "prev_param_sq",  # update probe (stats/update.py)
+    "slots",
+    "cells",
+    "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/token_probes.py)
 )
 
 
@@ -79,9 +105,24 @@ if set(Family.__annotations__) != {"name", *_FIELDS}:
 
 RATIO_FAMILIES = ("ratio", "seq_ratio", "importance_weight", "behave_imp_weight")
 KL_FAMILIES = ("kl_old", "kl_ref")
-_FAMILIES = {n: Family(n) for n in (*RATIO_FAMILIES, *KL_FAMILIES, "entropy", "clip", "adv", "length", "reward",
-                                    "tokens", "lag", "loss", "grad",
-                                    "update", "logp")}
+_FAMILIES = {
+    n: Family(n)
+    for n in (
+        *RATIO_FAMILIES,
+        *KL_FAMILIES,
+        "entropy",
+        "clip",
+        "adv",
+        "length",
+        "reward",
+        "tokens",
+        "lag",
+        "loss",
+        "grad",
+        "update",
+        "logp",
+    )
+}
 RATIO, SEQ_RATIO, IMPORTANCE_WEIGHT, BEHAVE_IMP_WEIGHT = (_FAMILIES[n] for n in RATIO_FAMILIES)
 KL_OLD, KL_REF = (_FAMILIES[n] for n in KL_FAMILIES)
 ENTROPY, CLIP, ADV, LENGTH, REWARD = (_FAMILIES[n] for n in ("entropy", "clip", "adv", "length", "reward"))

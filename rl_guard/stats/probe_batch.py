@@ -10,8 +10,7 @@ from .engines import make_engine
 from .partial import Partial
 
 
-def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None,
-                engine="eager") -> Partial:
+def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None, engine="eager") -> Partial:
     """All token-level sufficient statistics of one micro-batch (device tensors, no host sync). ``engine``: an
     engine object (``engines.py``: it keeps its failure state) or a ``stats_engine`` name, for which a fresh engine
     is made."""

@@ -136,13 +136,16 @@ def read_header(buf: torch.Tensor) -> list[float]:
 
 def _check_header(h: list[float]) -> None:
     if h[4] > 0:
-        raise RankFailed("the guard failed internally on another rank this step; every rank takes its failure "
-                         "path (fail_mode) for this step")
+        raise RankFailed(
+            "the guard failed internally on another rank this step; every rank takes its failure "
+            "path (fail_mode) for this step"
+        )
     if h[0] != -h[1] or h[2] != -h[3]:
         raise RankMismatch(
             f"ranks fed different statistics layouts this step (sums: {-h[1]:.0f}..{h[0]:.0f} values, maxima: "
             f"{-h[3]:.0f}..{h[2]:.0f} values across ranks; some rank saw fields the others did not, or recorded "
-            "nothing); feed the same TokenBatch fields on every rank")
+            "nothing); feed the same TokenBatch fields on every rank"
+        )
 
 
 def reducer() -> StepReducer | None:

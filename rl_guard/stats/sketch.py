@@ -77,7 +77,7 @@ class SketchSpec:
     @property
     def width(self) -> float:
         """Largest cell width in ``u = log((|x| + c) / c)``."""
-        return math.log1p(2.0 ** -self.mantissa_bits)
+        return math.log1p(2.0**-self.mantissa_bits)
 
     @property
     def eps(self) -> float:
@@ -181,9 +181,7 @@ def _edges_u_list(spec: SketchSpec) -> list[float]:
     return spec.edges_u.tolist()
 
 
-def quantiles_from_counts(
-    counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES
-) -> list[float]:
+def quantiles_from_counts(counts: np.ndarray, spec: SketchSpec, vmin: float, vmax: float, qs=QUANTILES) -> list[float]:
     """Quantiles (rank ``ceil(q n)``, interpolated within its cell: module docstring) from a cell-count vector; NaN
     when empty.
 

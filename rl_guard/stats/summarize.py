@@ -47,17 +47,29 @@ def _mean_min_max(family: str) -> tuple[str, str, str]:
 
 
 # family -> (family keys, mean, min, max, quantile names)
-_RATIO = {name: (keys.of(name), *_mean_min_max(name), _names(name, *QUANTILE_NAMES))
-          for name in keys.RATIO_FAMILIES}
+_RATIO = {name: (keys.of(name), *_mean_min_max(name), _names(name, *QUANTILE_NAMES)) for name in keys.RATIO_FAMILIES}
 # family -> (count key, seqs key, [(sum key, seqsum key, seqmax key, mean, seq_mean, seq_max) per estimator])
-_KL = {name: (keys.of(name).count, keys.of(name).seqs,
-              [(keys.of(name).estimator(k, "sum"), keys.of(name).estimator(k, "seqsum"),
-                keys.of(name).estimator(k, "seqmax"), *_names(name, f"{k}_mean", f"{k}_seq_mean", f"{k}_seq_max"))
-               for k in keys.KL_ESTIMATORS])
-       for name in keys.KL_FAMILIES}
+_KL = {
+    name: (
+        keys.of(name).count,
+        keys.of(name).seqs,
+        [
+            (
+                keys.of(name).estimator(k, "sum"),
+                keys.of(name).estimator(k, "seqsum"),
+                keys.of(name).estimator(k, "seqmax"),
+                *_names(name, f"{k}_mean", f"{k}_seq_mean", f"{k}_seq_max"),
+            )
+            for k in keys.KL_ESTIMATORS
+        ],
+    )
+    for name in keys.KL_FAMILIES
+}
 # family -> (family keys, mean, min, max, std)
-_VALUES = {name: (keys.of(name), *_mean_min_max(name), _names(name, "std")[0])
-           for name in ("entropy", "adv", "length", "reward", "logp")}
+_VALUES = {
+    name: (keys.of(name), *_mean_min_max(name), _names(name, "std")[0])
+    for name in ("entropy", "adv", "length", "reward", "logp")
+}
 _ENTROPY_Q = _names("entropy", *QUANTILE_NAMES)
 _HIST_RATIO, _HIST_ENTROPY = PREFIX + "log_ratio", PREFIX + "entropy"
 
@@ -65,8 +77,10 @@ _HIST_RATIO, _HIST_ENTROPY = PREFIX + "log_ratio", PREFIX + "entropy"
 @functools.cache
 def _lag_names(edges: tuple) -> list[tuple[str, ...]]:
     """Per bucket: token_frac, ratio_p50, ratio_p99, clip_frac, k3_mean."""
-    return [_names(f"lag/{b}", "token_frac", "ratio_p50", "ratio_p99", "clip_frac", "k3_mean")
-            for b in lag_bucket_names(edges)]
+    return [
+        _names(f"lag/{b}", "token_frac", "ratio_p50", "ratio_p99", "clip_frac", "k3_mean")
+        for b in lag_bucket_names(edges)
+    ]
 
 
 class _Layout:
@@ -75,8 +89,11 @@ class _Layout:
     __slots__ = ("inputs", "grad_groups")
 
     def __init__(self, raw_keys: tuple[str, ...]):
-        self.inputs = [(k, PREFIX + k.replace(".", "/")) for k in raw_keys
-                       if k.startswith(keys.INPUT_PREFIX) and k.endswith(keys.NONFINITE_SUFFIX)]
+        self.inputs = [
+            (k, PREFIX + k.replace(".", "/"))
+            for k in raw_keys
+            if k.startswith(keys.INPUT_PREFIX) and k.endswith(keys.NONFINITE_SUFFIX)
+        ]
         groups = sorted(k for k in raw_keys if k.startswith(keys.GRAD_GROUP_PREFIX))
         self.grad_groups = [(k, f"{PREFIX}grad/{k.split('.')[1]}/norm") for k in groups] if len(groups) > 1 else []
 

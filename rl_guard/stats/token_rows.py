@@ -27,9 +27,14 @@ NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))  # 0xFF80
 ROW_ORDER = ("adv", "logp", "entropy", "importance_weight", "behave_imp_weight", "ratio", "kl_ref")
 KL_ROWS = {"ratio": "kl_old", "kl_ref": "kl_ref"}  # the KL family each log-ratio row feeds
 # input/<field>/nonfinite: (field, the row valid before the field is taken into account, the row that adds it)
-NONFINITE = (("logprobs", "mask", "logp"), ("entropy", "mask", "entropy"), ("advantages", "mask", "adv"),
-             ("prox_logprobs", "logp", "importance_weight"), ("old_logprobs", "logp", "ratio"),
-             ("ref_logprobs", "logp", "kl_ref"))
+NONFINITE = (
+    ("logprobs", "mask", "logp"),
+    ("entropy", "mask", "entropy"),
+    ("advantages", "mask", "adv"),
+    ("prox_logprobs", "logp", "importance_weight"),
+    ("old_logprobs", "logp", "ratio"),
+    ("ref_logprobs", "logp", "kl_ref"),
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class RowPlan:
 
     @functools.cached_property
     def ratio_families(self) -> tuple[str, ...]:  # log-ratio rows reported as ratios (count, sum r)
-        return tuple(r for r in self.rows[self.log_ratios:] if r != "kl_ref")
+        return tuple(r for r in self.rows[self.log_ratios :] if r != "kl_ref")
 
     @functools.cached_property
     def cell_rows(self) -> tuple[str, ...]:  # entropy and the log-ratios: rows given a sketch cell index
@@ -91,7 +96,7 @@ class RowPlan:
 
     @functools.cached_property
     def kl_families(self) -> tuple[str, ...]:
-        return tuple(KL_ROWS[r] for r in self.rows[self.kl_first:])
+        return tuple(KL_ROWS[r] for r in self.rows[self.kl_first :])
 
     @functools.cached_property
     def names(self) -> dict:
@@ -128,8 +133,15 @@ class RowPlan:
 
 @functools.lru_cache(maxsize=64)
 def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, versions: bool) -> RowPlan:
-    present = {"logp": True, "entropy": entropy, "adv": adv, "importance_weight": prox,
-               "behave_imp_weight": prox and old, "ratio": old, "kl_ref": ref}
+    present = {
+        "logp": True,
+        "entropy": entropy,
+        "adv": adv,
+        "importance_weight": prox,
+        "behave_imp_weight": prox and old,
+        "ratio": old,
+        "kl_ref": ref,
+    }
     return RowPlan(tuple(r for r in ROW_ORDER if present[r]), lag_cells=versions and old)
 
 
@@ -144,9 +156,14 @@ def device_constant(kind: str, plan: RowPlan | None, device: torch.device):
         return host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device)
     specs, middles = plan.hist_specs, [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
     col = lambda values, dtype: device_vector(values, device, dtype).view(-1, 1)  # noqa: E731
-    return (col([spec.scale for spec in specs], F32), col([spec.top for spec in specs], F32),
-            col([spec.shift for spec in specs], I32), col([spec.base for spec in specs], I32),
-            col(middles, I32), device_vector(middles, device, torch.int64))
+    return (
+        col([spec.scale for spec in specs], F32),
+        col([spec.top for spec in specs], F32),
+        col([spec.shift for spec in specs], I32),
+        col([spec.base for spec in specs], I32),
+        col(middles, I32),
+        device_vector(middles, device, torch.int64),
+    )
 
 
 def kl_finish(acc: ChunkStats, plan: RowPlan) -> None:

@@ -130,8 +130,12 @@ class _Layout:
         self.size = pos
         # host: numpy reads the weights where they are (CPU, a dtype numpy has, ``UpdateProbe.host``: off, CPU
         # tensors are handled as a GPU's); the figures are then host floats
-        self.host = host and device is not None and device.type == "cpu" and \
-            all(dtype in HOST_DTYPES for group in structure for _, dtype, _ in group)
+        self.host = (
+            host
+            and device is not None
+            and device.type == "cpu"
+            and all(dtype in HOST_DTYPES for group in structure for _, dtype, _ in group)
+        )
         self.weights: torch.Tensor | np.ndarray | None = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
@@ -147,8 +151,9 @@ class _Layout:
         self.big: list[torch.Tensor] = []
         # The element count and the whole tensors' lengths where the figures are computed (device or host).
         self.count_value = self.count if self.host else torch.full((), self.count, dtype=F64, device=device)
-        self._whole_segments = [None if self.host or len(n) < 2 else device_vector(n, device, torch.int64)
-                                for n in self.whole_lengths]
+        self._whole_segments = [
+            None if self.host or len(n) < 2 else device_vector(n, device, torch.int64) for n in self.whole_lengths
+        ]
 
     def bind(self, pairs, storage: tuple | None) -> None:
         """The sample views of these tensors (same structure): 1-D views that alias the live weights, so they are
@@ -316,16 +321,16 @@ class UpdateProbe:
         self.host = host  # CPU weights read in place by numpy (False: the torch path a GPU's weights take)
         self._layout: _Layout | None = None
         self._seen: tuple | None = None  # the tensors (and addresses) the layout's views were made from
-        self._before: Sampled | None = None        # sampled weights (float64) right before the last optimizer step
-        self._after: Sampled | None = None         # sampled weights right after it
+        self._before: Sampled | None = None  # sampled weights (float64) right before the last optimizer step
+        self._after: Sampled | None = None  # sampled weights right after it
         self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
         self._after_fp = None  # the large tensors' fingerprints right after it (``_Layout.fingerprints``)
-        self._prev_sq = None   # exact ||theta||^2 at the last pre_step, with the layout it was measured with
+        self._prev_sq = None  # exact ||theta||^2 at the last pre_step, with the layout it was measured with
         self._prev_layout: _Layout | None = None
         self._base_sq: list | None = None  # exact ||theta_g||^2 before the last step, then the total
-        self._pending: Scalars | None = None             # the last step's update, reported at the next pre_step
-        self._lr_max: list[float] = []                   # largest applied learning rate so far, per group
-        self._lr_recent: list[list[float]] = []          # the last GROWTH_STEPS applied rates, per group
+        self._pending: Scalars | None = None  # the last step's update, reported at the next pre_step
+        self._lr_max: list[float] = []  # largest applied learning rate so far, per group
+        self._lr_recent: list[list[float]] = []  # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
         self._merge_sum = bool(sharded)  # ranks hold shards (FSDP2 DTensors, or sharded: true): merge by sum
         self._restored: tuple | None = None  # (layout structure, sample) loaded from a checkpoint, adopted once
@@ -344,14 +349,20 @@ class UpdateProbe:
         tensors = [t for group in pairs for t, _ in group]
         seen = self._seen
         # The same tensor objects at the same addresses (every step of a plain run): the views are still valid.
-        if seen is None or len(seen[0]) != len(tensors) or not all(a is b for a, b in zip(seen[0], tensors)) \
-                or seen[1] != [t.data_ptr() for t in tensors] or seen[2] != [len(g) for g in pairs]:
+        if (
+            seen is None
+            or len(seen[0]) != len(tensors)
+            or not all(a is b for a, b in zip(seen[0], tensors))
+            or seen[1] != [t.data_ptr() for t in tensors]
+            or seen[2] != [len(g) for g in pairs]
+        ):
             structure, storage = _keys(pairs)
             if self._layout is None or self._layout.structure != structure:
                 self._layout = _Layout(pairs, structure, self.sample, self.seed, self._device(groups), self.host)
             self._layout.bind(pairs, storage)
-            self._seen = None if storage is None else (tensors, [t.data_ptr() for t in tensors],
-                                                       [len(g) for g in pairs])
+            self._seen = (
+                None if storage is None else (tensors, [t.data_ptr() for t in tensors], [len(g) for g in pairs])
+            )
         assert self._layout is not None  # made above at the first call
         return self._layout.take()
 
@@ -407,8 +418,12 @@ class UpdateProbe:
                 entries.append((keys.update_group(i, "sq"), s))
                 entries.append((keys.update_group(i, "base_sq"), b))
                 lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
-                report.max.append((keys.update_group(i, "lr"), lr if layout.host else
-                                   torch.full((), lr, dtype=F64, device=layout.device)))
+                report.max.append(
+                    (
+                        keys.update_group(i, "lr"),
+                        lr if layout.host else torch.full((), lr, dtype=F64, device=layout.device),
+                    )
+                )
             entries.append((keys.UPDATE.sq, functools.reduce(operator.add, sq)))
             entries.append((keys.UPDATE.base_sq, self._base_sq[-1]))
             entries.append((keys.UPDATE.count, layout.count_value))
@@ -474,8 +489,9 @@ class UpdateProbe:
         self._lr_max = list(state.get("lr_max", []))
         self._lr_recent = [list(r) for r in state.get("lr_recent", [])]
         after = state.get("after")
-        self._restored = (state["after_structure"], after, state.get("after_fingerprints")) \
-            if after is not None else None
+        self._restored = (
+            (state["after_structure"], after, state.get("after_fingerprints")) if after is not None else None
+        )
 
     def _adopt_restored(self, layout) -> None:
         """Take the saved sample as the reference when the parameters have the layout it was taken with."""
@@ -515,7 +531,7 @@ def summarize_update(raw: dict) -> dict[str, float]:
         if prev is not None and prev > 0:
             out["update/param_norm_change"] = abs(math.sqrt(param_sq) - math.sqrt(prev)) / math.sqrt(prev)
     prefix = keys.UPDATE_GROUP_PREFIX
-    groups = sorted({int(k[len(prefix):].split(".")[0]) for k in raw if k.startswith(prefix)})
+    groups = sorted({int(k[len(prefix) :].split(".")[0]) for k in raw if k.startswith(prefix)})
     if len(groups) > 1:
         for g in groups:
             sq = f(keys.update_group(g, "param_sq"))

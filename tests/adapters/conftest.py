@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bitwise import assert_same
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
-from bitwise import assert_same
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
@@ -72,10 +72,25 @@ def pytest_pycollect_makemodule(module_path, parent):
             return module
     return None
 
+
 # Settings that run on CPU in well under a second per step; beta > 0 so the reference KL exists.
-GRPO_BASE = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
-                 bf16=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
-                 learning_rate=3e-3, beta=0.04, max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
+GRPO_BASE = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=8,
+    use_cpu=True,
+    bf16=False,
+    report_to=[],
+    save_strategy="no",
+    logging_steps=1,
+    disable_tqdm=True,
+    seed=0,
+    learning_rate=3e-3,
+    beta=0.04,
+    max_grad_norm=1.0,
+    num_iterations=2,
+    steps_per_generation=2,
+)
 
 
 class FiniteCheck(TrainerCallback):
@@ -149,15 +164,29 @@ def grpo_run(tiny_model):
 
     dataset = prompt_dataset(64, seed=0)
 
-    def run(tmp: Path, steps: int, guard=None, fault: str = "none", at_step: int = 0,
-            factor: float | None = None, checker: FiniteCheck | None = None, extra_callbacks=(), **grpo) -> Run:
+    def run(
+        tmp: Path,
+        steps: int,
+        guard=None,
+        fault: str = "none",
+        at_step: int = 0,
+        factor: float | None = None,
+        checker: FiniteCheck | None = None,
+        extra_callbacks=(),
+        **grpo,
+    ) -> Run:
         injector = FaultInjector(fault, at_step=at_step, factor=factor)
         checker = checker or FiniteCheck()
         callback = RLGuardCallback(guard, run_dir=str(Path(tmp) / "guard")) if isinstance(guard, str) else guard
         callbacks = [injector] + ([callback] if callback else []) + [checker, *extra_callbacks]
         args = GRPOConfig(output_dir=str(Path(tmp) / "trainer"), max_steps=steps, **{**GRPO_BASE, **grpo})
-        trainer = GRPOTrainer(model=str(tiny_model), args=args, train_dataset=dataset, callbacks=callbacks,
-                              reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
+        trainer = GRPOTrainer(
+            model=str(tiny_model),
+            args=args,
+            train_dataset=dataset,
+            callbacks=callbacks,
+            reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
+        )
         trainer.pop_callback(PrinterCallback)  # every log line holds ~150 guard metrics: keep test output short
         trainer.train()
         return Run(trainer, injector, checker, callback, callback.guard.run_dir if callback else None)
@@ -176,8 +205,6 @@ def state_copy(obj):
     return obj
 
 
-
-
 class StepStates(TrainerCallback):
     """Host copies of model / optimizer / scheduler state (and RNG) at the start and end of chosen steps (all
     when ``steps`` is None). Put it after the guard: ``end`` then sees the state the guard left (snapshot taken,
@@ -193,10 +220,16 @@ class StepStates(TrainerCallback):
 
     @staticmethod
     def capture(model, optimizer, lr_scheduler) -> dict:
-        return {"model": state_copy(model.state_dict()), "optimizer": state_copy(optimizer.state_dict()),
-                "scheduler": state_copy(lr_scheduler.state_dict()),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].copy(),
-                        "python": random.getstate()}}
+        return {
+            "model": state_copy(model.state_dict()),
+            "optimizer": state_copy(optimizer.state_dict()),
+            "scheduler": state_copy(lr_scheduler.state_dict()),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state()[1].copy(),
+                "python": random.getstate(),
+            },
+        }
 
     def _wanted(self, step: int) -> bool:
         return self.steps is None or step in self.steps

@@ -36,8 +36,17 @@ from rl_guard.adapters.openrlhf import attach_checkpoints, gate_optimizer_step  
 from rl_guard.errors import GuardHalted  # noqa: E402
 from rl_guard.versions import SeamError  # noqa: E402
 
-METHODS = ("print", "is_rank_0", "_get_ckpt_metric_path", "_write_ckpt_metric", "_read_ckpt_metric", "backward",
-           "optimizer_step", "save_ckpt", "load_ckpt")
+METHODS = (
+    "print",
+    "is_rank_0",
+    "_get_ckpt_metric_path",
+    "_write_ckpt_metric",
+    "_read_ckpt_metric",
+    "backward",
+    "optimizer_step",
+    "save_ckpt",
+    "load_ckpt",
+)
 
 
 class Actor(torch.nn.Module):
@@ -54,8 +63,19 @@ def strategy_class():
     body = [n for n in cls.body if getattr(n, "name", None) in METHODS]
     consts = [n for n in cls.body if isinstance(n, ast.Assign)]  # CKPT_METRIC_FILENAME
     node = ast.ClassDef(name="Strategy", bases=[], keywords=[], body=consts + body, decorator_list=[])
-    ns = {"deepspeed": deepspeed, "torch": torch, "dist": dist, "os": os, "shutil": shutil, "json": json, "gc": gc,
-          "Actor": Actor, "torch_dist_barrier_and_cuda_sync": dist.barrier, "nn": torch.nn, "optim": torch.optim}
+    ns = {
+        "deepspeed": deepspeed,
+        "torch": torch,
+        "dist": dist,
+        "os": os,
+        "shutil": shutil,
+        "json": json,
+        "gc": gc,
+        "Actor": Actor,
+        "torch_dist_barrier_and_cuda_sync": dist.barrier,
+        "nn": torch.nn,
+        "optim": torch.optim,
+    }
     exec(compile(ast.fix_missing_locations(ast.Module(body=[node], type_ignores=[])), str(path), "exec"), ns)
     return ns["Strategy"]
 
@@ -63,12 +83,20 @@ def strategy_class():
 def engine(seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": STAGE},
-           "bf16": {"enabled": BF16},
-           "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR",
-                         "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": STAGE},
+        "bf16": {"enabled": BF16},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10},
+        },
+    }
     return deepspeed.initialize(model=model, config=cfg)[0]
 
 
@@ -80,8 +108,10 @@ def window(actor, strategy, guard, seeds, bad=False):
         out = actor.model(x.bfloat16() if BF16 else x).float()
         loss = ((out - y) ** 2).mean()
         lp = torch.log_softmax(out.detach(), -1)
-        guard.observe(TokenBatch(lp, torch.ones_like(lp, dtype=torch.bool), old_logprobs=lp + (3.0 if bad else 0.0)),
-                      loss=loss.detach())
+        guard.observe(
+            TokenBatch(lp, torch.ones_like(lp, dtype=torch.bool), old_logprobs=lp + (3.0 if bad else 0.0)),
+            loss=loss.detach(),
+        )
         strategy.backward(loss, actor, None)
         strategy.optimizer_step(None, actor, None, name="actor")
 
@@ -125,9 +155,15 @@ def run_config() -> dict:
     # the guard's norm over this rank's ZeRO partitions against DeepSpeed's own (pre-clip) global norm
     out.update(grad_norm=guard.last_logged.get("rl_guard/grad/norm"), ds_grad_norm=float(eng.get_global_grad_norm()))
     window(actor, st, guard, [3, 4], bad=True)
-    out.update(guard_steps=guard.step, guard_skipped=guard.controller.skipped_steps, ds_skipped=eng.skipped_steps,
-               micro_steps=eng.micro_steps, unchanged=same(w1, weights(eng)), lr_unchanged=eng.get_lr()[0] == lr1,
-               overflow_reset=eng.optimizer.overflow is False)
+    out.update(
+        guard_steps=guard.step,
+        guard_skipped=guard.controller.skipped_steps,
+        ds_skipped=eng.skipped_steps,
+        micro_steps=eng.micro_steps,
+        unchanged=same(w1, weights(eng)),
+        lr_unchanged=eng.get_lr()[0] == lr1,
+        overflow_reset=eng.optimizer.overflow is False,
+    )
     window(actor, st, guard, [5, 6])
     ref, st_b, actor_b, guard_b = guarded("reference", "skip_step")
     window(actor_b, st_b, guard_b, [1, 2])
@@ -141,8 +177,12 @@ def run_config() -> dict:
     window(actor, st, guard, [5, 6])  # healthy, applied, no new snapshot
     moved = not same(snap, weights(eng))
     window(actor, st, guard, [3, 4], bad=True)
-    out.update(rollbacks=guard.controller.rollbacks, moved=moved, restored=same(snap, weights(eng)),
-               tags=sorted(p.name for p in (OUT / "rollback" / "ckpt").iterdir() if p.is_dir()))
+    out.update(
+        rollbacks=guard.controller.rollbacks,
+        moved=moved,
+        restored=same(snap, weights(eng)),
+        tags=sorted(p.name for p in (OUT / "rollback" / "ckpt").iterdir() if p.is_dir()),
+    )
     _, states = st.load_ckpt(eng, str(OUT / "rollback" / "ckpt"), tag="rl_guard_step1")
     out["client_state_has_guard"] = "rl_guard" in states
     out.update(no_overflow_path())
@@ -172,10 +212,15 @@ def no_overflow_path() -> dict:
         halted = str(exc)
     records = [json.loads(line) for line in (OUT / "no_overflow" / "incidents.jsonl").read_text().splitlines()]
     last = records[-1]
-    return {"no_overflow_applied": not same(before, weights(eng)), "no_overflow_ds_skipped": eng.skipped_steps - skipped,
-            "no_overflow_halted": halted, "no_overflow_rule": last["rule"], "no_overflow_decision": last["decision"],
-            "no_overflow_escalated_from": last["escalated_from"],
-            "no_overflow_checkpoint": bool(last["checkpoint"]) and os.path.exists(last["checkpoint"])}
+    return {
+        "no_overflow_applied": not same(before, weights(eng)),
+        "no_overflow_ds_skipped": eng.skipped_steps - skipped,
+        "no_overflow_halted": halted,
+        "no_overflow_rule": last["rule"],
+        "no_overflow_decision": last["decision"],
+        "no_overflow_escalated_from": last["escalated_from"],
+        "no_overflow_checkpoint": bool(last["checkpoint"]) and os.path.exists(last["checkpoint"]),
+    }
 
 
 def renamed_check_overflow() -> dict:

@@ -20,18 +20,16 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from file_modules import load_module
 
 from rl_guard import Guard, load_config
 from rl_guard.adapters import areal as adapter
-from file_modules import load_module
 
 spec = importlib.util.find_spec("areal")
 if spec is None:
     pytest.skip("areal not installed (pip install --no-deps areal==1.0.4)", allow_module_level=True)
 AREAL = Path(spec.origin).parent
 ROOT = Path(__file__).resolve().parents[2]
-
-
 
 
 def _cut(path: Path, name: str, namespace: dict):
@@ -45,17 +43,24 @@ def _areal_modules():
     """functional.py and stats_tracker.py with their areal imports answered, registered only while loading."""
     if "_rlg_areal_functional" in sys.modules:
         return sys.modules["_rlg_areal_functional"], sys.modules["_rlg_areal_stats_tracker"]
-    rs = _cut(AREAL / "api" / "cli_args.py", "RejectionSamplingConfig",
-              {"dataclass": dataclasses.dataclass, "field": dataclasses.field})
+    rs = _cut(
+        AREAL / "api" / "cli_args.py",
+        "RejectionSamplingConfig",
+        {"dataclass": dataclasses.dataclass, "field": dataclasses.field},
+    )
     kl = _cut(AREAL / "utils" / "data.py", "KLEstimator", {"torch": torch})
     flat2d = _cut(AREAL / "utils" / "seqpack.py", "flat2d", {"itertools": itertools, "Any": object})
-    fake = {"areal": types.ModuleType("areal"), "areal.api": types.ModuleType("areal.api"),
-            "areal.utils": types.ModuleType("areal.utils"), "areal.infra": types.ModuleType("areal.infra"),
-            "areal.api.cli_args": SimpleNamespace(RejectionSamplingConfig=rs),
-            "areal.utils.data": SimpleNamespace(KLEstimator=kl),
-            "areal.utils.seqpack": SimpleNamespace(flat2d=flat2d),
-            "areal.utils.logging": SimpleNamespace(getLogger=logging.getLogger),
-            "areal.infra.platforms": SimpleNamespace(current_platform=SimpleNamespace(is_initialized=lambda: False))}
+    fake = {
+        "areal": types.ModuleType("areal"),
+        "areal.api": types.ModuleType("areal.api"),
+        "areal.utils": types.ModuleType("areal.utils"),
+        "areal.infra": types.ModuleType("areal.infra"),
+        "areal.api.cli_args": SimpleNamespace(RejectionSamplingConfig=rs),
+        "areal.utils.data": SimpleNamespace(KLEstimator=kl),
+        "areal.utils.seqpack": SimpleNamespace(flat2d=flat2d),
+        "areal.utils.logging": SimpleNamespace(getLogger=logging.getLogger),
+        "areal.infra.platforms": SimpleNamespace(current_platform=SimpleNamespace(is_initialized=lambda: False)),
+    }
     for name in ("areal", "areal.api", "areal.utils", "areal.infra"):
         fake[name].__path__ = []
     fake["areal.utils"].logging = fake["areal.utils.logging"]
@@ -74,17 +79,32 @@ F, ST = _areal_modules()
 R = load_module("areal_async_recipe", ROOT / "integrations" / "areal_async" / "train.py")  # AReaL-shaped engine
 
 
-
-def areal_grpo_loss(logprobs, entropy, input_data, eps_clip, eps_clip_higher=None, current_version=None,
-                    rejection_sampling=None, record=None):
+def areal_grpo_loss(
+    logprobs,
+    entropy,
+    input_data,
+    eps_clip,
+    eps_clip_higher=None,
+    current_version=None,
+    rejection_sampling=None,
+    record=None,
+):
     """The part of AReaL's grpo_loss_fn that feeds ppo_actor_loss_fn (trainer/ppo/actor.py), verbatim in effect."""
     loss, stat = F.ppo_actor_loss_fn(
-        logprobs=logprobs, proximal_logprobs=input_data["prox_logp"], old_logprobs=input_data["logprobs"],
-        advantages=input_data["advantages"], eps_clip=eps_clip, loss_mask=input_data["loss_mask"].bool(),
-        eps_clip_higher=eps_clip_higher, rejection_sampling=rejection_sampling, cu_seqlens=input_data.get("cu_seqlens"))
+        logprobs=logprobs,
+        proximal_logprobs=input_data["prox_logp"],
+        old_logprobs=input_data["logprobs"],
+        advantages=input_data["advantages"],
+        eps_clip=eps_clip,
+        loss_mask=input_data["loss_mask"].bool(),
+        eps_clip_higher=eps_clip_higher,
+        rejection_sampling=rejection_sampling,
+        cu_seqlens=input_data.get("cu_seqlens"),
+    )
     if record is not None:
-        record.append((loss.detach(), {k: v.detach() if torch.is_tensor(v) else v for k, v in stat.items()},
-                       input_data))
+        record.append(
+            (loss.detach(), {k: v.detach() if torch.is_tensor(v) else v for k, v in stat.items()}, input_data)
+        )
     return loss
 
 
@@ -96,9 +116,13 @@ def _batch(engine, noise=0.3, seed=0):
     g = torch.Generator().manual_seed(seed)
     b = len(VERSIONS)
     ids = torch.randint(0, R.K, (b, R.L), generator=g)
-    batch = {"input_ids": ids, "loss_mask": torch.ones(b, R.L, dtype=torch.int32), "logprobs": torch.zeros(b, R.L),
-             "versions": torch.tensor([[-1] + v for v in VERSIONS], dtype=torch.int32),
-             "rewards": torch.rand(b, generator=g)}
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones(b, R.L, dtype=torch.int32),
+        "logprobs": torch.zeros(b, R.L),
+        "versions": torch.tensor([[-1] + v for v in VERSIONS], dtype=torch.int32),
+        "rewards": torch.rand(b, generator=g),
+    }
     batch["loss_mask"][:, 0] = 0
     prox = engine.compute_logp(batch)
     batch["logprobs"][:, 1:] = prox[:, :-1] + noise * torch.randn(b, R.L - 1, generator=g)  # behaviour (inference)
@@ -114,8 +138,14 @@ def _engine(tmp_path, config="version: 1\nsinks: [jsonl]\n", seed=0):
 
 
 def _train(engine, batch, record=None, current_version=7, rs=None):
-    loss_fn = functools.partial(areal_grpo_loss, eps_clip=0.2, eps_clip_higher=0.28, current_version=current_version,
-                                rejection_sampling=rs, record=record)
+    loss_fn = functools.partial(
+        areal_grpo_loss,
+        eps_clip=0.2,
+        eps_clip_higher=0.28,
+        current_version=current_version,
+        rejection_sampling=rs,
+        record=record,
+    )
     return engine.train_batch(batch, loss_fn, lambda x: x["loss_mask"].count_nonzero())
 
 
@@ -131,9 +161,11 @@ def test_metrics_match_real_ppo_actor_loss_fn_stats(tmp_path):
     mask = packed["loss_mask"].bool()
     assert packed["cu_seqlens"].numel() == len(VERSIONS) + 1 and stat["importance_weight"].dim() == 1  # packed
     assert stats["rl_guard/importance_weight/mean"] == pytest.approx(
-        float(stat["importance_weight"].double().sum() / mask.sum()), rel=1e-6)
+        float(stat["importance_weight"].double().sum() / mask.sum()), rel=1e-6
+    )
     assert stats["rl_guard/behave_imp_weight/mean"] == pytest.approx(
-        float(stat["behave_imp_weight"].double().sum() / stat["behave_mask"].sum()), rel=1e-6)
+        float(stat["behave_imp_weight"].double().sum() / stat["behave_mask"].sum()), rel=1e-6
+    )
     assert stats["rl_guard/clip/region_frac"] == pytest.approx(float(stat["clip_mask"].sum() / mask.sum()), abs=1e-7)
     assert stats["rl_guard/loss/value"] == pytest.approx(float(loss), rel=1e-6)
     assert stats["update_successful"] == 1.0 and "grad_norm" in stats and "lr" in stats  # engine stats kept

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from file_modules import load_module
 
 from rl_guard import Guard
 from rl_guard.adapters import areal as adapter
 from rl_guard.adapters.seams import load_state, save_state
 from rl_guard.errors import GuardHalted
 from rl_guard.versions import SeamError, UnsupportedVersion
-from file_modules import load_module
 
 if importlib.util.find_spec("areal") is None:
     pytest.skip("areal not installed (pip install --no-deps areal==1.0.4)", allow_module_level=True)
@@ -112,8 +112,13 @@ def _batch(engine, seed=0):
     g = torch.Generator().manual_seed(seed)
     b = 4
     ids = torch.randint(0, R.K, (b, R.L), generator=g)
-    batch = {"input_ids": ids, "loss_mask": torch.ones(b, R.L, dtype=torch.int32), "logprobs": torch.zeros(b, R.L),
-             "versions": torch.zeros(b, R.L, dtype=torch.int32), "rewards": torch.rand(b, generator=g)}
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones(b, R.L, dtype=torch.int32),
+        "logprobs": torch.zeros(b, R.L),
+        "versions": torch.zeros(b, R.L, dtype=torch.int32),
+        "rewards": torch.rand(b, generator=g),
+    }
     batch["loss_mask"][:, 0] = 0
     prox = engine.compute_logp(batch)
     batch["logprobs"][:, 1:] = prox[:, :-1]

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from file_modules import load_module
 
 from rl_guard import Guard
 from rl_guard.adapters import openrlhf as adapter
 from rl_guard.errors import GuardHalted
-from file_modules import load_module
 
 pytest.importorskip("openrlhf")
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +38,18 @@ def _random_experience(B=4, A=6, rollout=True, seed=0):
     mask[1, 4:] = False
     old = (-torch.rand(B, A, generator=g) * 2) * mask
     exp = OR.Experience(
-        sequences=torch.randint(0, 5, (B, A + 1), generator=g), attention_mask=torch.ones(B, A + 1, dtype=torch.long),
-        action_mask=mask, action_log_probs=old,
+        sequences=torch.randint(0, 5, (B, A + 1), generator=g),
+        attention_mask=torch.ones(B, A + 1, dtype=torch.long),
+        action_mask=mask,
+        action_log_probs=old,
         base_action_log_probs=(old + 0.3 * torch.randn(B, A, generator=g)) * mask,
         rollout_log_probs=(old + 0.2 * torch.randn(B, A, generator=g)) * mask if rollout else None,
-        advantages=torch.randn(B, A, generator=g) * mask, rewards=torch.rand(B, generator=g),
-        response_length=mask.sum(1).float(), truncated=torch.tensor([False, True, False, False]),
-        info={"reward": torch.rand(B, generator=g)})
+        advantages=torch.randn(B, A, generator=g) * mask,
+        rewards=torch.rand(B, generator=g),
+        response_length=mask.sum(1).float(),
+        truncated=torch.tensor([False, True, False, False]),
+        info={"reward": torch.rand(B, generator=g)},
+    )
     current = (old + 0.25 * torch.randn(B, A, generator=g)) * mask
     entropy = torch.rand(B, A + 3, generator=g)  # Actor.forward gives (B, T-1); the adapter keeps the last A
     return exp, current, entropy
@@ -71,8 +76,13 @@ def test_token_batch_from_real_experience_matches_policy_loss_and_float64(tmp_pa
     loss_fn = OR.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token")
     guard = Guard.from_yaml("version: 1\nsinks: [jsonl]\n", run_dir=tmp_path)
     out = adapter.guard_policy_loss(guard, loss_fn, exp, current, entropy=entropy)
-    direct = loss_fn(current, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
-                     rollout_log_probs=exp.rollout_log_probs)
+    direct = loss_fn(
+        current,
+        exp.action_log_probs,
+        exp.advantages,
+        action_mask=exp.action_mask,
+        rollout_log_probs=exp.rollout_log_probs,
+    )
     for a, b in zip(out, direct):
         assert torch.equal(a, b)  # PolicyLoss's own 5-tuple, unchanged
     guard.check()
@@ -118,8 +128,9 @@ def _stand_in(tmp_path, config, gas=2, seed=0):
     actor.model = R.Engine(actor, 3e-2, gas)
     strategy = R.TorchStrategy(SimpleNamespace(), accumulated_gradient=gas)
     guard = Guard.from_yaml(config, run_dir=tmp_path / "run")
-    adapter.attach_checkpoints(guard, strategy, actor, actor.model.optimizer, actor.model.lr_scheduler,
-                               str(tmp_path / "ckpt"))
+    adapter.attach_checkpoints(
+        guard, strategy, actor, actor.model.optimizer, actor.model.lr_scheduler, str(tmp_path / "ckpt")
+    )
     adapter.gate_optimizer_step(strategy, actor, guard)
     loss_fn = OR.PolicyLoss(is_correction_level="token")
     return actor, other, strategy, guard, loss_fn
@@ -139,15 +150,15 @@ def test_gate_decides_only_at_the_boundary_and_a_bad_rollout_batch_is_skipped(tm
     actor, other, strategy, guard, loss_fn = _stand_in(tmp_path, _yaml("skip_step"))
     gen = torch.Generator().manual_seed(0)
     before = _weights(actor)
-    _micro_step(actor, strategy, guard, loss_fn, actor, gen)           # accumulating: no decision yet
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)  # accumulating: no decision yet
     assert guard.step == 0 and actor.model.micro_steps == 1
-    _micro_step(actor, strategy, guard, loss_fn, actor, gen)           # boundary: healthy, applied
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)  # boundary: healthy, applied
     assert guard.step == 1 and actor.model.global_steps == 1
     assert any(not torch.equal(before[k], v) for k, v in actor.state_dict().items())
     applied = _weights(actor)
-    _micro_step(actor, strategy, guard, loss_fn, other, gen)           # rollout log-probs of another policy
+    _micro_step(actor, strategy, guard, loss_fn, other, gen)  # rollout log-probs of another policy
     _micro_step(actor, strategy, guard, loss_fn, other, gen)
-    assert guard.step == 2 and actor.model.micro_steps == 4            # the engine's window still closed
+    assert guard.step == 2 and actor.model.micro_steps == 4  # the engine's window still closed
     assert guard.controller.skipped_steps == 1 and guard.last_logged["rl_guard/guard/fired"] == 1.0
     assert guard.last_logged["rl_guard/behave_imp_weight/min"] < 0.5
     assert all(torch.equal(applied[k], v) for k, v in actor.state_dict().items())
@@ -164,9 +175,9 @@ def test_rollback_restores_through_strategy_load_ckpt(tmp_path):
     assert saved.exists()  # the healthy snapshot is an OpenRLHF checkpoint (save_ckpt), guard state inside
     assert "rl_guard" in torch.load(saved, weights_only=False)["client_state"]
     snapshot = _weights(actor)
-    _micro_step(actor, strategy, guard, loss_fn, actor, gen)           # healthy: applied, weights move
+    _micro_step(actor, strategy, guard, loss_fn, actor, gen)  # healthy: applied, weights move
     assert any(not torch.equal(snapshot[k], v) for k, v in actor.state_dict().items())
-    _micro_step(actor, strategy, guard, loss_fn, other, gen)           # bad batch: rollback via load_ckpt
+    _micro_step(actor, strategy, guard, loss_fn, other, gen)  # bad batch: rollback via load_ckpt
     assert guard.controller.rollbacks == 1
     assert all(torch.equal(snapshot[k], v) for k, v in actor.state_dict().items())
     # the starting state (0) and the healthy snapshot restored (1): the tags the guard still offers

@@ -23,11 +23,20 @@ CONFIGS = ("1:fp32", "2:bf16", "3:bf16")
 def results(tmp_path_factory):
     """OpenRLHF's DeepspeedStrategy methods on real ZeRO engines, in a subprocess (it initialises a process group)."""
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
     worker = Path(__file__).with_name("openrlhf_deepspeed_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), ",".join(CONFIGS), port, str(tmp_path_factory.mktemp("ds"))],
-                          capture_output=True, text=True, timeout=280, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(worker), ",".join(CONFIGS), port, str(tmp_path_factory.mktemp("ds"))],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -12,8 +12,19 @@ from rl_guard.adapters import openrlhf_launch as launch
 
 
 def test_guard_options_are_removed_and_the_rest_forwarded_in_order():
-    settings, rest = launch.split_args(["--actor.model_name_or_path", "m", "--rl_guard.config", "g.yaml",
-                                        "--train.batch_size", "8", "--rl_guard.run_dir=runs/x", "--ds.zero_stage", "2"])
+    settings, rest = launch.split_args(
+        [
+            "--actor.model_name_or_path",
+            "m",
+            "--rl_guard.config",
+            "g.yaml",
+            "--train.batch_size",
+            "8",
+            "--rl_guard.run_dir=runs/x",
+            "--ds.zero_stage",
+            "2",
+        ]
+    )
     assert rest == ["--actor.model_name_or_path", "m", "--train.batch_size", "8", "--ds.zero_stage", "2"]
     assert settings == {launch.CONFIG_ENV: os.path.abspath("g.yaml"), launch.RUN_DIR_ENV: os.path.abspath("runs/x")}
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from file_modules import load_module
 
 from rl_guard import Guard
 from rl_guard.adapters import openrlhf as adapter
 from rl_guard.adapters import openrlhf_launch as launch
 from rl_guard.versions import SeamError, UnsupportedVersion
-from file_modules import load_module
 
 pytest.importorskip("openrlhf")
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,28 +69,44 @@ def _no_attr(obj, name):
 
 SEAMS = {  # seam -> (what to change on a fresh trainer, what the error must name)
     "training_step renamed": (lambda t: _renamed(t, "training_step"), "Trainer.training_step is missing"),
-    "training_step re-signed": (lambda t: _resigned(t, "training_step", lambda self, batch, kl_ctl, step: {}),
-                                "no longer takes experience"),
+    "training_step re-signed": (
+        lambda t: _resigned(t, "training_step", lambda self, batch, kl_ctl, step: {}),
+        "no longer takes experience",
+    ),
     "ppo_train renamed": (lambda t: _renamed(t, "ppo_train"), "Trainer.ppo_train is missing"),
     "actor_loss_fn gone": (lambda t: _no_attr(t, "actor_loss_fn"), "Trainer has no actor_loss_fn"),
     "actor_optim gone": (lambda t: _no_attr(t, "actor_optim"), "Trainer has no actor_optim"),
-    "Actor.forward re-signed": (lambda t: _resigned(t.actor, "forward", lambda self, sequences, action_mask: None),
-                                "no longer takes return_output"),
+    "Actor.forward re-signed": (
+        lambda t: _resigned(t.actor, "forward", lambda self, sequences, action_mask: None),
+        "no longer takes return_output",
+    ),
     "PolicyLoss.forward re-signed": (
-        lambda t: _resigned(t.actor_loss_fn, "forward", lambda self, logp, old_log_probs, advantages, action_mask=None,
-                                             rollout_log_probs=None: None),
-        "no longer takes log_probs"),
-    "PolicyLoss.clip_eps_low gone": (lambda t: _no_attr(t.actor_loss_fn, "clip_eps_low"),
-                                     "PolicyLoss has no clip_eps_low"),
-    "PolicyLoss.policy_loss_type gone": (lambda t: _no_attr(t.actor_loss_fn, "policy_loss_type"),
-                                         "PolicyLoss has no policy_loss_type"),
+        lambda t: _resigned(
+            t.actor_loss_fn,
+            "forward",
+            lambda self, logp, old_log_probs, advantages, action_mask=None, rollout_log_probs=None: None,
+        ),
+        "no longer takes log_probs",
+    ),
+    "PolicyLoss.clip_eps_low gone": (
+        lambda t: _no_attr(t.actor_loss_fn, "clip_eps_low"),
+        "PolicyLoss has no clip_eps_low",
+    ),
+    "PolicyLoss.policy_loss_type gone": (
+        lambda t: _no_attr(t.actor_loss_fn, "policy_loss_type"),
+        "PolicyLoss has no policy_loss_type",
+    ),
     "save_ckpt re-signed": (
-        lambda t: _resigned(t.strategy, "save_ckpt", lambda self, model, save_dir, tag=None, max_num=3, max_mem=1000,
-                            states=None: None), "no longer takes client_state"),
+        lambda t: _resigned(
+            t.strategy, "save_ckpt", lambda self, model, save_dir, tag=None, max_num=3, max_mem=1000, states=None: None
+        ),
+        "no longer takes client_state",
+    ),
     "load_ckpt renamed": (lambda t: _renamed(t.strategy, "load_ckpt"), "TorchStrategy.load_ckpt is missing"),
     "optimizer_step re-signed": (
         lambda t: _resigned(t.strategy, "optimizer_step", lambda self, optimizer, engine, scheduler, name="m": None),
-        "no longer takes model"),
+        "no longer takes model",
+    ),
     "args.ckpt.path gone": (lambda t: _no_attr(t.args.ckpt, "path"), "has no path"),
 }
 

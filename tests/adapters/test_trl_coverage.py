@@ -27,8 +27,15 @@ def test_trl_defaults_report_what_cannot_fire_and_steps_match_the_trainer(grpo_r
     for name in ("kl_ref_high", "kl_ref_spike"):
         assert not rules[name]["can_fire"] and "beta=0" in rules[name]["why"]
     assert not rules["behaviour_mismatch"]["can_fire"] and "vLLM" in rules["behaviour_mismatch"]["why"]
-    for name in ("lr_jump", "update_too_large", "weights_changed_outside_optimizer", "entropy_spike",
-                 "grad_norm_vs_early_max", "nonfinite_rewards", "no_learning_signal"):
+    for name in (
+        "lr_jump",
+        "update_too_large",
+        "weights_changed_outside_optimizer",
+        "entropy_spike",
+        "grad_norm_vs_early_max",
+        "nonfinite_rewards",
+        "no_learning_signal",
+    ):
         assert rules[name]["can_fire"], rules[name]
     text = (run.run_dir / "coverage.txt").read_text()
     assert "ratio_extreme (rollback): ratio/p99 is constant" in text and text in capsys.readouterr().out
@@ -47,8 +54,10 @@ def test_reference_model_and_second_pass_make_the_rules_live(grpo_run, tmp_path)
         assert rules[name]["can_fire"], rules[name]
 
 
-@pytest.mark.parametrize("grpo", [dict(TRL_DEFAULTS, gradient_accumulation_steps=2),
-                                  dict(TRL_DEFAULTS, importance_sampling_level="sequence")])
+@pytest.mark.parametrize(
+    "grpo",
+    [dict(TRL_DEFAULTS, gradient_accumulation_steps=2), dict(TRL_DEFAULTS, importance_sampling_level="sequence")],
+)
 def test_other_on_policy_configurations_are_recognised(grpo_run, tmp_path, grpo):
     run = grpo_run(tmp_path, 1, guard=PRESET, **grpo)
     rules, _ = _coverage(run)

@@ -62,10 +62,17 @@ def _runs(grpo_run, tmp_path, monkeypatch, arms, guard=None, **kw):
     for name in arms:
         arm = _Arm(name, monkeypatch)
         with arm as engine:
-            config = guard(engine) if guard else demo_config(kw.get("action", "rollback"), console_every=None,
-                                                                stats_engine=engine)
-            out[name] = grpo_run(tmp_path / name, kw.get("steps", STEPS), guard=arm.callback(config, tmp_path / name),
-                                 **kw.get("trainer", {}))
+            config = (
+                guard(engine)
+                if guard
+                else demo_config(kw.get("action", "rollback"), console_every=None, stats_engine=engine)
+            )
+            out[name] = grpo_run(
+                tmp_path / name,
+                kw.get("steps", STEPS),
+                guard=arm.callback(config, tmp_path / name),
+                **kw.get("trainer", {}),
+            )
     return out
 
 
@@ -87,10 +94,19 @@ def test_engine_reports_what_the_eager_one_does_under_trl(engine, grpo_run, tmp_
 
 @pytest.mark.parametrize("engine", ["compiled", "host"])
 def test_engine_acts_like_the_eager_one_on_a_ratio_drift(engine, grpo_run, tmp_path, monkeypatch):
-    runs = _runs(grpo_run, tmp_path, monkeypatch, (engine, "eager"), steps=6, action="halt",
-                 trainer=dict(fault="ratio_drift", at_step=3, num_iterations=1, steps_per_generation=2))
-    acted = {name: sorted((i["step"], i["rule"], i["action"]) for i in run.incidents() if i["action"] != "warn")
-             for name, run in runs.items()}
+    runs = _runs(
+        grpo_run,
+        tmp_path,
+        monkeypatch,
+        (engine, "eager"),
+        steps=6,
+        action="halt",
+        trainer=dict(fault="ratio_drift", at_step=3, num_iterations=1, steps_per_generation=2),
+    )
+    acted = {
+        name: sorted((i["step"], i["rule"], i["action"]) for i in run.incidents() if i["action"] != "warn")
+        for name, run in runs.items()
+    }
     assert acted[engine] and acted[engine] == acted["eager"]
 
 
@@ -99,9 +115,16 @@ def test_trl_defaults_with_the_shipped_preset_as_is(engine, grpo_run, tmp_path, 
     """TRL's own defaults (beta=0, num_iterations=1, one step per generation, max_grad_norm=1.0) and the shipped
     grpo.yaml unmodified but for the engine: the engines report the same metrics and take the same actions."""
     preset = (Path(families.__file__).parents[1] / "presets" / "grpo.yaml").read_text()
-    runs = _runs(grpo_run, tmp_path, monkeypatch, (engine, "eager"), guard=lambda e: preset + f"\nstats_engine: {e}\n",
-                 trainer=dict(beta=0.0, num_iterations=1, steps_per_generation=1, max_grad_norm=1.0))
+    runs = _runs(
+        grpo_run,
+        tmp_path,
+        monkeypatch,
+        (engine, "eager"),
+        guard=lambda e: preset + f"\nstats_engine: {e}\n",
+        trainer=dict(beta=0.0, num_iterations=1, steps_per_generation=1, max_grad_norm=1.0),
+    )
     _same_metrics(runs[engine], runs["eager"])
     assert all(m["rl_guard/ratio/max"] == 1.0 for m in runs[engine].metrics())  # on-policy: the ratio is exactly 1
     assert [(i["step"], i["rule"], i["action"]) for i in runs[engine].incidents()] == [
-        (i["step"], i["rule"], i["action"]) for i in runs["eager"].incidents()]
+        (i["step"], i["rule"], i["action"]) for i in runs["eager"].incidents()
+    ]

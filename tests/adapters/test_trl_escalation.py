@@ -11,8 +11,9 @@ ON_POLICY = dict(beta=0.0, num_iterations=1, steps_per_generation=1)
 
 def test_no_learning_signal_stops_early(grpo_run, tmp_path):
     # Every reward 0 (and completions of at most 4 words, so no length penalty): every group has zero spread.
-    run = grpo_run(tmp_path, 40, guard=PRESET, fault="reward_scale", at_step=0, factor=0.0, max_completion_length=4,
-                   **ON_POLICY)
+    run = grpo_run(
+        tmp_path, 40, guard=PRESET, fault="reward_scale", at_step=0, factor=0.0, max_completion_length=4, **ON_POLICY
+    )
     acted = [i for i in run.incidents() if i["action"] != "warn"]
     assert [(i["rule"], i["action"], i["step"]) for i in acted] == [("no_learning_signal", "early_stop", 20)]
     assert "no_signal_steps = 20 >= 20 at step 20" in acted[0]["message"]

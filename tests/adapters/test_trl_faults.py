@@ -50,8 +50,16 @@ def test_inf_grad_skips_the_step(grpo_run, step_states, tmp_path):
 
 def test_nan_reward_skips_the_step_although_trl_logs_a_finite_reward(grpo_run, step_states, tmp_path):
     states = step_states(steps=(2, 3))
-    run = grpo_run(tmp_path, 4, guard=PRESET, fault="nan_reward", at_step=2, extra_callbacks=[states],
-                   num_iterations=1, steps_per_generation=1)  # a generation (and rewards) every step
+    run = grpo_run(
+        tmp_path,
+        4,
+        guard=PRESET,
+        fault="nan_reward",
+        at_step=2,
+        extra_callbacks=[states],
+        num_iterations=1,
+        steps_per_generation=1,
+    )  # a generation (and rewards) every step
     assert run.injector.injected_at == [2]
     assert {r: a for r, a in fired_at(run, 2).items() if a != "warn"} == {"nonfinite_rewards": "skip_step"}
     assert_update_dropped(states, 2)
@@ -68,13 +76,29 @@ def test_ratio_drift_halts_with_a_loadable_checkpoint(grpo_run, step_states, sam
     states = step_states(steps=(3,))
     # steps_per_generation=2: step 3 trains on rollouts (and behaviour log-probs) buffered at step 2, before
     # the injector perturbs the weights at the start of step 3.
-    run = grpo_run(tmp_path, 8, guard=demo_config("halt", console_every=None), fault="ratio_drift", at_step=3,
-                   extra_callbacks=[states], num_iterations=1, steps_per_generation=2)
+    run = grpo_run(
+        tmp_path,
+        8,
+        guard=demo_config("halt", console_every=None),
+        fault="ratio_drift",
+        at_step=3,
+        extra_callbacks=[states],
+        num_iterations=1,
+        steps_per_generation=2,
+    )
     assert run.injector.injected_at == [3]
     acted = {i["rule"]: i for i in run.incidents() if i["action"] != "warn"}
     assert acted and {i["step"] for i in acted.values()} == {4}  # the trainer's step 4 began at global_step 3
-    assert set(acted) <= {"update_too_far", "ratio_extreme", "behaviour_mismatch", "weights_changed_outside_optimizer",
-                          "logprob_jump", "entropy_spike", "weights_corrupted", "param_norm_jump"}, acted
+    assert set(acted) <= {
+        "update_too_far",
+        "ratio_extreme",
+        "behaviour_mismatch",
+        "weights_changed_outside_optimizer",
+        "logprob_jump",
+        "entropy_spike",
+        "weights_corrupted",
+        "param_norm_jump",
+    }, acted
     assert "weights_changed_outside_optimizer" in acted  # the weights moved without an optimizer step
     assert {i["action"] for i in acted.values()} == {"checkpoint_and_halt"}
     assert run.trainer.state.global_step == 4  # stopped at the step that fired, not max_steps

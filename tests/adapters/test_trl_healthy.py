@@ -19,7 +19,7 @@ TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer (rl_guard.stats
 
 
 def _phase(event) -> str:
-    """"generation" inside TRL's rollout generation (rewards, sample diagnostics), else "train"."""
+    """ "generation" inside TRL's rollout generation (rewards, sample diagnostics), else "train"."""
     return "generation" if "_generate_and_score_completions" in event.callers else "train"
 
 
@@ -40,8 +40,9 @@ def healthy(grpo_run, tmp_path_factory):
         # engine, which reads them where they already are (host memory: nothing to wait for) and never runs on a GPU.
         with SyncDetector() as detector:
             tmp = tmp_path_factory.mktemp("healthy")
-            guard = Guard.from_yaml(demo_config("rollback", console_every=None), run_dir=str(tmp / "guard"),
-                                    open_run_dir=False).use_host_reads(False)
+            guard = Guard.from_yaml(
+                demo_config("rollback", console_every=None), run_dir=str(tmp / "guard"), open_run_dir=False
+            ).use_host_reads(False)
             run = grpo_run(tmp, STEPS, guard=RLGuardCallback(guard))
     finally:
         StepAccumulator.finish = original_finish
@@ -64,9 +65,25 @@ def test_metrics_in_trainer_logs_with_documented_names(healthy):
     logs = [h for h in run.trainer.state.log_history if "loss" in h]
     assert len(logs) == STEPS
     by_step = {m["step"]: m for m in run.metrics()}
-    required = ["ratio/p99", "ratio/p50", "ratio/min", "ratio/max", "kl_ref/k3_mean", "kl_old/k3_mean",
-                "entropy/mean", "clip/region_frac", "grad/norm", "grad/norm_postclip", "loss/value", "adv/std",
-                "length/truncated_frac", "guard/skipped_steps", "optim/lr", "logp/mean", "update/param_norm"]
+    required = [
+        "ratio/p99",
+        "ratio/p50",
+        "ratio/min",
+        "ratio/max",
+        "kl_ref/k3_mean",
+        "kl_old/k3_mean",
+        "entropy/mean",
+        "clip/region_frac",
+        "grad/norm",
+        "grad/norm_postclip",
+        "loss/value",
+        "adv/std",
+        "length/truncated_frac",
+        "guard/skipped_steps",
+        "optim/lr",
+        "logp/mean",
+        "update/param_norm",
+    ]
     for log in logs:
         names = [k for k in log if k.startswith("rl_guard/")]
         missing = [n for n in required if "rl_guard/" + n not in log]
@@ -120,9 +137,12 @@ def test_one_host_transfer_per_step_and_no_other_host_reads(healthy):
     # generation, in the adapter) and read only those host copies afterwards.
     generation = [e for e in events if _phase(e) == "generation"]
     generations = STEPS // 4
-    assert {e.file for e in generation} <= {"rl_guard/adapters/trl_samples.py", "rl_guard/diagnostics/samples.py"}, (
-        [str(e) for e in generation])
-    transfers = [e for e in generation if e.file.startswith("rl_guard/adapters") and e.op in ("Tensor.cpu", "Tensor.to(cpu)")]
+    assert {e.file for e in generation} <= {"rl_guard/adapters/trl_samples.py", "rl_guard/diagnostics/samples.py"}, [
+        str(e) for e in generation
+    ]
+    transfers = [
+        e for e in generation if e.file.startswith("rl_guard/adapters") and e.op in ("Tensor.cpu", "Tensor.to(cpu)")
+    ]
     assert len(transfers) <= 2 * generations, [str(e) for e in generation]
 
 
@@ -141,8 +161,14 @@ def test_ratio_exactly_one_on_policy(grpo_run, tmp_path, monkeypatch, beta):
     shortcut = []
     real = host_engine._on_policy_ratio
     monkeypatch.setattr(host_engine, "_on_policy_ratio", lambda *a: shortcut.append(1) or real(*a))
-    run = grpo_run(tmp_path, 4, guard=demo_config("rollback", console_every=None), num_iterations=1,
-                   steps_per_generation=1, beta=beta)
+    run = grpo_run(
+        tmp_path,
+        4,
+        guard=demo_config("rollback", console_every=None),
+        num_iterations=1,
+        steps_per_generation=1,
+        beta=beta,
+    )
     records = run.metrics()
     microbatches = sum(r["rl_guard/tokens/microbatches"] for r in records)
     assert len(records) == 4 and len(shortcut) == (microbatches if beta == 0 else 0) and microbatches >= 4

@@ -23,8 +23,13 @@ NO_RULES = "version: 1\nrules: []\n"
 def train(trainer_cls, config_cls, tiny_model, tmp_path, rewards, guard=NO_RULES, steps=3, **overrides):
     callback = RLGuardCallback(guard, run_dir=str(tmp_path / "guard"))
     args = config_cls(output_dir=str(tmp_path / "trainer"), max_steps=steps, **{**GRPO_BASE, **overrides})
-    trainer = trainer_cls(model=str(tiny_model), args=args, train_dataset=prompt_dataset(64, seed=0),
-                          reward_funcs=rewards, callbacks=[callback])
+    trainer = trainer_cls(
+        model=str(tiny_model),
+        args=args,
+        train_dataset=prompt_dataset(64, seed=0),
+        reward_funcs=rewards,
+        callbacks=[callback],
+    )
     trainer.pop_callback(PrinterCallback)
     trainer.train()
     return trainer, callback
@@ -34,8 +39,9 @@ def test_rloo_reports_no_fabricated_ratio_and_says_why(tiny_model, tmp_path):
     from trl import RLOOConfig, RLOOTrainer
 
     rloo = {k: v for k, v in GRPO_BASE.items() if k not in ("beta",)}
-    train(RLOOTrainer, RLOOConfig, tiny_model, tmp_path, [repeat_last_digit_reward], guard="grpo",
-                  **{**rloo, "beta": 0.0})
+    train(
+        RLOOTrainer, RLOOConfig, tiny_model, tmp_path, [repeat_last_digit_reward], guard="grpo", **{**rloo, "beta": 0.0}
+    )
     metrics = read_jsonl(tmp_path / "guard" / "metrics.jsonl")
     assert len(metrics) == 3
     for m in metrics:  # RLOO keeps one old log-prob per sequence: no per-token ratio may be invented
@@ -43,7 +49,9 @@ def test_rloo_reports_no_fabricated_ratio_and_says_why(tiny_model, tmp_path):
         assert m["rl_guard/tokens/count"] > 0 and math.isfinite(m["rl_guard/grad/norm"])
     coverage = json.loads((tmp_path / "guard" / "coverage.json").read_text())
     rows = {r["rule"]: r for r in coverage["rules"]}
-    assert not rows["ratio_extreme"]["can_fire"] and "RLOOTrainer keeps only per-sequence" in rows["ratio_extreme"]["why"]
+    assert (
+        not rows["ratio_extreme"]["can_fire"] and "RLOOTrainer keeps only per-sequence" in rows["ratio_extreme"]["why"]
+    )
     assert rows["entropy_spike"]["can_fire"]
 
 
@@ -51,8 +59,7 @@ def test_rloo_reports_no_fabricated_ratio_and_says_why(tiny_model, tmp_path):
 def test_losses_without_a_ppo_clip_report_no_clip_metrics(tiny_model, tmp_path, loss_type):
     from trl import GRPOConfig, GRPOTrainer
 
-    train(GRPOTrainer, GRPOConfig, tiny_model, tmp_path, [repeat_last_digit_reward], guard="grpo",
-                  loss_type=loss_type)
+    train(GRPOTrainer, GRPOConfig, tiny_model, tmp_path, [repeat_last_digit_reward], guard="grpo", loss_type=loss_type)
     metrics = read_jsonl(tmp_path / "guard" / "metrics.jsonl")
     assert any("rl_guard/ratio/p50" in m for m in metrics)  # the ratio itself is still measured
     assert not any(k.startswith("rl_guard/clip/") for m in metrics for k in m)
@@ -73,10 +80,19 @@ def int_word(w: str) -> int:
 def test_none_rewards_are_not_faults_but_a_returned_nan_is(tiny_model, tmp_path):
     from trl import GRPOConfig, GRPOTrainer
 
-    trainer, _ = train(GRPOTrainer, GRPOConfig, tiny_model, tmp_path / "none",
-                        [repeat_last_digit_reward, sometimes_none_reward], guard="grpo")
-    incidents = read_jsonl(tmp_path / "none" / "guard" / "incidents.jsonl") \
-        if (tmp_path / "none" / "guard" / "incidents.jsonl").exists() else []
+    trainer, _ = train(
+        GRPOTrainer,
+        GRPOConfig,
+        tiny_model,
+        tmp_path / "none",
+        [repeat_last_digit_reward, sometimes_none_reward],
+        guard="grpo",
+    )
+    incidents = (
+        read_jsonl(tmp_path / "none" / "guard" / "incidents.jsonl")
+        if (tmp_path / "none" / "guard" / "incidents.jsonl").exists()
+        else []
+    )
     assert not [i for i in incidents if i["rule"] == "nonfinite_rewards"]
     metrics = read_jsonl(tmp_path / "none" / "guard" / "metrics.jsonl")
     assert all(m.get("rl_guard/input/rewards/nonfinite", 0) == 0 for m in metrics)
@@ -89,9 +105,19 @@ def test_none_rewards_are_not_faults_but_a_returned_nan_is(tiny_model, tmp_path)
 
     def nan_when_applicable(prompts, completions, **kwargs):
         return [math.nan if r is not None else None for r in sometimes_none_reward(prompts, completions)]
+
     nan_when_applicable.__name__ = "nan_when_applicable"
-    train(GRPOTrainer, GRPOConfig, tiny_model, tmp_path / "nan",
-                  [repeat_last_digit_reward, nan_when_applicable], guard="grpo")
+    train(
+        GRPOTrainer,
+        GRPOConfig,
+        tiny_model,
+        tmp_path / "nan",
+        [repeat_last_digit_reward, nan_when_applicable],
+        guard="grpo",
+    )
     incidents = read_jsonl(tmp_path / "nan" / "guard" / "incidents.jsonl")
     assert incidents and all(i["rule"] == "nonfinite_rewards" or i["action"] != "skip_step" for i in incidents)
-    assert incidents[0]["rule"] == "nonfinite_rewards" and incidents[0]["decision"] in ("skip_step", "checkpoint_and_halt")
+    assert incidents[0]["rule"] == "nonfinite_rewards" and incidents[0]["decision"] in (
+        "skip_step",
+        "checkpoint_and_halt",
+    )

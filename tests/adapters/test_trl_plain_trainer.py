@@ -43,11 +43,25 @@ def plain_run(tiny_model, step_states, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plain")
     callback = RLGuardCallback(GUARD, run_dir=str(tmp / "guard"))
     states = step_states(steps=(INF_GRAD_STEP, NAN_LOSS_STEP, STEPS - 1))
-    args = TrainingArguments(output_dir=str(tmp / "trainer"), max_steps=STEPS, per_device_train_batch_size=4,
-                             learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
-                             disable_tqdm=True, seed=0, max_grad_norm=1.0)
-    trainer = NaNLossOnce(model=AutoModelForCausalLM.from_pretrained(str(tiny_model)), args=args, train_dataset=data,
-                          callbacks=[FaultInjector("inf_grad", at_step=INF_GRAD_STEP), callback, states])
+    args = TrainingArguments(
+        output_dir=str(tmp / "trainer"),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        max_grad_norm=1.0,
+    )
+    trainer = NaNLossOnce(
+        model=AutoModelForCausalLM.from_pretrained(str(tiny_model)),
+        args=args,
+        train_dataset=data,
+        callbacks=[FaultInjector("inf_grad", at_step=INF_GRAD_STEP), callback, states],
+    )
     trainer.pop_callback(PrinterCallback)
     trainer.train()
     return trainer, callback.guard, states
@@ -90,8 +104,13 @@ def test_nan_loss_is_skipped(plain_run):
     trainer, guard, states = plain_run
     fired = {i["rule"]: i["action"] for i in _incidents(guard) if i["step"] == NAN_LOSS_STEP + 1}
     # A NaN fires every rule on its metric, bypassing cooldown; the gradients of a NaN loss are NaN too.
-    assert fired == {"nonfinite_loss": "skip_step", "loss_ceiling": "skip_step", "loss_above_one": "warn",
-                     "nonfinite_grad": "skip_step", "grad_norm_ceiling": "skip_step"}
+    assert fired == {
+        "nonfinite_loss": "skip_step",
+        "loss_ceiling": "skip_step",
+        "loss_above_one": "warn",
+        "nonfinite_grad": "skip_step",
+        "grad_norm_ceiling": "skip_step",
+    }
     record = next(m for m in _metrics(guard) if m["step"] == NAN_LOSS_STEP + 1)
     assert record["rl_guard/loss/nonfinite"] == 1
     assert _unchanged(states, NAN_LOSS_STEP)

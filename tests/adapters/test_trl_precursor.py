@@ -14,13 +14,19 @@ NONFINITE_RULES = set(BUILTINS) | {"nonfinite_rewards"}
 
 def test_guard_acts_before_the_unguarded_twin_goes_nonfinite(grpo_run, finite_check, tmp_path):
     # The twin only records (and stops at) its first non-finite step; the guarded run asserts finiteness.
-    twin = grpo_run(tmp_path / "twin", MAX_STEPS, fault="lr_ramp", at_step=RAMP_FROM,
-                    checker=finite_check(strict=False, stop=True))
+    twin = grpo_run(
+        tmp_path / "twin", MAX_STEPS, fault="lr_ramp", at_step=RAMP_FROM, checker=finite_check(strict=False, stop=True)
+    )
     assert twin.checker.first_nonfinite is not None, f"the ramp did not break the twin within {MAX_STEPS} steps"
     blowup_step, what = twin.checker.first_nonfinite
 
-    guarded = grpo_run(tmp_path / "guarded", MAX_STEPS, guard=demo_config("halt", console_every=None),
-                       fault="lr_ramp", at_step=RAMP_FROM)
+    guarded = grpo_run(
+        tmp_path / "guarded",
+        MAX_STEPS,
+        guard=demo_config("halt", console_every=None),
+        fault="lr_ramp",
+        at_step=RAMP_FROM,
+    )
     acted = [i for i in guarded.incidents() if i["action"] != "warn"]
     assert acted, "the guard never acted"
     act_step = acted[0]["step"] - 1  # written as the trainer's global_step after the step; the checker counts from 0
@@ -35,6 +41,8 @@ def test_guard_acts_before_the_unguarded_twin_goes_nonfinite(grpo_run, finite_ch
     # Same seed, same fault, and the guard changes nothing until it acts: the twins trained identically.
     losses = lambda run: [h["loss"] for h in run.trainer.state.log_history if "loss" in h][: act_step + 1]  # noqa: E731
     assert losses(guarded) == losses(twin)
-    print(f"\nprecursor lead: guard acted at step {act_step} ({', '.join(i['rule'] for i in first)} -> "
-          f"{first[0]['action']}); unguarded twin first non-finite {what} at step {blowup_step}; "
-          f"lead = {blowup_step - act_step} steps")
+    print(
+        f"\nprecursor lead: guard acted at step {act_step} ({', '.join(i['rule'] for i in first)} -> "
+        f"{first[0]['action']}); unguarded twin first non-finite {what} at step {blowup_step}; "
+        f"lead = {blowup_step - act_step} steps"
+    )

@@ -46,11 +46,28 @@ def _run(tmp: Path, tiny_model, bad: set[str], quarantine: bool):
 
     yaml = (PRESETS / "grpo.yaml").read_text() + ("\nquarantine: {enabled: true}\n" if quarantine else "")
     callback = RLGuardCallback(yaml, run_dir=str(tmp / "guard"))
-    args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=STEPS, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                      logging_steps=1, disable_tqdm=True, learning_rate=1e-4, seed=0)
-    trainer = GRPOTrainer(model=str(tiny_model), args=args, train_dataset=_dataset(),
-                          reward_funcs=[_reward_failing_for(bad)], callbacks=[callback])
+    args = GRPOConfig(
+        output_dir=str(tmp / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        learning_rate=1e-4,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_model),
+        args=args,
+        train_dataset=_dataset(),
+        reward_funcs=[_reward_failing_for(bad)],
+        callbacks=[callback],
+    )
     trainer.pop_callback(PrinterCallback)
     trainer.train()
     incidents = read_jsonl(tmp / "guard" / "incidents.jsonl")

@@ -20,8 +20,7 @@ def rolled_back(grpo_run, step_states, tmp_path_factory):
     from rl_guard.adapters.trl import RLGuardCallback
 
     # lr_scale 1.0 so the restored state must equal the snapshot exactly (no LR rescaling after the restore).
-    yaml_text = demo_config("rollback", console_every=None,
-                            rollback={"max_rollbacks": 3, "lr_scale": 1.0})
+    yaml_text = demo_config("rollback", console_every=None, rollback={"max_rollbacks": 3, "lr_scale": 1.0})
     tmp = tmp_path_factory.mktemp("rollback")
     callback = RLGuardCallback(yaml_text, run_dir=str(tmp / "guard"))
     recorder = step_states(guard=callback)

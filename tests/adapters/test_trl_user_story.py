@@ -62,8 +62,14 @@ def run_script(tmp: Path, out: Path, *resume: str) -> tuple[str, dict]:
     script = tmp / "train_grpo.py"
     script.write_text(SCRIPT, encoding="utf-8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(script), str(out), str(tmp / "model"), *resume], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), str(tmp / "model"), *resume],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -84,10 +90,17 @@ def test_fault_halt_resume_and_a_second_run(tmp_path):
     lines = guard_lines(console)
 
     # -- the faults on the console: rule, metric, value against the threshold, action, what happened ---------------
-    assert any("[rule nonfinite_grad] rl_guard/grad/nonfinite = 1 > 0 at step 7" in line
-               and "-> skip_step: the update was dropped" in line for line in lines), lines
-    assert any("[rule nonfinite_rewards] rl_guard/input/rewards/nonfinite" in line and "at step 13" in line
-               and "-> skip_step: the update was dropped" in line for line in lines), lines
+    assert any(
+        "[rule nonfinite_grad] rl_guard/grad/nonfinite = 1 > 0 at step 7" in line
+        and "-> skip_step: the update was dropped" in line
+        for line in lines
+    ), lines
+    assert any(
+        "[rule nonfinite_rewards] rl_guard/input/rewards/nonfinite" in line
+        and "at step 13" in line
+        and "-> skip_step: the update was dropped" in line
+        for line in lines
+    ), lines
     stop = first["stopped"]
     assert stop is not None and stop["decision"] == "checkpoint_and_halt" and stop["step"] == 17, stop
     assert first["global_step"] == 17  # halted, not run to max_steps=24

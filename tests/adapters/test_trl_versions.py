@@ -30,8 +30,10 @@ def test_installed_versions_are_the_tested_ones():
     check_versions()
 
 
-@pytest.mark.parametrize("pkg,version", [("trl", "0.19.1"), ("trl", "1.17.0"), ("trl", "2.0.0"),
-                                         ("transformers", "4.57.3"), ("transformers", "5.26.0")])
+@pytest.mark.parametrize(
+    "pkg,version",
+    [("trl", "0.19.1"), ("trl", "1.17.0"), ("trl", "2.0.0"), ("transformers", "4.57.3"), ("transformers", "5.26.0")],
+)
 def test_untested_version_refuses_with_a_clear_message(monkeypatch, pkg, version):
     monkeypatch.delenv("RL_GUARD_ALLOW_UNTESTED", raising=False)
     _fake_versions(monkeypatch, **{pkg: version})
@@ -59,8 +61,18 @@ def test_untested_version_attaches_when_allowed_and_says_so(monkeypatch, caplog)
     assert "found trl 1.17.0" in caplog.text and "attaching untested" in caplog.text
 
 
-@pytest.mark.parametrize("version,ok", [("1.16.0", True), ("1.16.3", True), ("1.16.0rc1", True), ("1.16.1.dev0", True),
-                                        ("1.15.9", False), ("1.17.0rc1", False), ("1.0rc1", False)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("1.16.0", True),
+        ("1.16.3", True),
+        ("1.16.0rc1", True),
+        ("1.16.1.dev0", True),
+        ("1.15.9", False),
+        ("1.17.0rc1", False),
+        ("1.0rc1", False),
+    ],
+)
 def test_pre_releases_and_patches_count_as_their_release(version, ok):
     assert in_range(version, *TESTED["trl"]) is ok
 
@@ -72,7 +84,9 @@ def test_plain_transformers_without_trl_is_fine(monkeypatch):
 
 def test_missing_transformers_is_reported(monkeypatch):
     _fake_versions(monkeypatch, transformers=None)
-    with pytest.raises(UnsupportedVersion, match=r"needs transformers >= 5\.25, < 5\.26; transformers is not installed"):
+    with pytest.raises(
+        UnsupportedVersion, match=r"needs transformers >= 5\.25, < 5\.26; transformers is not installed"
+    ):
         check_versions()
 
 
@@ -83,10 +97,22 @@ def grpo_trainer(tiny_model, tmp_path_factory):
 
     from rl_guard.demo.tiny import prompt_dataset, repeat_last_digit_reward
 
-    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("seams")), max_steps=1, per_device_train_batch_size=8,
-                      num_generations=4, max_completion_length=8, use_cpu=True, bf16=False, report_to=[])
-    return GRPOTrainer(model=str(tiny_model), args=args, train_dataset=prompt_dataset(16, seed=0),
-                       reward_funcs=[repeat_last_digit_reward])
+    args = GRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("seams")),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+    )
+    return GRPOTrainer(
+        model=str(tiny_model),
+        args=args,
+        train_dataset=prompt_dataset(16, seed=0),
+        reward_funcs=[repeat_last_digit_reward],
+    )
 
 
 def test_the_real_trainer_has_every_seam(grpo_trainer):
@@ -96,8 +122,11 @@ def test_the_real_trainer_has_every_seam(grpo_trainer):
 @pytest.mark.parametrize("name", [*TRAINER_METHODS, *RL_METHODS])
 def test_a_renamed_method_fails_at_attach(grpo_trainer, monkeypatch, name):
     monkeypatch.setattr(type(grpo_trainer), name, None)  # as if a release renamed it
-    with pytest.raises(SeamError, match=rf"GRPOTrainer\.{name} is missing \(trl 1\.16\.\d+, transformers 5\.25\.\d+; "
-                       r"tested: trl >= 1\.16, < 1\.17"):
+    with pytest.raises(
+        SeamError,
+        match=rf"GRPOTrainer\.{name} is missing \(trl 1\.16\.\d+, transformers 5\.25\.\d+; "
+        r"tested: trl >= 1\.16, < 1\.17",
+    ):
         check_seams(grpo_trainer)
 
 
@@ -111,7 +140,9 @@ def test_a_re_signed_method_fails_at_attach(grpo_trainer, monkeypatch, name, par
         check_seams(grpo_trainer)
 
 
-@pytest.mark.parametrize("attr", [a for a in RL_ATTRS if a != "accelerator"] + ["loss_type", "importance_sampling_level"])
+@pytest.mark.parametrize(
+    "attr", [a for a in RL_ATTRS if a != "accelerator"] + ["loss_type", "importance_sampling_level"]
+)
 def test_a_missing_setting_fails_at_attach(grpo_trainer, monkeypatch, attr):
     monkeypatch.delattr(grpo_trainer, attr)
     with pytest.raises(SeamError, match=rf"GRPOTrainer has no {attr} \("):

@@ -24,7 +24,13 @@ def test_main_on_a_tiny_batch_writes_the_json_keys(bench, tmp_path, capsys):
     result = bench.main(["--json", str(out)], sizes={"4M": 1 << 12})
     assert torch.get_num_threads() == threads  # --threads is restored afterwards
     data = json.loads(out.read_text())
-    for key in ("speedup_vs_naive_4M", "floor_ratio_4M", "max_tokens_ok", "transfers_per_step", "peak_extra_mem_ratio_4M"):
+    for key in (
+        "speedup_vs_naive_4M",
+        "floor_ratio_4M",
+        "max_tokens_ok",
+        "transfers_per_step",
+        "peak_extra_mem_ratio_4M",
+    ):
         assert key in data, key
     assert data["transfers_per_step"] == 1 and data["other_host_reads_per_step"] == 0
     assert data["max_tokens_ok"] == 1 << 12 and data["speedup_vs_naive_4M"] > 0 and data["peak_extra_mem_ratio_4M"] > 0
@@ -41,8 +47,18 @@ def test_naive_baseline_computes_the_same_metrics(bench):
     """The baseline must compute what rl_guard computes, or the speedup means nothing."""
     d = bench.make_inputs(1 << 12)
     naive, ours = bench.naive_step(d), bench.full_step(d)
-    for key in ("ratio/mean", "ratio/max", "kl_old/k3_mean", "kl_ref/k2_seq_max", "entropy/mean", "adv/std",
-                "clip/region_frac", "lag/mean", "lag/max", "length/mean"):
+    for key in (
+        "ratio/mean",
+        "ratio/max",
+        "kl_old/k3_mean",
+        "kl_ref/k2_seq_max",
+        "entropy/mean",
+        "adv/std",
+        "clip/region_frac",
+        "lag/mean",
+        "lag/max",
+        "length/mean",
+    ):
         assert ours["rl_guard/" + key] == pytest.approx(naive[key], rel=1e-4, abs=1e-7), key
     assert ours["rl_guard/entropy/p50"] == pytest.approx(naive["entropy/p50"], rel=0.02)
 

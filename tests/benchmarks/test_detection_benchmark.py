@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from file_modules import ROOT, load_module
 
 pytestmark = pytest.mark.slow
@@ -34,9 +33,27 @@ def test_blind_spots_are_covered_from_the_first_step(tmp_path):
     (norm unchanged) and wiped Adam moments: each acted on, abrupt ones within one step, the warm-up well before
     its twin collapses; plus one healthy run at 3x the learning rate with no action."""
     bench = load_module("detection_benchmark", ROOT / "benchmarks" / "detection.py")
-    result = bench.main(["--faults", "early_lr_x1e4", "early_adam_v_wiped", "warmup_to_100x", "element_sign_flip",
-                         "--configs", "trl_defaults", "--seeds", "1", "--healthy-seeds", "1", "--healthy-steps", "30",
-                         "--variants", "lr_x3", "--json", str(tmp_path / "d.json")])
+    result = bench.main(
+        [
+            "--faults",
+            "early_lr_x1e4",
+            "early_adam_v_wiped",
+            "warmup_to_100x",
+            "element_sign_flip",
+            "--configs",
+            "trl_defaults",
+            "--seeds",
+            "1",
+            "--healthy-seeds",
+            "1",
+            "--healthy-steps",
+            "30",
+            "--variants",
+            "lr_x3",
+            "--json",
+            str(tmp_path / "d.json"),
+        ]
+    )
     assert result["recall"] == 1.0
     assert result["max_action_delay_abrupt"] <= 1
     assert result["min_lead_gradual"] >= 3

@@ -49,8 +49,9 @@ def test_main_writes_warm_and_cold_figures(bench, tmp_path):
     assert result["cold_over_warm"] == pytest.approx(ratio, abs=0.011)
     assert set(result["per_call_ms_warm"]) == set(result["per_call_ms_cold"]) == set(bench.CALLS)
     probe = result["machine"]
-    assert set(probe) == {f"{op}_us_{state}" for op in ("torch_op", "numpy_op", "python_loop")
-                          for state in ("warm", "cold")}
+    assert set(probe) == {
+        f"{op}_us_{state}" for op in ("torch_op", "numpy_op", "python_loop") for state in ("warm", "cold")
+    }
     assert all(v > 0 for v in probe.values())  # whether cold costs more than warm is the benchmark's to say
     # the guard's own host_ms never exceeds its calls timed from outside: its clock runs inside each of them
     assert set(result["host_ms_over_outside"]) == {"warm", "cold"}

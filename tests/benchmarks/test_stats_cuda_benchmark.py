@@ -20,7 +20,8 @@ def _modules():
     if str(BENCH_DIR) not in sys.path:
         sys.path.insert(0, str(BENCH_DIR))
     return load_module("rl_guard_benchmark_stats", BENCH_DIR / "stats.py"), load_module(
-        "rl_guard_benchmark_stats_cuda", BENCH_DIR / "stats_cuda.py")
+        "rl_guard_benchmark_stats_cuda", BENCH_DIR / "stats_cuda.py"
+    )
 
 
 def test_device_cuda_says_why_it_did_not_run_without_a_gpu(capsys, tmp_path):

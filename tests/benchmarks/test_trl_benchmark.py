@@ -40,8 +40,9 @@ def test_overhead_benchmark_runs_and_writes_json(tmp_path, setup):
     if setup != "demo":  # TRL generates every step: the sample diagnostics run every step
         assert parts["diagnostics"] > 0
     # trl-defaults is GRPOConfig's own defaults; the others take the demo's 8-token completions
-    assert written["model"]["completion"] == (bench._trl_default("max_completion_length") if setup == "trl-defaults"
-                                              else 8)
+    assert written["model"]["completion"] == (
+        bench._trl_default("max_completion_length") if setup == "trl-defaults" else 8
+    )
     assert set(parts) == {*bench.PARTS, "total"} and all(v >= 0 for v in parts.values())
     assert parts["statistics"] > 0 and parts["grad_probe"] > 0 and parts["rules"] > 0 and parts["sinks"] > 0
     assert parts["total"] == sum(parts[p] for p in bench.PARTS)
@@ -72,6 +73,7 @@ def test_default_run_measures_trl_defaults_first_and_the_demo_beside_it(tmp_path
 def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, first, pinned):
     bench = load_module("trl_overhead", BENCH)
     from lockstep import Lockstep, shared_cpu
+
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
 
     model = build_tiny_model(tmp_path / "model", seed=0)
@@ -80,8 +82,18 @@ def test_lockstep_arms_alternate_without_overlap_and_sample_alike(tmp_path, firs
     lockstep, steps, seen = Lockstep(cpu=cpu), 3, {}
     for arm, turns in enumerate(lockstep.callbacks):  # each arm's CPUs, read in its own thread
         turns.on_train_begin = lambda *a, arm=arm, **k: seen.__setitem__(arm, os.sched_getaffinity(0))
-    trainers = [bench._trainer(model, prompt_dataset(64, seed=0), steps, False, tmp_path / f"arm{arm}",
-                               lockstep.callbacks[arm], setup="trl-short") for arm in (0, 1)]
+    trainers = [
+        bench._trainer(
+            model,
+            prompt_dataset(64, seed=0),
+            steps,
+            False,
+            tmp_path / f"arm{arm}",
+            lockstep.callbacks[arm],
+            setup="trl-short",
+        )
+        for arm in (0, 1)
+    ]
     lockstep.run(trainers, seed=0, first=first)
     assert seen == ({0: {cpu}, 1: {cpu}} if pinned else {0: caller, 1: caller})  # pinned: both arms on one CPU
     assert os.sched_getaffinity(0) == caller  # the caller's own CPUs are left as they were
@@ -117,8 +129,15 @@ def test_control_pairs_run_both_arms_unguarded(tmp_path):
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
 
     work = tmp_path / "aa"  # an A/A pair: the guard runs in neither arm
-    pair = bench._one_pair(build_tiny_model(tmp_path / "model", seed=0), prompt_dataset(64, seed=0), 2, work,
-                           first=0, control=True, setup="trl-short")
+    pair = bench._one_pair(
+        build_tiny_model(tmp_path / "model", seed=0),
+        prompt_dataset(64, seed=0),
+        2,
+        work,
+        first=0,
+        control=True,
+        setup="trl-short",
+    )
     assert pair["guard"] == 0 and not (work / "arm1" / "guard").exists() and pair["same_rollouts"] is True
     assert pair["ratio"] == pytest.approx(sum(pair["arms"][1]["wall"]) / sum(pair["arms"][0]["wall"]))
 
@@ -137,8 +156,15 @@ def test_floor_pairs_run_the_least_guard_in_the_second_arm(tmp_path):
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
 
     work = tmp_path / "floor"
-    pair = bench._one_pair(build_tiny_model(tmp_path / "model", seed=0), prompt_dataset(64, seed=0), 3, work,
-                           first=1, floor=True, setup="trl-short")
+    pair = bench._one_pair(
+        build_tiny_model(tmp_path / "model", seed=0),
+        prompt_dataset(64, seed=0),
+        3,
+        work,
+        first=1,
+        floor=True,
+        setup="trl-short",
+    )
     assert pair["floor_reads"] == 3  # one gradient check per optimizer step, in the second arm only
     assert pair["guard"] == 0 and not (work / "arm1" / "guard").exists() and pair["same_rollouts"] is True
 
@@ -171,13 +197,24 @@ def test_sequential_pairs_run_one_whole_arm_after_the_other_in_this_thread(tmp_p
 
     bench = load_module("trl_overhead", BENCH)
     from lockstep import Sequential
+
     from rl_guard.demo.tiny import build_tiny_model, prompt_dataset
 
     model, runner, steps = build_tiny_model(tmp_path / "model", seed=0), Sequential(), 3
     threads = []
     runner.callbacks[1].on_train_begin = lambda *a, **k: threads.append(threading.current_thread())
-    trainers = [bench._trainer(model, prompt_dataset(64, seed=0), steps, arm == 1, tmp_path / f"arm{arm}",
-                               runner.callbacks[arm], setup="trl-short") for arm in (0, 1)]
+    trainers = [
+        bench._trainer(
+            model,
+            prompt_dataset(64, seed=0),
+            steps,
+            arm == 1,
+            tmp_path / f"arm{arm}",
+            runner.callbacks[arm],
+            setup="trl-short",
+        )
+        for arm in (0, 1)
+    ]
     runner.run(trainers, seed=0, first=1)
     assert threads == [threading.current_thread()]  # the guarded arm trained in the caller's thread
     spans = [turns.spans for turns in runner.callbacks]

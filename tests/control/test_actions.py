@@ -5,12 +5,12 @@ import os
 
 import pytest
 import torch
-
-from rl_guard.control.checkpoint import atomic_save
-from rl_guard.sinks import read_jsonl
-from rl_guard.control.state import rng_state
 from bitwise import assert_same
 from guard_loop import full_state, setup, train_step
+
+from rl_guard.control.checkpoint import atomic_save
+from rl_guard.control.state import rng_state
+from rl_guard.sinks import read_jsonl
 
 SKIP = """
 rules:
@@ -18,9 +18,10 @@ rules:
 """
 
 
-@pytest.mark.parametrize("poison, scale, rule", [(float("inf"), 1.0, "nonfinite_grad"),
-                                                 (float("nan"), 1.0, "nonfinite_grad"),
-                                                 (None, 1e4, "big_grad")])
+@pytest.mark.parametrize(
+    "poison, scale, rule",
+    [(float("inf"), 1.0, "nonfinite_grad"), (float("nan"), 1.0, "nonfinite_grad"), (None, 1e4, "big_grad")],
+)
 def test_skip_step_leaves_weights_and_moments_bitwise_unchanged(tmp_path, poison, scale, rule):
     guard, model, opt, sched = setup(tmp_path, SKIP)
     for _ in range(3):  # non-zero Adam moments first
@@ -123,8 +124,9 @@ def test_checkpoint_and_halt_writes_a_loadable_checkpoint_and_an_incident(tmp_pa
     assert incident["rule"] == "loss_high" and incident["action"] == "checkpoint_and_halt"
     assert incident["step"] == 5 and incident["checkpoint"] == str(path)
     assert incident["value"] == losses[5] > 50
-    assert incident["message"] == (f"[rule loss_high] rl_guard/loss/value = {losses[5]:.4g} > 50 at step 5 (rank 0)"
-                                   " -> checkpoint_and_halt")
+    assert incident["message"] == (
+        f"[rule loss_high] rl_guard/loss/value = {losses[5]:.4g} > 50 at step 5 (rank 0) -> checkpoint_and_halt"
+    )
     assert incident["window"] == {"rl_guard/loss/value": losses[:5]}  # values BEFORE the trigger only
     assert {"severity", "metric", "op", "threshold", "time", "rank"} <= set(incident)
 
@@ -148,6 +150,7 @@ def test_atomic_save_survives_a_crash_mid_write(tmp_path, monkeypatch):
 
     def crash_halfway(obj, f, *args, **kwargs):
         import io
+
         buf = io.BytesIO()
         real_save(obj, buf)
         f.write(buf.getvalue()[: len(buf.getvalue()) // 2])  # half a file reaches the disk...
@@ -180,7 +183,10 @@ def test_failed_checkpoint_save_fails_the_action_loudly(tmp_path, monkeypatch):
 
 def test_warn_only_steps_are_healthy_for_snapshots(tmp_path):
     """A noisy warn-level rule must not disable rollback: its steps applied their update, so they are healthy."""
-    noisy = ROLLBACK % ("memory", 1.0) + '  - {name: noisy, metric: rl_guard/loss/value, op: ">", threshold: 0, action: warn}\n'
+    noisy = (
+        ROLLBACK % ("memory", 1.0)
+        + '  - {name: noisy, metric: rl_guard/loss/value, op: ">", threshold: 0, action: warn}\n'
+    )
     guard, model, opt, sched = setup(tmp_path, noisy)
     for _ in range(3):
         assert train_step(guard, model, opt, sched).action == "warn"
@@ -218,11 +224,11 @@ def test_a_fault_that_returns_goes_further_back_and_the_rate_scales_cumulatively
         assert train_step(guard, model, opt, sched).action is None
     assert guard.actions.snapshots.steps() == [2, 4]
     assert train_step(guard, model, opt, sched, scale=1e4).action == "rollback"
-    assert guard.actions.last_restored == 4 and opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2 * 0.9 ** 2)
+    assert guard.actions.last_restored == 4 and opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2 * 0.9**2)
     # back before a new healthy snapshot: one further back, the rate a quarter of the schedule's
     d = train_step(guard, model, opt, sched, scale=1e4)
     assert d.action == "rollback" and guard.actions.last_restored == 2
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.25 * 1e-2 * 0.9 ** 1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25 * 1e-2 * 0.9**1)
     assert sched.base_lrs == pytest.approx([0.25 * 1e-2] * len(sched.base_lrs))
     # Healthy again: a snapshot taken at factor 0.25 restored by the third rollback gives 0.125, not 0.25 x 0.125.
     for _ in range(3):

@@ -12,8 +12,10 @@ from rl_guard.control.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET_OK = f"OK: configs/grpo.yaml ({len(load_config(ROOT / 'configs' / 'grpo.yaml').rules)} rules)\n"
-BAD = ("version: 1\nsinks: jsonl\nrules:\n  - name: a\n    metric: rl_guard/kl_ref/k3_maen\n    op: '>'\n"
-       "    threshold: 1\n")
+BAD = (
+    "version: 1\nsinks: jsonl\nrules:\n  - name: a\n    metric: rl_guard/kl_ref/k3_maen\n    op: '>'\n"
+    "    threshold: 1\n"
+)
 
 
 @pytest.fixture
@@ -25,8 +27,13 @@ def bad(tmp_path):
 
 def test_validate_command_line(bad):
     """The real command line in a fresh interpreter: OK for the preset, every error for the bad file, exit 1."""
-    proc = subprocess.run([sys.executable, "-m", "rl_guard.cli", "validate", "configs/grpo.yaml", str(bad)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_guard.cli", "validate", "configs/grpo.yaml", str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == PRESET_OK
     assert f"ERROR: {bad}\n3 configuration error(s):" in proc.stderr
@@ -46,8 +53,9 @@ def test_python_dash_m_rl_guard(monkeypatch, capsys):
 
 def test_validate_in_process(bad, tmp_path, capsys):
     good = tmp_path / "good.yaml"
-    good.write_text("rules:\n  - {name: a, metric: rl_guard/ratio/p99, op: '>', threshold: 2, action: warn}\n",
-                    encoding="utf-8")
+    good.write_text(
+        "rules:\n  - {name: a, metric: rl_guard/ratio/p99, op: '>', threshold: 2, action: warn}\n", encoding="utf-8"
+    )
     assert cli.main(["validate", str(good)]) == 0
     assert capsys.readouterr().out == f"OK: {good} (1 rules)\n"
     assert cli.main(["validate", str(bad), str(tmp_path / "nope.yaml")]) == 1

@@ -1,18 +1,22 @@
 """max_consecutive_skips: a fault that never clears ends in checkpoint_and_halt instead of skipping to max_steps."""
 
+import pytest
+
 from rl_guard.control.config import load_config
 from rl_guard.control.controller import Controller
 from rl_guard.errors import ConfigError
-
-import pytest
 
 M = "rl_guard/kl_ref/k3_mean"
 NO_BUILTINS = "builtin_rules: {nonfinite_loss: false, nonfinite_grad: false, nonfinite_logprobs: false}\n"
 
 
 def controller(limit: int, action: str = "skip_step") -> Controller:
-    return Controller(load_config(NO_BUILTINS + f"max_consecutive_skips: {limit}\nrules:\n"
-                                  f'  - {{name: bad, metric: {M}, op: ">", threshold: 0, action: {action}}}\n'))
+    return Controller(
+        load_config(
+            NO_BUILTINS + f"max_consecutive_skips: {limit}\nrules:\n"
+            f'  - {{name: bad, metric: {M}, op: ">", threshold: 0, action: {action}}}\n'
+        )
+    )
 
 
 def run(c: Controller, values) -> list[str | None]:

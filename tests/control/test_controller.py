@@ -36,9 +36,11 @@ def test_precedence_strongest_action_wins_and_every_reason_is_kept(k):
 def test_rollback_without_snapshot_escalates_to_checkpoint_and_halt():
     d = ladder(["warn", "rollback"]).decide({M: 1.0}, can_rollback=False)
     assert d.action == "checkpoint_and_halt" and d.escalated_from == "rollback" and d.stop and d.save
-    assert d.messages == [f"[rule r_warn] {M} = 1 > 0 at step 0 (rank 0) -> warn",
-                          f"[rule r_rollback] {M} = 1 > 0 at step 0 (rank 0) -> checkpoint_and_halt"
-                          " (no trusted healthy snapshot to restore yet)"]
+    assert d.messages == [
+        f"[rule r_warn] {M} = 1 > 0 at step 0 (rank 0) -> warn",
+        f"[rule r_rollback] {M} = 1 > 0 at step 0 (rank 0) -> checkpoint_and_halt"
+        " (no trusted healthy snapshot to restore yet)",
+    ]
 
 
 def test_rollback_budget_spent_escalates():
@@ -54,9 +56,13 @@ def test_rollback_budget_spent_escalates():
 
 def test_every_rule_is_evaluated_every_step():
     """A rule's patience keeps counting while another rule fires (and after the decision is taken)."""
-    ctl = Controller(load_config(NO_BUILTINS + "rules:\n"
-                                 f'  - {{name: hard, metric: {M}, op: ">", threshold: 0.5, action: skip_step}}\n'
-                                 f'  - {{name: slow, metric: {M}, op: ">", threshold: 0.1, patience: 2, action: warn}}\n'))
+    ctl = Controller(
+        load_config(
+            NO_BUILTINS + "rules:\n"
+            f'  - {{name: hard, metric: {M}, op: ">", threshold: 0.5, action: skip_step}}\n'
+            f'  - {{name: slow, metric: {M}, op: ">", threshold: 0.1, patience: 2, action: warn}}\n'
+        )
+    )
     names = []
     for x in (0.9, 0.9, 0.05):
         d = ctl.decide({M: x})
@@ -71,6 +77,7 @@ def test_missing_metric_warns_once():
 
     ctl = ladder(["warn"])
     import warnings as _w
+
     with _w.catch_warnings():
         _w.simplefilter("error")  # metrics that arrive only on generation steps are absent for a while: no noise
         for _ in range(MISSING_PATIENCE - 1):
@@ -78,13 +85,16 @@ def test_missing_metric_warns_once():
     with pytest.warns(RuntimeWarning, match="r_warn.*not reported"):
         ctl.decide({"rl_guard/entropy/mean": 1.0})
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ctl.decide({"rl_guard/entropy/mean": 1.0})
 
 
 # --- state round trip -------------------------------------------------------------------------------------------
-ROUND_TRIP = NO_BUILTINS + """
+ROUND_TRIP = (
+    NO_BUILTINS
+    + """
 rollback: {max_rollbacks: 2}
 rules:
   - {name: patient, metric: rl_guard/kl_ref/k3_mean, op: ">", threshold: 0.5, patience: 3, action: warn}
@@ -96,6 +106,7 @@ rules:
   - {name: early, metric: rl_guard/grad/norm, spike: {method: early_max, window: 5, factor: 4}, action: warn}
   - {name: far, metric: rl_guard/ratio/p99, op: ">", threshold: 2, action: rollback}
 """
+)
 
 
 def _metric_sequence(n=40):
@@ -103,9 +114,14 @@ def _metric_sequence(n=40):
     out = []
     for i in range(n):
         u = torch.rand(4, generator=g, dtype=torch.float64).tolist()
-        out.append({M: u[0], "rl_guard/grad/norm": 1.0 + 0.2 * u[1] + (6.0 if i in (14, 30) else 0.0),
-                    "rl_guard/entropy/mean": 2.0 - 0.05 * u[2] - (1.5 if i == 25 else 0.0),
-                    "rl_guard/ratio/p99": 3.0 if i in (12, 22, 33) else 1.0 + 0.1 * u[3]})
+        out.append(
+            {
+                M: u[0],
+                "rl_guard/grad/norm": 1.0 + 0.2 * u[1] + (6.0 if i in (14, 30) else 0.0),
+                "rl_guard/entropy/mean": 2.0 - 0.05 * u[2] - (1.5 if i == 25 else 0.0),
+                "rl_guard/ratio/p99": 3.0 if i in (12, 22, 33) else 1.0 + 0.1 * u[3],
+            }
+        )
     out[18]["rl_guard/grad/norm"] = math.nan
     return out
 

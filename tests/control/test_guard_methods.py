@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 import torch
-
 from bitwise import assert_same
 from guard_loop import full_state, setup, train_step
+
 from rl_guard.control.controller import MISSING_PATIENCE
 
 ROLLBACK = """

@@ -38,9 +38,13 @@ def test_window_is_read_only():
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.one_of(st.integers(-3, 3).map(float), st.floats(-1e6, 1e6), st.just(math.inf)),
-                       min_size=1, max_size=60),
-       n=st.integers(1, 12), resume_at=st.integers(0, 60))
+@given(
+    values=st.lists(
+        st.one_of(st.integers(-3, 3).map(float), st.floats(-1e6, 1e6), st.just(math.inf)), min_size=1, max_size=60
+    ),
+    n=st.integers(1, 12),
+    resume_at=st.integers(0, 60),
+)
 def test_sorted_window_is_the_sorted_tail_through_slides_ties_and_resume(values, n, resume_at):
     """The sorted windows kept on push equal sorting the window again, for windows read from the start and read
     late, with repeated values, skipped non-finite values and a state round trip in between."""
@@ -54,10 +58,10 @@ def test_sorted_window_is_the_sorted_tail_through_slides_ties_and_resume(values,
         h.push({"m": v})
         late.push({"m": v})
         pushed += [v] if math.isfinite(v) else []
-        tail = pushed[-min(n, 8):]
+        tail = pushed[-min(n, 8) :]
         assert h.sorted_recent("m", n) == sorted(tail)
         assert h.sorted_recent("m", 3) == sorted(pushed[-3:])
-    assert late.sorted_recent("m", n) == sorted(pushed[-min(n, 8):])
+    assert late.sorted_recent("m", n) == sorted(pushed[-min(n, 8) :])
 
 
 @settings(max_examples=300, deadline=None)

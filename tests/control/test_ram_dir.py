@@ -1,4 +1,5 @@
 """The RAM snapshot directory outlives every rank of the node that still runs, and no longer."""
+
 import os
 import subprocess
 import sys
@@ -29,11 +30,15 @@ def test_an_early_exiting_rank_leaves_the_directory_to_the_others(tmp_path):
     root.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [str(root), str(tmp_path / "run")]
-    rank1 = subprocess.Popen([sys.executable, "-c", RANK, *args, "1", str(go)], env=env, stdout=subprocess.PIPE, text=True)
+    rank1 = subprocess.Popen(
+        [sys.executable, "-c", RANK, *args, "1", str(go)], env=env, stdout=subprocess.PIPE, text=True
+    )
     assert rank1.stdout.readline().strip() == "ready"
     go_now = tmp_path / "go_now"
     go_now.touch()
-    rank0 = subprocess.run([sys.executable, "-c", RANK, *args, "0", str(go_now)], env=env, capture_output=True, text=True)
+    rank0 = subprocess.run(
+        [sys.executable, "-c", RANK, *args, "0", str(go_now)], env=env, capture_output=True, text=True
+    )
     assert rank0.returncode == 0, rank0.stderr  # rank 0 saved its shard and exited while rank 1 still runs
     go.touch()
     listed = rank1.stdout.readline().strip()

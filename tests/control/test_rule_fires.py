@@ -28,7 +28,8 @@ rules:
   - {{name: all2, all: [{{metric: {A}, op: ">", threshold: 1.0}}, {{metric: {B}, op: "<", threshold: 1.0}}],
       action: warn}}
   - {{name: any2, any: [{{metric: {A}, op: "<", threshold: 0.9}},
-                        {{metric: {B}, spike: {{method: mad, window: 8, threshold: 1, min_history: 3}}}}], action: warn}}
+                        {{metric: {B}, spike: {{method: mad, window: 8, threshold: 1, min_history: 3}}}}],
+      action: warn}}
 """
 
 

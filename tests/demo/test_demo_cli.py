@@ -13,8 +13,12 @@ from rl_guard.sinks.jsonl import read_jsonl
 @pytest.mark.timeout(660)  # above the subprocess's own 600 s limit, so that one reports first
 def test_demo_rolls_back_before_nan_and_the_report_renders(tmp_path):
     run_dir = tmp_path / "demo"
-    out = subprocess.run([sys.executable, "-m", "rl_guard", "demo", "--steps", "14", "--fault-step", "7",
-                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "rl_guard", "demo", "--steps", "14", "--fault-step", "7", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "fault injected: lr_blowup at step 7" in text
@@ -28,8 +32,9 @@ def test_demo_rolls_back_before_nan_and_the_report_renders(tmp_path):
     # Caught within one generation cycle of the bad update, and the restored state predates that update.
     assert 8 <= incidents[0]["step"] <= 11 and incidents[0]["restored_to_step"] <= 7
     assert f"guard acted at step {incidents[0]['step']}" in text
-    report = subprocess.run([sys.executable, "-m", "rl_guard", "report", str(run_dir)], capture_output=True,
-                            text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "rl_guard", "report", str(run_dir)], capture_output=True, text=True, timeout=300
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     assert (run_dir / "report" / "overview.png").stat().st_size > 10_000
     assert (run_dir / "report" / "optim.png").stat().st_size > 10_000  # learning rate and update size

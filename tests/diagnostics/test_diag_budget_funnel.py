@@ -14,8 +14,7 @@ def test_budget_per_step_and_cumulative(diag):
     assert m1["budget/optimizer_updates"] == 1 and m1["budget/optimizer_updates_total"] == 1
     assert m1["budget/seconds/rollout"] == 2.0 and m1["budget/seconds_total/reward"] == 0.5
 
-    m2 = diag(2, d, episodes=2, rollout_tokens=100, lengths=[1, 2], phase_seconds={"rollout": 1.0},
-              optimizer_updates=4)
+    m2 = diag(2, d, episodes=2, rollout_tokens=100, lengths=[1, 2], phase_seconds={"rollout": 1.0}, optimizer_updates=4)
     # Given values win over the defaults: 2 episodes (not 2 samples by chance: see 3 + 2), 100 tokens (not 1 + 2).
     assert m2["budget/episodes"] == 2 and m2["budget/episodes_total"] == 5
     assert m2["budget/rollout_tokens"] == 100 and m2["budget/rollout_tokens_total"] == 160
@@ -43,21 +42,31 @@ def test_invalid_budget_raises_and_leaves_state_untouched():
 
 
 def test_funnel_counts_and_keep_fractions(diag):
-    counts = {"sampled": 100, "started": 96, "completed": 80, "truncated": 12, "failed": 4, "reward_available": 90,
-              "valid": 88, "accepted": 66, "action_tokens": 30000, "optimizer_updates": 2}
+    counts = {
+        "sampled": 100,
+        "started": 96,
+        "completed": 80,
+        "truncated": 12,
+        "failed": 4,
+        "reward_available": 90,
+        "valid": 88,
+        "accepted": 66,
+        "action_tokens": 30000,
+        "optimizer_updates": 2,
+    }
     m = diag(funnel=counts, rollout_tokens=40000, drop_reasons={"stale": 20, "ratio gate": 2})
     for layer, c in counts.items():
         assert m[f"funnel/{layer}/count"] == c
     assert m["funnel/started/keep_frac"] == pytest.approx(96 / 100)
     # completed / truncated / failed are siblings, each a share of started.
     assert m["funnel/completed/keep_frac"] == pytest.approx(80 / 96)
-    assert m["funnel/truncated/keep_frac"] == pytest.approx(0.125)     # 12 / 96
+    assert m["funnel/truncated/keep_frac"] == pytest.approx(0.125)  # 12 / 96
     assert m["funnel/failed/keep_frac"] == pytest.approx(4 / 96)
     assert m["funnel/reward_available/keep_frac"] == pytest.approx(0.9375)  # 90 / 96
     assert m["funnel/valid/keep_frac"] == pytest.approx(88 / 90)
-    assert m["funnel/accepted/keep_frac"] == pytest.approx(0.75)       # 66 / 88
+    assert m["funnel/accepted/keep_frac"] == pytest.approx(0.75)  # 66 / 88
     assert m["funnel/action_tokens/keep_frac"] == pytest.approx(0.75)  # 30000 / 40000 rollout tokens
-    assert "funnel/optimizer_updates/keep_frac" not in m               # different unit: no parent
+    assert "funnel/optimizer_updates/keep_frac" not in m  # different unit: no parent
     assert m["funnel/drop/stale"] == 20 and m["funnel/drop/ratio_gate"] == 2  # label made name-safe
 
 
@@ -74,8 +83,10 @@ def test_funnel_keep_frac_rule_fires_through_the_controller(diag):
     from rl_guard.control.config import load_config
     from rl_guard.control.controller import Controller
 
-    cfg = load_config("rules:\n  - {name: gate_drops, metric: rl_guard/funnel/accepted/keep_frac, op: '<', "
-                      "threshold: 0.8, action: warn}\n")
+    cfg = load_config(
+        "rules:\n  - {name: gate_drops, metric: rl_guard/funnel/accepted/keep_frac, op: '<', "
+        "threshold: 0.8, action: warn}\n"
+    )
     c = Controller(cfg)
     healthy = {"rl_guard/" + k: v for k, v in diag(funnel={"valid": 100, "accepted": 90}).items()}
     dropped = {"rl_guard/" + k: v for k, v in diag(funnel={"valid": 100, "accepted": 70}).items()}

@@ -21,8 +21,8 @@ def test_group_statistics_from_rewards(diag):
     # correct = r > 0.5 * max valid r = 0.5. A 3/3, B 0/2, C 2/4, D 1/1, E empty.
     assert m["group/empty_frac"] == pytest.approx(1 / 5)
     assert m["group/all_correct_frac"] == pytest.approx(2 / 4)  # A, D over the 4 non-empty groups
-    assert m["group/all_wrong_frac"] == pytest.approx(1 / 4)    # B
-    assert m["group/mixed_frac"] == pytest.approx(1 / 4)        # C
+    assert m["group/all_wrong_frac"] == pytest.approx(1 / 4)  # B
+    assert m["group/mixed_frac"] == pytest.approx(1 / 4)  # C
     # zero std: A, B, D (single sample) over groups with a valid reward (A, B, C, D).
     assert m["group/zero_std_frac"] == pytest.approx(3 / 4)
     # no-signal tokens: A 30 + B 40 + D 30 + E 80 = 180 of 30 + 40 + 40 + 30 + 80 = 220.
@@ -38,8 +38,12 @@ def test_group_statistics_from_rewards(diag):
 
 
 def test_given_advantages_are_used_and_system_errors_dropped(diag):
-    m = diag(group_ids=[0, 0, 1, 1], lengths=[1, 2, 3, 100], advantages=[1, 2, 3, -50],
-             termination=["success", "success", "success", "infrastructure_error"])
+    m = diag(
+        group_ids=[0, 0, 1, 1],
+        lengths=[1, 2, 3, 100],
+        advantages=[1, 2, 3, -50],
+        termination=["success", "success", "success", "infrastructure_error"],
+    )
     assert m["group/len_adv_corr"] == pytest.approx(1.0)  # (1,1) (2,2) (3,3): the error sample is out
 
 
@@ -50,7 +54,7 @@ def test_pass_at_k_with_outcome(diag):
     outcome = [1, 1, 1, 1, 0] + [1, 0, 0, 0] + [0, 0, math.nan]
     terms = ["success"] * 4 + ["verifier_error"] + ["success"] * 7
     m = diag(group_ids=groups, outcome=outcome, termination=terms)
-    assert m["group/pass_at_k"] == pytest.approx(2 / 3)   # groups 0 and 1 have a success
+    assert m["group/pass_at_k"] == pytest.approx(2 / 3)  # groups 0 and 1 have a success
     assert m["group/pass_pow_k"] == pytest.approx(1 / 3)  # only group 0 is all successes
     assert m["group/pass_at_1"] == pytest.approx((4 / 4 + 1 / 4 + 0 / 2) / 3)
     # Correctness comes from the outcome when given: one group each.
@@ -59,7 +63,7 @@ def test_pass_at_k_with_outcome(diag):
 
 
 def test_correctness_relative_to_best_reward(diag):
-    m = diag(group_ids=[0, 0], rewards=[0.6, 0.2])   # threshold 0.3: one correct, one wrong
+    m = diag(group_ids=[0, 0], rewards=[0.6, 0.2])  # threshold 0.3: one correct, one wrong
     assert m["group/mixed_frac"] == 1.0 and m["group/zero_std_frac"] == 0.0
     m = diag(group_ids=[0, 0], rewards=[-1.0, -2.0])  # best reward <= 0: nothing counts as correct
     assert m["group/all_wrong_frac"] == 1.0
@@ -78,8 +82,11 @@ def test_group_ids_as_tensor_and_numpy_match_lists(diag):
     torch = pytest.importorskip("torch")
     base = diag(group_ids=GROUPS[:10], rewards=REWARDS[:10], lengths=LENGTHS[:10])
     codes = [ord(g) for g in GROUPS[:10]]
-    as_tensor = diag(group_ids=torch.tensor(codes), rewards=torch.tensor(REWARDS[:10], dtype=torch.bfloat16),
-                     lengths=np.array(LENGTHS[:10]))
+    as_tensor = diag(
+        group_ids=torch.tensor(codes),
+        rewards=torch.tensor(REWARDS[:10], dtype=torch.bfloat16),
+        lengths=np.array(LENGTHS[:10]),
+    )
     assert as_tensor == pytest.approx(base)
 
 

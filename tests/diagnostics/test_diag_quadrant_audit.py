@@ -54,8 +54,12 @@ def test_quadrant_constant_reward_has_no_split_unless_threshold_given(diag):
 
 
 def test_quadrant_excludes_system_errors_and_nan_outcome(diag):
-    m = diag(ids=IDS + ["g", "h"], rewards=R + [1.0, 1.0], outcome=OUTCOME + [math.nan, 0],
-             termination=["success"] * 7 + ["verifier_error"])
+    m = diag(
+        ids=IDS + ["g", "h"],
+        rewards=R + [1.0, 1.0],
+        outcome=OUTCOME + [math.nan, 0],
+        termination=["success"] * 7 + ["verifier_error"],
+    )
     # g (NaN outcome) and h (system error) are out; the six others give the numbers of test_quadrant_median_split.
     assert m["quadrant/n"] == 6 and m["quadrant/hacking_frac"] == pytest.approx(2 / 6)
 
@@ -64,8 +68,15 @@ def test_audit_file_contents(tmp_path):
     texts = [f"t{i}" for i in range(8)]
     texts[1] = "x" * 5000
     d = RunDiagnostics(tmp_path, audit_k=2, audit_max_chars=100, seed=7)
-    d.update(SampleBatch(ids=[f"s{i}" for i in range(8)], rewards=[0.5, 0.9, 0.1, 0.7, 0.3, 0.9, math.nan, 0.2],
-                         texts=texts, prompts=["p"] * 8), step=12)
+    d.update(
+        SampleBatch(
+            ids=[f"s{i}" for i in range(8)],
+            rewards=[0.5, 0.9, 0.1, 0.7, 0.3, 0.9, math.nan, 0.2],
+            texts=texts,
+            prompts=["p"] * 8,
+        ),
+        step=12,
+    )
     path = tmp_path / "audit" / "steps_12.jsonl"
     assert d.last_audit_file == path
     lines = _lines(path)
@@ -99,8 +110,13 @@ def test_audit_keeps_quadrant_cells(tmp_path):
 
 def test_audit_file_count_and_size_are_bounded(tmp_path):
     d = RunDiagnostics(tmp_path, audit_k=3, audit_max_files=3, audit_max_chars=50, audit_updates_per_file=2)
-    batch = SampleBatch(ids=["i" * 400] * 40, rewards=[float(i % 5) for i in range(40)], texts=["y" * 10_000] * 40,
-                        prompts=["z" * 10_000] * 40, outcome=[i % 2 for i in range(40)])
+    batch = SampleBatch(
+        ids=["i" * 400] * 40,
+        rewards=[float(i % 5) for i in range(40)],
+        texts=["y" * 10_000] * 40,
+        prompts=["z" * 10_000] * 40,
+        outcome=[i % 2 for i in range(40)],
+    )
     for step in range(8, 15):
         d.update(batch, step)
     d.flush()
@@ -138,8 +154,12 @@ def test_updates_are_written_flush_every_at_a_time_and_the_file_stays_open(tmp_p
         files = (tmp_path / "a" / "audit").glob("*.jsonl")
         written = max((rec["step"] for f in files for rec in _lines(f)), default=0)
         assert written == step - step % 4  # the 4th, 8th, ... update writes the four queued
-    assert [p.name for p in map(type(tmp_path), opened)] == ["steps_1.jsonl", "steps_1.jsonl", "steps_21.jsonl",
-                                                             "steps_21.jsonl"]  # a's and b's
+    assert [p.name for p in map(type(tmp_path), opened)] == [
+        "steps_1.jsonl",
+        "steps_1.jsonl",
+        "steps_21.jsonl",
+        "steps_21.jsonl",
+    ]  # a's and b's
     d.close()
     now.close()
     for name in ("steps_1.jsonl", "steps_21.jsonl"):  # the random picks too: drawn in update order at the flush

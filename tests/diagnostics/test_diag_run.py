@@ -16,13 +16,23 @@ from rl_guard.diagnostics import RunDiagnostics, SampleBatch
 def _batch(step: int) -> SampleBatch:
     rng = np.random.default_rng(step)  # local generator: the test itself leaves the global RNGs alone
     n = 16
-    return SampleBatch(ids=[f"{step}-{i}" for i in range(n)], group_ids=np.repeat(np.arange(4), 4),
-                       rewards=rng.random(n), outcome=rng.integers(0, 2, n), lengths=rng.integers(5, 50, n),
-                       truncated=rng.random(n) < 0.1, termination=["success"] * (n - 1) + ["timeout"],
-                       texts=[f"t{i % 5}" for i in range(n)], advantages=rng.normal(size=n),
-                       values=rng.normal(size=n), returns=rng.normal(size=n), versions=[step] * n,
-                       reward_components={"task": rng.random(n), "format": rng.random(n)},
-                       funnel={"sampled": 20, "accepted": n}, phase_seconds={"rollout": 1.0})
+    return SampleBatch(
+        ids=[f"{step}-{i}" for i in range(n)],
+        group_ids=np.repeat(np.arange(4), 4),
+        rewards=rng.random(n),
+        outcome=rng.integers(0, 2, n),
+        lengths=rng.integers(5, 50, n),
+        truncated=rng.random(n) < 0.1,
+        termination=["success"] * (n - 1) + ["timeout"],
+        texts=[f"t{i % 5}" for i in range(n)],
+        advantages=rng.normal(size=n),
+        values=rng.normal(size=n),
+        returns=rng.normal(size=n),
+        versions=[step] * n,
+        reward_components={"task": rng.random(n), "format": rng.random(n)},
+        funnel={"sampled": 20, "accepted": n},
+        phase_seconds={"rollout": 1.0},
+    )
 
 
 def test_global_rngs_are_untouched(tmp_path):
@@ -65,14 +75,24 @@ def test_full_batch_metrics_are_finite_and_documented(check):
     assert families == {"budget", "funnel", "term", "reward", "quadrant", "group", "critic", "length", "trend"}
 
 
-@pytest.mark.parametrize("fields", [
-    {},                                                                  # empty batch
-    {"rewards": [], "group_ids": [], "lengths": [], "outcome": []},      # zero samples
-    {"rewards": [math.nan], "group_ids": [0], "outcome": [1], "values": [0.0], "returns": [math.nan]},
-    {"rewards": [0.0] * 5, "group_ids": [0] * 5, "outcome": [0] * 5, "lengths": [0] * 5, "returns": [1.0] * 5,
-     "values": [1.0] * 5, "texts": [""] * 5},                            # all-zero rewards, zero tokens, Var(G) = 0
-    {"rewards": [1.0], "termination": ["verifier_error"], "group_ids": [7], "outcome": [1], "lengths": [3]},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},  # empty batch
+        {"rewards": [], "group_ids": [], "lengths": [], "outcome": []},  # zero samples
+        {"rewards": [math.nan], "group_ids": [0], "outcome": [1], "values": [0.0], "returns": [math.nan]},
+        {
+            "rewards": [0.0] * 5,
+            "group_ids": [0] * 5,
+            "outcome": [0] * 5,
+            "lengths": [0] * 5,
+            "returns": [1.0] * 5,
+            "values": [1.0] * 5,
+            "texts": [""] * 5,
+        },  # all-zero rewards, zero tokens, Var(G) = 0
+        {"rewards": [1.0], "termination": ["verifier_error"], "group_ids": [7], "outcome": [1], "lengths": [3]},
+    ],
+)
 def test_edge_batches_give_finite_known_metrics(fields, check):
     m = RunDiagnostics().update(SampleBatch(**fields), 0)
     check(m)
@@ -89,8 +109,15 @@ def test_mismatched_lengths_and_bad_shapes_are_rejected():
 
 
 def test_lists_numpy_and_tensors_agree():
-    lists = dict(rewards=[0.5, 1.0, 0.0, 0.25], lengths=[3, 4, 5, 6], truncated=[0, 1, 0, 0], group_ids=[0, 0, 1, 1],
-                 outcome=[1, 1, 0, 1], values=[0.1, 0.2, 0.3, 0.4], returns=[0.5, 1.0, 0.0, 0.25])
+    lists = dict(
+        rewards=[0.5, 1.0, 0.0, 0.25],
+        lengths=[3, 4, 5, 6],
+        truncated=[0, 1, 0, 0],
+        group_ids=[0, 0, 1, 1],
+        outcome=[1, 1, 0, 1],
+        values=[0.1, 0.2, 0.3, 0.4],
+        returns=[0.5, 1.0, 0.0, 0.25],
+    )
     as_np = {k: np.asarray(v) for k, v in lists.items()}
     as_torch = {k: torch.tensor(v) for k, v in lists.items()}
     ref = RunDiagnostics().update(SampleBatch(**lists), 0)

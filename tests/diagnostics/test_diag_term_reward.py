@@ -5,16 +5,30 @@ import math
 import numpy as np
 import pytest
 
-TERMS = ["success", "success", "task_failure", "timeout", "environment_error", "verifier_error",
-         "infrastructure_error", "truncated_budget"]
+TERMS = [
+    "success",
+    "success",
+    "task_failure",
+    "timeout",
+    "environment_error",
+    "verifier_error",
+    "infrastructure_error",
+    "truncated_budget",
+]
 
 
 def test_termination_rates(diag):
     m = diag(termination=TERMS)
     # n = 8: success 2/8, every other listed class 1/8, invalid_action absent -> 0.
     assert m["term/success_rate"] == 0.25
-    for t in ("task_failure", "timeout", "environment_error", "verifier_error", "infrastructure_error",
-              "truncated_budget"):
+    for t in (
+        "task_failure",
+        "timeout",
+        "environment_error",
+        "verifier_error",
+        "infrastructure_error",
+        "truncated_budget",
+    ):
         assert m[f"term/{t}_rate"] == 0.125
     assert m["term/invalid_action_rate"] == 0.0
     assert m["term/system_error_rate"] == 0.375  # (1 + 1 + 1) / 8
@@ -44,15 +58,20 @@ def test_nonfinite_rewards_are_counted_and_left_out(diag):
 
 
 def test_reward_components_mean_and_share(diag):
-    m = diag(reward_components={"task": [1, 0, 1, 1], "format": [0.5, 0.5, 0.5, math.nan],
-                                "length": [-0.2, -0.4, -0.2, -0.2]})
+    m = diag(
+        reward_components={
+            "task": [1, 0, 1, 1],
+            "format": [0.5, 0.5, 0.5, math.nan],
+            "length": [-0.2, -0.4, -0.2, -0.2],
+        }
+    )
     # means: task 3/4 = 0.75, format 0.5 (NaN left out), length -1.0/4 = -0.25; sum of |means| = 1.5.
     assert m["reward/component/task/mean"] == pytest.approx(0.75)
     assert m["reward/component/format/mean"] == pytest.approx(0.5)
     assert m["reward/component/length/mean"] == pytest.approx(-0.25)
-    assert m["reward/component/task/share"] == pytest.approx(0.5)        # 0.75 / 1.5
-    assert m["reward/component/format/share"] == pytest.approx(1 / 3)    # 0.5 / 1.5
-    assert m["reward/component/length/share"] == pytest.approx(-1 / 6)   # -0.25 / 1.5
+    assert m["reward/component/task/share"] == pytest.approx(0.5)  # 0.75 / 1.5
+    assert m["reward/component/format/share"] == pytest.approx(1 / 3)  # 0.5 / 1.5
+    assert m["reward/component/length/share"] == pytest.approx(-1 / 6)  # -0.25 / 1.5
 
 
 def test_component_share_left_out_when_all_means_are_zero(diag):
@@ -83,7 +102,7 @@ def test_shape_boundary_exactly_ninety_percent_is_not_flagged(diag):
 def test_shape_all_one_and_constant_zero(diag):
     flags, code, _ = _shape(diag, [1.0] * 19 + [0.0])  # 95% at the max 1
     assert flags["all_one"] == 1 and flags["all_zero"] == 0 and code == 2
-    flags, code, kurt = _shape(diag, [0.0] * 20)      # max 0 is not "lenient": only all_zero; no spread, no kurtosis
+    flags, code, kurt = _shape(diag, [0.0] * 20)  # max 0 is not "lenient": only all_zero; no spread, no kurtosis
     assert flags == {"all_zero": 1, "all_one": 0, "heavy_tail": 0, "mixed_sign": 0} and code == 1 and kurt is None
 
 
@@ -101,7 +120,7 @@ def test_shape_heavy_tail_by_kurtosis(diag):
 def test_shape_mixed_sign(diag):
     flags, code, _ = _shape(diag, [1.0] * 8 + [-1.0, 0.0])  # positives 0.8, negatives 0.1 >= 0.1
     assert flags["mixed_sign"] == 1 and code == 4
-    flags, _, _ = _shape(diag, [1.0] * 10 + [-1.0])         # negatives 1/11 < 0.1; 10/11 at max -> all_one
+    flags, _, _ = _shape(diag, [1.0] * 10 + [-1.0])  # negatives 1/11 < 0.1; 10/11 at max -> all_one
     assert flags["mixed_sign"] == 0 and flags["all_one"] == 1
 
 

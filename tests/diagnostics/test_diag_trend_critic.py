@@ -13,8 +13,11 @@ from rl_guard.diagnostics import trend as trend_module
 
 def _batch(reward_mean, length, outcome_mean=0.5):
     # Four samples with the requested means: rewards m +/- 0.1, lengths constant, outcomes half successes.
-    return dict(rewards=[reward_mean - 0.1, reward_mean + 0.1] * 2, lengths=[length] * 4,
-                outcome=[1, 0, 1, 0] if outcome_mean == 0.5 else [outcome_mean] * 4)
+    return dict(
+        rewards=[reward_mean - 0.1, reward_mean + 0.1] * 2,
+        lengths=[length] * 4,
+        outcome=[1, 0, 1, 0] if outcome_mean == 0.5 else [outcome_mean] * 4,
+    )
 
 
 def test_no_eos_frac(diag):
@@ -62,8 +65,7 @@ def test_triad_fires_only_when_outcome_stays_flat(outcome_rises, expect):
     for step in range(8):
         # reward +0.01 / step, length +5 tokens / step; outcome either flat at 0.5 or +0.05 / step.
         outcome = [min(1.0, 0.3 + 0.05 * step)] * 4 if outcome_rises else [1, 0, 1, 0]
-        m = d.update(SampleBatch(rewards=[0.2 + 0.01 * step] * 4, lengths=[100 + 5 * step] * 4, outcome=outcome),
-                     step)
+        m = d.update(SampleBatch(rewards=[0.2 + 0.01 * step] * 4, lengths=[100 + 5 * step] * 4, outcome=outcome), step)
         decision = c.decide(m)
         fired.append(bool(decision.firings))
         c.step_done(decision)
@@ -74,8 +76,14 @@ def test_triad_fires_only_when_outcome_stays_flat(outcome_rises, expect):
 def test_critic_explained_variance_and_buckets(diag):
     g = np.arange(1.0, 9.0)
     e = np.array([0, 0, 0, 0, 1, 1, 1, 1.0])
-    m = diag(returns=g, values=g - e, lengths=[10, 20, 30, 40, 50, 60, 70, 80], rewards=[0, 0, 0, 0, 1, 1, 1, 1],
-             termination=["success"] * 4 + ["timeout"] * 4, versions=[5] * 7 + [6])
+    m = diag(
+        returns=g,
+        values=g - e,
+        lengths=[10, 20, 30, 40, 50, 60, 70, 80],
+        rewards=[0, 0, 0, 0, 1, 1, 1, 1],
+        termination=["success"] * 4 + ["timeout"] * 4,
+        versions=[5] * 7 + [6],
+    )
     # Var(G) of 1..8 = (8^2 - 1) / 12 = 5.25; Var(G - V) = Var(e) = 0.25; EV = 1 - 0.25 / 5.25 = 20/21.
     assert m["critic/var_return"] == pytest.approx(5.25) and m["critic/n"] == 8
     assert m["critic/ev"] == pytest.approx(20 / 21) and m["critic/ev_unreliable"] == 0
@@ -100,8 +108,9 @@ def test_critic_constant_return_small_n_and_system_errors(diag):
     m = diag(returns=[1.0, 2.0, 3.0], values=[1.0, 2.0, 3.0])
     assert m["critic/ev"] == 1.0 and m["critic/ev_unreliable"] == 1  # n = 3 < 8
     # A system error with a bogus return changes nothing.
-    m = diag(returns=[1.0, 2.0, 3.0, 100.0], values=[1.0, 2.0, 3.0, 0.0],
-             termination=["success"] * 3 + ["environment_error"])
+    m = diag(
+        returns=[1.0, 2.0, 3.0, 100.0], values=[1.0, 2.0, 3.0, 0.0], termination=["success"] * 3 + ["environment_error"]
+    )
     assert m["critic/n"] == 3 and m["critic/ev"] == 1.0 and m["critic/residual/mean"] == 0.0
     m = diag(returns=[math.nan, math.nan], values=[0.0, 0.0])
     assert m["critic/n"] == 0 and m["critic/ev_unreliable"] == 1 and "critic/var_return" not in m

@@ -13,8 +13,10 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SCENARIOS = {2: "merge,skip,halt,rollback,grad,save_fail,abstain,many_groups,mismatch,recipe",
-             3: "merge,skip,halt,rollback,grad,save_fail,abstain,many_groups,mismatch"}
+SCENARIOS = {
+    2: "merge,skip,halt,rollback,grad,save_fail,abstain,many_groups,mismatch,recipe",
+    3: "merge,skip,halt,rollback,grad,save_fail,abstain,many_groups,mismatch",
+}
 LAUNCH_TIMEOUT = 150  # seconds for a whole bundle; one scenario hanging hits the 30 s collective timeout first
 
 
@@ -28,7 +30,13 @@ def child_env() -> dict:
 class Launch:
     def __init__(self, world: int, out: Path, returncodes: list, elapsed: float, results: list, logs: list):
         self.world, self.out, self.returncodes, self.elapsed, self.results, self.logs = (
-            world, out, returncodes, elapsed, results, logs)
+            world,
+            out,
+            returncodes,
+            elapsed,
+            results,
+            logs,
+        )
 
     def scenario(self, name: str) -> list:
         """Every rank's record of one scenario. Fails the test, naming the scenario, when it raised on a rank (with
@@ -36,8 +44,11 @@ class Launch:
         end (with that rank's output)."""
         failed = {r: res["failed"][name] for r, res in enumerate(self.results) if res and name in res["failed"]}
         if failed:
-            pytest.fail(f"scenario {name} failed on rank(s) {sorted(failed)}:\n"
-                        + "\n".join(f"-- rank {r}:\n{text}" for r, text in failed.items()), pytrace=False)
+            pytest.fail(
+                f"scenario {name} failed on rank(s) {sorted(failed)}:\n"
+                + "\n".join(f"-- rank {r}:\n{text}" for r, text in failed.items()),
+                pytrace=False,
+            )
         for r, res in enumerate(self.results):
             if res is None or name not in res:
                 why = "wrote no results" if res is None else f"did not reach the end of scenario {name}"
@@ -53,9 +64,18 @@ def launch(world: int, scenarios: str, out: Path, timeout: float = LAUNCH_TIMEOU
     t0 = time.monotonic()
     for r in range(world):
         log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed once the rank exits
-        procs.append((subprocess.Popen([sys.executable, str(HERE / "dist_worker.py"), str(r), str(world), str(init),
-                                        str(out), scenarios], env={**child_env(), **(env or {})}, cwd=REPO, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "dist_worker.py"), str(r), str(world), str(init), str(out), scenarios],
+                    env={**child_env(), **(env or {})},
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+                log,
+            )
+        )
     codes = []
     for p, log in procs:
         try:

@@ -18,9 +18,26 @@ from rl_guard import Guard, TokenBatch
 from rl_guard.glossary import comparable
 from rl_guard.stats import ranks as rg_dist
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-               "all_to_all_single", "barrier", "gather", "scatter", "send", "recv", "isend", "irecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
 MERGE_CFG = "version: 1\nsinks: [jsonl]\nbuiltin_rules: {nonfinite_grad: false}\n"
 FAULT_STEP = 3
 
@@ -43,6 +60,7 @@ class CollectiveLog:
             nbytes = numel * t.element_size() if numel is not None else None
             self.calls.append([name, str(op) if op is not None else None, numel, nbytes])
             return fn(*args, **kwargs)
+
         return wrapper
 
     def take(self) -> list:
@@ -64,9 +82,13 @@ def rank_batches(seed: int, step: int, rank: int, ref: bool = True) -> list:
         old = logp + 0.05 * tail * torch.randn(B, T, generator=g)
         if step == 1 and i == 0:
             old[0, 0] = math.nan  # a masked-in non-finite input: counted per rank, summed across ranks
-        fields = dict(old_logprobs=old, entropy=2.0 * torch.rand(B, T, generator=g),
-                      advantages=torch.randn(B, generator=g), rewards=torch.rand(B, generator=g),
-                      truncated=torch.rand(B, generator=g) < 0.3)
+        fields = dict(
+            old_logprobs=old,
+            entropy=2.0 * torch.rand(B, T, generator=g),
+            advantages=torch.randn(B, generator=g),
+            rewards=torch.rand(B, generator=g),
+            truncated=torch.rand(B, generator=g) < 0.3,
+        )
         if ref:
             fields["ref_logprobs"] = logp + 0.1 * torch.randn(B, T, generator=g)
         if step == 2:
@@ -90,9 +112,16 @@ def scenario_merge(rank, world, out: Path, log: CollectiveLog, seed: int = 7, st
         decision = guard.check()
         check_calls = log.take()
         guard.step_done()
-        rec["steps"].append({"metrics": comparable(guard.last_metrics), "hists": hists_json(guard.last_histograms),
-                             "action": decision.action, "observe_calls": observe_calls,
-                             "check_calls": check_calls, "step_done_calls": log.take()})
+        rec["steps"].append(
+            {
+                "metrics": comparable(guard.last_metrics),
+                "hists": hists_json(guard.last_histograms),
+                "action": decision.action,
+                "observe_calls": observe_calls,
+                "check_calls": check_calls,
+                "step_done_calls": log.take(),
+            }
+        )
     guard.close()
     return rec
 
@@ -152,9 +181,13 @@ def scenario_many_groups(rank, world, out: Path, log: CollectiveLog, groups: int
     log.take()
     decision = guard.check()
     m = guard.last_metrics
-    return {"calls": log.take(), "action": decision.action, "groups": groups,
-            "norms": [m.get(f"rl_guard/grad/group{i}/norm") for i in range(groups)],
-            "nonfinite": m["rl_guard/grad/nonfinite"]}
+    return {
+        "calls": log.take(),
+        "action": decision.action,
+        "groups": groups,
+        "norms": [m.get(f"rl_guard/grad/group{i}/norm") for i in range(groups)],
+        "nonfinite": m["rl_guard/grad/nonfinite"],
+    }
 
 
 # -- decisions on a real (tiny) DDP model ------------------------------------------------------------------------------
@@ -202,8 +235,17 @@ rules:
 """
 
 
-def train_tiny(rank, world, out: Path, log: CollectiveLog, action: str, fault: str = "nan_reward",
-               name: str | None = None, steps: int = 6, broken_save: bool = False) -> dict:
+def train_tiny(
+    rank,
+    world,
+    out: Path,
+    log: CollectiveLog,
+    action: str,
+    fault: str = "nan_reward",
+    name: str | None = None,
+    steps: int = 6,
+    broken_save: bool = False,
+) -> dict:
     """A few DDP steps; at FAULT_STEP the last rank alone gets a NaN reward (not in the loss: gradients stay
     finite, only the merged statistics show it) or a NaN gradient entry after backward (after DDP's all-reduce)."""
     name = name or f"{action}_{fault}"
@@ -233,8 +275,9 @@ def train_tiny(rank, world, out: Path, log: CollectiveLog, action: str, fault: s
                 rewards[0] = math.nan
             loss = -(logp * adv[:, None]).mean()
             old = logp.detach() + 0.01 * torch.randn(B, T, generator=g)
-            guard.observe(TokenBatch(logp.detach(), mask, old_logprobs=old, advantages=adv, rewards=rewards),
-                          loss=loss.detach())
+            guard.observe(
+                TokenBatch(logp.detach(), mask, old_logprobs=old, advantages=adv, rewards=rewards), loss=loss.detach()
+            )
             loss.backward()
             if fault == "nan_grad" and step == FAULT_STEP and rank == world - 1:
                 policy.lin.weight.grad[0, 0] = math.nan
@@ -246,13 +289,21 @@ def train_tiny(rank, world, out: Path, log: CollectiveLog, action: str, fault: s
             opt.zero_grad()
             check_calls = log.take()
             guard.step_done()
-            rec["steps"].append({
-                "step": step, "action": decision.action, "before": before,
-                "after": digest(policy), "cursor": cursor.pos, "lr": opt.param_groups[0]["lr"],
-                "grad_norm": guard.last_metrics.get("rl_guard/grad/norm"),
-                "grad_nonfinite": guard.last_metrics.get("rl_guard/grad/nonfinite"),
-                "reward_nonfinite": guard.last_metrics.get("rl_guard/input/rewards/nonfinite"),
-                "calls": observe_calls + check_calls + log.take(), "checkpoint": guard.actions.last_checkpoint})
+            rec["steps"].append(
+                {
+                    "step": step,
+                    "action": decision.action,
+                    "before": before,
+                    "after": digest(policy),
+                    "cursor": cursor.pos,
+                    "lr": opt.param_groups[0]["lr"],
+                    "grad_norm": guard.last_metrics.get("rl_guard/grad/norm"),
+                    "grad_nonfinite": guard.last_metrics.get("rl_guard/grad/nonfinite"),
+                    "reward_nonfinite": guard.last_metrics.get("rl_guard/input/rewards/nonfinite"),
+                    "calls": observe_calls + check_calls + log.take(),
+                    "checkpoint": guard.actions.last_checkpoint,
+                }
+            )
             if decision.stop:
                 break
     except RuntimeError as exc:
@@ -274,8 +325,14 @@ def scenario_recipe(rank, world, out: Path, log: CollectiveLog) -> dict:
 
     res = run_ddp(str(PRESET), steps=RECIPE_STEPS, run_dir=str(out / "recipe"), prompts_per_step=16)
     metrics = res.guard.last_logged
-    return {"decisions": res.decisions, "records": res.records, "rewards": res.rewards,
-            "finite": res.params_finite_every_step, "steps_run": res.steps_run, "last_metrics": metrics}
+    return {
+        "decisions": res.decisions,
+        "records": res.records,
+        "rewards": res.rewards,
+        "finite": res.params_finite_every_step,
+        "steps_run": res.steps_run,
+        "last_metrics": metrics,
+    }
 
 
 RECIPE_STEPS = 12

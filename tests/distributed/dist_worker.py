@@ -21,9 +21,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-
 import dist_scenarios as sc
+import torch.distributed as dist
 from rank_launch import leave
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("RL_GUARD_TEST_COLLECTIVE_TIMEOUT", "30")))
@@ -38,8 +37,9 @@ RUNS = {
     "halt": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "checkpoint_and_halt"),
     "rollback": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "rollback"),
     "grad": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "skip_step", fault="nan_grad"),
-    "save_fail": lambda r, w, o, log: sc.train_tiny(r, w, o, log, "checkpoint_and_halt", name="save_fail",
-                                                    broken_save=True),
+    "save_fail": lambda r, w, o, log: sc.train_tiny(
+        r, w, o, log, "checkpoint_and_halt", name="save_fail", broken_save=True
+    ),
     "recipe": sc.scenario_recipe,
     "fails_on_last_rank": sc.scenario_fails_on_last_rank,
     "sum_of_ranks": sc.scenario_sum_of_ranks,

@@ -23,10 +23,17 @@ from rl_guard import Guard
 
 
 def main() -> None:
-    rank, world, init_file, out, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
+    rank, world, init_file, out, steps = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        sys.argv[3],
+        Path(sys.argv[4]),
+        int(sys.argv[5]),
+    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -54,8 +61,9 @@ def main() -> None:
         with det:
             guard.step_done()
         seen["step_done"] += det.take()
-        record.append({call: [[e.kind, e.op, e.file, e.function, e.site] for e in events]
-                       for call, events in seen.items()})
+        record.append(
+            {call: [[e.kind, e.op, e.file, e.function, e.site] for e in events] for call, events in seen.items()}
+        )
     guard.close()
     result = {"steps": record, "internal_failures": guard.internal_failures, "world": guard.world_size}
     finish(out / f"rank{rank}.json", result)

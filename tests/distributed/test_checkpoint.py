@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from dist_scenarios import FAULT_STEP
+
 from rl_guard.control.checkpoint import load
 
 WORLDS = [2, 3]

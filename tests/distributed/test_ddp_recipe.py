@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
 from dist_scenarios import RECIPE_STEPS
 from file_modules import ROOT, load_module
+
 from rl_guard.demo.run import PRESET
 from rl_guard.glossary import comparable
 
@@ -35,8 +35,14 @@ def test_healthy_ddp_run_matches_single_process(launched, tmp_path):
         return float(np.mean([row[key] for row in rows]))
 
     # Same global batch (16 prompts x 4) and initial weights, different samples: close, not equal.
-    rel = {"tokens/count": 0.1, "entropy/mean": 0.05, "length/mean": 0.1, "adv/std": 0.1, "ratio/p99": 0.05,
-           "grad/norm": 0.25}
+    rel = {
+        "tokens/count": 0.1,
+        "entropy/mean": 0.05,
+        "length/mean": 0.1,
+        "adv/std": 0.1,
+        "ratio/p99": 0.05,
+        "grad/norm": 0.25,
+    }
     for key, tol in rel.items():
         k = "rl_guard/" + key
         assert abs(mean(ddp, k) - mean(ref, k)) <= tol * abs(mean(ref, k)), (key, mean(ddp, k), mean(ref, k))

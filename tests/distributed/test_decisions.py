@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from dist_scenarios import FAULT_STEP
 
 WORLDS = [2, 3]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import re
 
+import dist_scenarios as sc
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-import dist_scenarios as sc
 from rl_guard import Guard
 from rl_guard.glossary import comparable
 from rl_guard.stats import ranks as rg_dist
@@ -31,8 +31,15 @@ def reference(world: int, tmp_path, seed: int = 7, steps: int = 3) -> list:
         _, sums, maxes = guard._acc.pack()
         decision = guard.check()
         guard.step_done()
-        out.append({"metrics": comparable(guard.last_metrics), "hists": sc.hists_json(guard.last_histograms),
-                    "action": decision.action, "n_sums": sums.numel(), "n_maxes": maxes.numel() + 2})
+        out.append(
+            {
+                "metrics": comparable(guard.last_metrics),
+                "hists": sc.hists_json(guard.last_histograms),
+                "action": decision.action,
+                "n_sums": sums.numel(),
+                "n_maxes": maxes.numel() + 2,
+            }
+        )
     return out
 
 
@@ -131,7 +138,11 @@ def test_group_of_one_process_means_no_collectives(monkeypatch, tmp_path):
 def test_more_maxima_than_slots_take_one_more_collective(launched, world):
     for rec in launched(world).scenario("many_groups"):
         ops = [(c[0], c[1]) for c in rec["calls"]]
-        assert ops == [("all_reduce", "RedOpType.MAX"), ("all_reduce", "RedOpType.MAX"), ("all_reduce", "RedOpType.SUM")]
+        assert ops == [
+            ("all_reduce", "RedOpType.MAX"),
+            ("all_reduce", "RedOpType.MAX"),
+            ("all_reduce", "RedOpType.SUM"),
+        ]
         assert rec["calls"][0][2] == rg_dist.HEADER + rg_dist.MAX_SLOTS
         assert rec["calls"][0][2] + rec["calls"][1][2] > rec["groups"]  # the overflow carries the rest
         n, bad = rec["groups"], rec["groups"] - 50

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dist_scenarios as sc
 import pytest
 
-import dist_scenarios as sc
 from rl_guard.stats import ranks as rg_dist
 
 WORLDS = [2, 3]
@@ -19,7 +19,8 @@ def test_different_layouts_raise_rank_mismatch_on_every_rank(launched, world):
         assert "different statistics layouts" in rec["message"]
         # every rank read the fixed-size header and stopped there: none entered the SUM collective
         assert [(c[0], c[1], c[2]) for c in rec["calls"]] == [
-            ("all_reduce", "RedOpType.MAX", rg_dist.HEADER + rg_dist.MAX_SLOTS)]
+            ("all_reduce", "RedOpType.MAX", rg_dist.HEADER + rg_dist.MAX_SLOTS)
+        ]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from file_modules import load_module
 
 pytestmark = pytest.mark.slow  # two processes importing torch and the guard: 20-45 s on a loaded machine
@@ -22,9 +21,25 @@ COLLECTIVE = ["collective", "c10d.allreduce_.default", "rl_guard/stats/ranks.py"
 
 def run_ranks(world: int, out: Path) -> list:
     out.mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, str(HERE / "sync_ranks_worker.py"), str(r), str(world),
-                               str(out / "pg_init"), str(out), str(STEPS)], env=child_env(), cwd=HERE.parents[1],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "sync_ranks_worker.py"),
+                str(r),
+                str(world),
+                str(out / "pg_init"),
+                str(out),
+                str(STEPS),
+            ],
+            env=child_env(),
+            cwd=HERE.parents[1],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * world, "\n".join(logs)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -42,8 +57,17 @@ def test_collectives_and_host_reads_per_step_are_the_documented_ones(world, tmp_
             check = [e for e in seen["check"] if e[4] != "cpu-only bincount"]
             assert [e[:3] for e in check if e[0] == "collective"] == [COLLECTIVE, COLLECTIVE], where  # MAX, then SUM
             assert [(e[1], e[4]) for e in check if e[0] != "collective"] == [
-                ("Tensor.cpu", "rank header"), ("Tensor.tolist", "rank header"),
-                ("Tensor.cpu", "step transfer"), ("Tensor.numpy", "step transfer")], where
+                ("Tensor.cpu", "rank header"),
+                ("Tensor.tolist", "rank header"),
+                ("Tensor.cpu", "step transfer"),
+                ("Tensor.numpy", "step transfer"),
+            ], where
             # the order: MAX all-reduce, header read, SUM all-reduce, transfer
-            assert [e[4] or e[0] for e in check] == ["collective", "rank header", "rank header", "collective",
-                                                     "step transfer", "step transfer"], where
+            assert [e[4] or e[0] for e in check] == [
+                "collective",
+                "rank header",
+                "rank header",
+                "collective",
+                "step transfer",
+                "step transfer",
+            ], where

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from file_modules import load_module
 from rank_launch import run_torchrun
 
@@ -19,8 +18,10 @@ _launch = load_module("distributed_launch", Path(__file__).with_name("conftest.p
 HERE, REPO, child_env = _launch.HERE, _launch.REPO, _launch.child_env
 
 # find_spec, not importorskip: importing trl here would cost the test process seconds for nothing
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl"),
-              pytest.mark.slow]  # torchrun, two ranks importing trl and training: about a minute
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl"),
+    pytest.mark.slow,
+]  # torchrun, two ranks importing trl and training: about a minute
 TIMEOUT = 170  # the ranks' own collective timeout (ddp_timeout) is 60 s
 
 

@@ -70,26 +70,52 @@ def main() -> int:
     out = Path(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model_path = build_tiny_model(out / f"model_rank{rank}", seed=0)  # same seed: identical start on every rank
-    args = GRPOConfig(output_dir=str(out / "trainer"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, max_steps=STEPS, use_cpu=True, bf16=False, report_to=[],
-                      learning_rate=1e-3, save_strategy="no", seed=0, disable_tqdm=True, logging_steps=1, beta=0.0,
-                      ddp_timeout=60)  # a rank left waiting in a collective raises instead of hanging
+    args = GRPOConfig(
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=STEPS,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        learning_rate=1e-3,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        logging_steps=1,
+        beta=0.0,
+        ddp_timeout=60,
+    )  # a rank left waiting in a collective raises instead of hanging
     guard_cb = RLGuardCallback(GUARD_YAML, run_dir=str(out / "guard"))
     recorder = Recorder(guard_cb.guard)
-    trainer = GRPOTrainer(model=str(model_path), reward_funcs=[repeat_last_digit_reward], args=args,
-                          train_dataset=prompt_dataset(64, seed=0),
-                          callbacks=[InfGradOnOneRank(world - 1), guard_cb, recorder])
+    trainer = GRPOTrainer(
+        model=str(model_path),
+        reward_funcs=[repeat_last_digit_reward],
+        args=args,
+        train_dataset=prompt_dataset(64, seed=0),
+        callbacks=[InfGradOnOneRank(world - 1), guard_cb, recorder],
+    )
     trainer.train()
     h = hashlib.sha256()
     finite = True
     for p in trainer.model.parameters():
         finite &= bool(torch.isfinite(p).all())
         h.update(p.detach().float().contiguous().numpy().tobytes())
-    result = {"rank": rank, "world": world, "guard_rank": guard_cb.guard.rank,
-              "guard_world": guard_cb.guard.world_size, "backend": torch.distributed.get_backend(),
-              "global_step": trainer.state.global_step, "decisions": recorder.decisions,
-              "check_calls": recorder.calls, "finite": finite, "digest": h.hexdigest(),
-              "checkpoint": guard_cb.guard.actions.last_checkpoint, "fault_step": FAULT_STEP}
+    result = {
+        "rank": rank,
+        "world": world,
+        "guard_rank": guard_cb.guard.rank,
+        "guard_world": guard_cb.guard.world_size,
+        "backend": torch.distributed.get_backend(),
+        "global_step": trainer.state.global_step,
+        "decisions": recorder.decisions,
+        "check_calls": recorder.calls,
+        "finite": finite,
+        "digest": h.hexdigest(),
+        "checkpoint": guard_cb.guard.actions.last_checkpoint,
+        "fault_step": FAULT_STEP,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
     return 0
 

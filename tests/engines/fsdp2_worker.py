@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import torch
+from rank_launch import finish
 from torch import distributed as dist
 from torch.distributed.fsdp import fully_shard
+from zero_reference import digest
 
 from rl_guard import Guard
-from rank_launch import finish
-from zero_reference import digest
 
 STEPS = 4
 FAULT_STEP = {"skip_step": 1, "checkpoint_and_halt": 1, "rollback": 2}  # rollback: a snapshot from step 0
@@ -42,8 +42,10 @@ def run(action: str, rank: int, world: int) -> dict:
     fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     snapshots = "snapshots: {healthy_steps: 1, every: 100, keep: 1, where: memory}\n" if action == "rollback" else ""
-    guard = Guard.from_yaml(f"version: 1\nsinks: [jsonl]\n{snapshots}"
-                            f"builtin_rules: {{nonfinite_grad: {{action: {action}}}}}\n", run_dir=OUT / action)
+    guard = Guard.from_yaml(
+        f"version: 1\nsinks: [jsonl]\n{snapshots}builtin_rules: {{nonfinite_grad: {{action: {action}}}}}\n",
+        run_dir=OUT / action,
+    )
     guard.attach(model, opt)
     steps = []
     for step in range(STEPS):
@@ -66,14 +68,29 @@ def run(action: str, rank: int, world: int) -> dict:
         opt.zero_grad()
         guard.step_done()  # (a rollback was restored inside check: defer_restore is off)
         m = guard.last_logged
-        steps.append({"step": step, "action": decision.action, "stop": decision.stop, "reference_norm": reference,
-                      "grad_norm": m.get("rl_guard/grad/norm"), "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
-                      "param_norm": m.get("rl_guard/update/param_norm"), "reference_param_norm": param_reference,
-                      "before": before, "after": weights(model), "failures": guard.internal_failures})
+        steps.append(
+            {
+                "step": step,
+                "action": decision.action,
+                "stop": decision.stop,
+                "reference_norm": reference,
+                "grad_norm": m.get("rl_guard/grad/norm"),
+                "grad_nonfinite": m.get("rl_guard/grad/nonfinite"),
+                "param_norm": m.get("rl_guard/update/param_norm"),
+                "reference_param_norm": param_reference,
+                "before": before,
+                "after": weights(model),
+                "failures": guard.internal_failures,
+            }
+        )
         if decision.stop:
             break
-    return {"steps": steps, "checkpoint": guard.actions.last_checkpoint, "fault_step": FAULT_STEP[action],
-            "rollbacks": guard.controller.rollbacks}
+    return {
+        "steps": steps,
+        "checkpoint": guard.actions.last_checkpoint,
+        "fault_step": FAULT_STEP[action],
+        "rollbacks": guard.controller.rollbacks,
+    }
 
 
 def main() -> None:

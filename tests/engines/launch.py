@@ -20,8 +20,15 @@ REPO = HERE.parents[1]
 def child_env(**extra) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", **extra)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        **extra,
+    )
     return env
 
 
@@ -32,9 +39,19 @@ def run_ranks(script: str, world: int, out: Path, *args: str, timeout: float = 2
     procs = []
     for r in range(world):
         log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed once the rank exits
-        procs.append((subprocess.Popen([sys.executable, str(HERE / script), str(out), *args],
-                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=REPO, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(HERE / script), str(out), *args],
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
     t0, codes = time.monotonic(), []
     for p, log in procs:
         try:

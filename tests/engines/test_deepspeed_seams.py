@@ -98,6 +98,7 @@ def test_zero_optimizer_without_its_gradient_partitions_fails_at_attach(attr):
 def test_an_optimizer_without_a_way_to_skip_is_refused():
     """Stage 0 with a wrapper that is not a torch optimizer and has no overflow path (as ``BF16_Optimizer``): the
     guard's dropped gradients would not stop its update, so attach fails rather than let the update through."""
+
     class Wrapper:
         param_groups: list = []
 

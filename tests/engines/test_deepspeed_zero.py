@@ -10,7 +10,6 @@ unchanged (every rank's bf16 weights and fp32 master partition), through DeepSpe
 from __future__ import annotations
 
 import pytest
-
 from launch import run_ranks
 
 pytestmark = pytest.mark.slow  # two processes importing deepspeed, 12 engines: about 60 s
@@ -58,8 +57,9 @@ def test_inf_gradient_on_one_rank_drops_the_update_everywhere(ranks, stage, acti
             nxt = steps[fault + 1]
             assert nxt["action"] is None and nxt["apply"] and nxt["after"]["module"] != nxt["before"]["module"]
     # the same decision and metrics on every rank at every step; under ZeRO-2 every rank holds the same full weights
-    assert [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in run["steps"]] for run in runs] == \
-        [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in runs[0]["steps"]]] * 2
+    assert [[(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in run["steps"]] for run in runs] == [
+        [(s["action"], s["grad_nonfinite"], s["grad_norm"]) for s in runs[0]["steps"]]
+    ] * 2
     if stage.startswith("2"):
         assert all(len(set(s["after"]["module"])) == 1 for s in runs[0]["steps"])
 

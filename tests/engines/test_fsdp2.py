@@ -10,7 +10,6 @@ gradient gathered from every rank.
 from __future__ import annotations
 
 import pytest
-
 from launch import run_ranks
 
 pytestmark = pytest.mark.slow  # two processes, three short runs: about 25 s

@@ -11,17 +11,19 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from launch import run_torchrun
 
-pytestmark = [pytest.mark.slow,  # a torchrun launch of TRL + DeepSpeed: about 40 s
-              pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl")]
+pytestmark = [
+    pytest.mark.slow,  # a torchrun launch of TRL + DeepSpeed: about 40 s
+    pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl"),
+]
 FAULT_STEP = 1  # the script's constants (importing it here would import trl)
 ROLLBACK_FAULTS = (3, 6)  # global_step at the start of the fault steps
 
 
-@pytest.mark.parametrize("stage, world, action", [(2, 1, "checkpoint_and_halt"), (2, 2, "skip_step"),
-                                                  (3, 2, "skip_step")])
+@pytest.mark.parametrize(
+    "stage, world, action", [(2, 1, "checkpoint_and_halt"), (2, 2, "skip_step"), (3, 2, "skip_step")]
+)
 def test_inf_gradient_dropped_before_deepspeed_applies_it(tmp_path, stage, world, action):
     ranks = run_torchrun("trl_deepspeed_run.py", world, tmp_path, action, str(stage))
     for r, res in enumerate(ranks):
@@ -60,8 +62,10 @@ def test_two_rollbacks_restore_the_same_deepspeed_snapshot_bit_for_bit(tmp_path)
     for r, res in enumerate(ranks):
         by_step = {s["decision"][0]: s for s in res["steps"]}
         faults = [g + 1 for g in ROLLBACK_FAULTS]
-        assert [(s["decision"][0], s["restores"]) for s in res["steps"] if s["decision"][1] == "rollback"] == \
-            [(faults[0], 2), (faults[1], 2)]
+        assert [(s["decision"][0], s["restores"]) for s in res["steps"] if s["decision"][1] == "rollback"] == [
+            (faults[0], 2),
+            (faults[1], 2),
+        ]
         for step in faults:
             assert by_step[step]["after"] == by_step[2]["before"] and by_step[step]["after"]["finite"]
             assert by_step[step]["grad_nonfinite"] >= 1

@@ -20,8 +20,10 @@ def digest(tensors) -> str:
 def masters(eng) -> list[torch.Tensor]:
     """A float64 copy of this rank's fp32 master partitions (ZeRO 3 or ZeRO 1/2)."""
     opt = eng.optimizer
-    return [m.detach().double().clone() for m in
-            (getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups)]
+    return [
+        m.detach().double().clone()
+        for m in (getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups)
+    ]
 
 
 def exact_update(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[float, float]:

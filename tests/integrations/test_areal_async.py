@@ -27,8 +27,9 @@ def runs(tmp_path_factory):
     try:
         root = tmp_path_factory.mktemp("areal_async")
         # max_head_offpolicyness = 2 -> the async preset's staleness_bound fires on lag > 2
-        out = {s: R.run(staleness=s, steps=12, max_head_offpolicyness=2, run_dir=str(root / f"s{s}"))
-               for s in (0, 2, 6)}
+        out = {
+            s: R.run(staleness=s, steps=12, max_head_offpolicyness=2, run_dir=str(root / f"s{s}")) for s in (0, 2, 6)
+        }
         out["6b"] = R.run(staleness=6, steps=12, max_head_offpolicyness=2, run_dir=str(root / "s6b"))
     finally:
         torch.set_num_threads(prev)
@@ -41,8 +42,9 @@ def _per_step(res, key):
 
 def _spread(res):
     """Mean over optimizer steps of log(p99 / p01) of behave_imp_weight = pi_prox / pi_behave."""
-    return sum(math.log(s["rl_guard/behave_imp_weight/p99"] / s["rl_guard/behave_imp_weight/p01"])
-               for s in res.stats) / len(res.stats)
+    return sum(
+        math.log(s["rl_guard/behave_imp_weight/p99"] / s["rl_guard/behave_imp_weight/p01"]) for s in res.stats
+    ) / len(res.stats)
 
 
 def test_staleness_zero_is_on_policy_and_no_lag_rule_fires(runs):
@@ -78,5 +80,9 @@ def test_behave_imp_weight_spreads_with_staleness(runs):
 
 def test_threads_do_not_change_the_numbers(runs):
     def numbers(res):  # repr: NaN compares equal to NaN
-        return [repr(sorted((k, v) for k, v in st.items() if k.startswith("rl_guard/"))) for st in map(comparable, res.stats)]
+        return [
+            repr(sorted((k, v) for k, v in st.items() if k.startswith("rl_guard/")))
+            for st in map(comparable, res.stats)
+        ]
+
     assert numbers(runs[6]) == numbers(runs["6b"])

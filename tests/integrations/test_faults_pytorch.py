@@ -10,22 +10,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bitwise import assert_same
+from file_modules import load_module
 
 from rl_guard import Guard
 from rl_guard.sinks import read_jsonl
-from bitwise import assert_same
-from file_modules import load_module
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "grpo.yaml")
 recipe = load_module("pytorch_grpo_train", ROOT / "integrations" / "pytorch_grpo" / "train.py")
 BUILTINS = {"nonfinite_loss", "nonfinite_grad", "nonfinite_logprobs"}
-PRECURSORS = {"update_too_far", "ratio_extreme", "behaviour_mismatch", "grad_norm_spike", "grad_norm_vs_early_max",
-              "update_too_aggressive", "lr_jump", "update_jump", "update_too_large", "entropy_spike",
-              "reward_scale_jump"}
-
-
-
+PRECURSORS = {
+    "update_too_far",
+    "ratio_extreme",
+    "behaviour_mismatch",
+    "grad_norm_spike",
+    "grad_norm_vs_early_max",
+    "update_too_aggressive",
+    "lr_jump",
+    "update_jump",
+    "update_too_large",
+    "entropy_spike",
+    "reward_scale_jump",
+}
 
 
 def _without(d: dict, *keys) -> dict:
@@ -40,8 +47,14 @@ class Recorder:
         self.prev, self.refs, self.events = None, {}, []
 
     def __call__(self, step, it, decision, model, opt, sched):
-        now = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                             "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state())})
+        now = copy.deepcopy(
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+            }
+        )
         if decision.action in ("skip_step", "early_stop", "checkpoint_and_halt"):  # dropped update: nothing moved
             assert_same(self.prev["model"], now["model"], "model")
             assert_same(self.prev["optimizer"]["state"], now["optimizer"]["state"], "optimizer.state")
@@ -54,7 +67,7 @@ class Recorder:
             horizon = self.guard.actions.rollback_horizon(decision.step)
             snap = max(s for s in self.guard.actions.snapshots.steps() if s < horizon)
             nth = 1 + sum(e[0] == "rollback" for e in self.events)  # the learning-rate scale compounds
-            self._assert_restored(self.refs[snap], now, self.lr_scale ** nth)
+            self._assert_restored(self.refs[snap], now, self.lr_scale**nth)
             self.events.append(("rollback", step, snap))
         steps = self.guard.actions.snapshots.steps()
         if steps and steps[-1] not in self.refs:  # a snapshot was just taken: remember what it must restore
@@ -68,7 +81,9 @@ class Recorder:
         for g_ref, g_now in zip(ref["optimizer"]["param_groups"], now["optimizer"]["param_groups"]):
             assert_same(_without(g_ref, "lr", "initial_lr"), _without(g_now, "lr", "initial_lr"), "param_group")
             assert g_now["lr"] == pytest.approx(scale * g_ref["lr"], rel=1e-12)
-        assert_same(_without(ref["scheduler"], "base_lrs", "_last_lr"), _without(now["scheduler"], "base_lrs", "_last_lr"))
+        assert_same(
+            _without(ref["scheduler"], "base_lrs", "_last_lr"), _without(now["scheduler"], "base_lrs", "_last_lr")
+        )
         assert now["scheduler"]["base_lrs"] == pytest.approx([scale * x for x in ref["scheduler"]["base_lrs"]])
         assert_same(ref["rng"], now["rng"], "rng")
 
@@ -88,7 +103,7 @@ def _rules(messages) -> list[str]:
 
 def test_lr_blowup_rolls_back_to_the_healthy_snapshot(tmp_path):
     res, rec, acting = guarded_run(tmp_path, "lr_blowup", steps=14)
-    (step, action, rules), = acting  # one rollback, then training goes on
+    ((step, action, rules),) = acting  # one rollback, then training goes on
     # The guard's update probe sees the learning rate jump before the update is applied (lr_jump).
     assert (step, action) == (10, "rollback") and "lr_jump" in rules
     assert [e[0] for e in rec.events] == ["rollback"] and rec.events[0][2] in rec.refs  # bitwise restore checked
@@ -106,8 +121,12 @@ def test_nonfinite_inputs_skip_the_step_bitwise(tmp_path, fault, rule):
 
 def test_behaviour_policy_mismatch_rolls_back_then_checkpoints_and_halts(tmp_path):
     res, rec, acting = guarded_run(tmp_path, "policy_mismatch", steps=16)
-    assert [(s, a) for s, a, _ in acting] == [(10, "rollback"), (11, "rollback"), (12, "rollback"),
-                                              (13, "checkpoint_and_halt")]
+    assert [(s, a) for s, a, _ in acting] == [
+        (10, "rollback"),
+        (11, "rollback"),
+        (12, "rollback"),
+        (13, "checkpoint_and_halt"),
+    ]
     assert all({"update_too_far", "ratio_extreme"} <= set(r) for _, _, r in acting[:3])
     assert "ratio_extreme" in acting[3][2]
     assert res.steps_run == 14 and res.guard.controller.rollbacks == 3  # max_rollbacks spent -> escalation
@@ -117,14 +136,20 @@ def test_behaviour_policy_mismatch_rolls_back_then_checkpoints_and_halts(tmp_pat
     run_dir = tmp_path / "policy_mismatch"
     incidents = read_jsonl(run_dir / "incidents.jsonl")
     # Each record keeps its rule's own action; ``decision`` is what the guard did that step (after precedence).
-    assert [i["decision"] for i in incidents if i["rule"] == "ratio_extreme"] == ["rollback", "rollback", "rollback",
-                                                                                 "checkpoint_and_halt"]
+    assert [i["decision"] for i in incidents if i["rule"] == "ratio_extreme"] == [
+        "rollback",
+        "rollback",
+        "rollback",
+        "checkpoint_and_halt",
+    ]
     halt = [i for i in incidents if i["decision"] == "checkpoint_and_halt" and i["rule"] == "ratio_extreme"]
     metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
     first = halt[0]
     assert first["rule"] == "ratio_extreme" and first["escalated_from"] == "rollback"
-    assert first["message"].startswith(f"[rule ratio_extreme] rl_guard/ratio/p99 = {first['value']:.4g} > 2 "
-                                       f"at step {first['step']} (rank 0) -> checkpoint_and_halt")
+    assert first["message"].startswith(
+        f"[rule ratio_extreme] rl_guard/ratio/p99 = {first['value']:.4g} > 2 "
+        f"at step {first['step']} (rank 0) -> checkpoint_and_halt"
+    )
     assert "rollback budget spent: 3 of max_rollbacks=3" in first["message"]
     before = [metrics[s]["rl_guard/ratio/p99"] for s in sorted(metrics) if s < first["step"]]
     assert first["window"]["rl_guard/ratio/p99"] == before[-32:]  # the values BEFORE the trigger
@@ -154,8 +179,10 @@ def test_gradual_fault_is_caught_by_a_precursor_before_the_first_nonfinite(tmp_p
     assert math.isfinite(m["rl_guard/loss/value"]) and math.isfinite(m["rl_guard/grad/norm"])
     assert res.first_nonfinite_step is None or res.first_nonfinite_step > step  # weights finite too
     with capsys.disabled():
-        print(f"\n[lead] {fault}: first non-finite (unguarded) at step {S}; guard acted at step {step} "
-              f"({action} by {', '.join(sorted(set(rules) & PRECURSORS))}); lead = {S - step} steps")
+        print(
+            f"\n[lead] {fault}: first non-finite (unguarded) at step {S}; guard acted at step {step} "
+            f"({action} by {', '.join(sorted(set(rules) & PRECURSORS))}); lead = {S - step} steps"
+        )
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -3,14 +3,22 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from rl_guard.regression import (
-    RegressionCheckFailed, check_advantage_fn_baseline_invariance, check_baseline_invariance,
-    check_bootstrap_contract, check_empty_mask_raises, check_group_advantage_zero_on_ties,
-    check_ratio_is_one, check_zero_advantage_zero_grad, expected_policy_gradient,
-    reference_returns, run_all,
+    RegressionCheckFailed,
+    check_advantage_fn_baseline_invariance,
+    check_baseline_invariance,
+    check_bootstrap_contract,
+    check_empty_mask_raises,
+    check_group_advantage_zero_on_ties,
+    check_ratio_is_one,
+    check_zero_advantage_zero_grad,
+    expected_policy_gradient,
+    reference_returns,
+    run_all,
 )
 
 
@@ -69,8 +77,12 @@ def test_ratio_fails_with_dropout_on(model_batch):
 def test_ratio_fails_when_train_path_applies_temperature_and_rollout_does_not(model_batch):
     model, batch = model_batch
     with pytest.raises(RegressionCheckFailed, match="ratio_is_one"):
-        check_ratio_is_one(lambda b: token_logp(model, b, 0.7), batch,
-                           old_logprob_fn=lambda b: token_logp(model, b, 1.0), mask=batch["mask"])
+        check_ratio_is_one(
+            lambda b: token_logp(model, b, 0.7),
+            batch,
+            old_logprob_fn=lambda b: token_logp(model, b, 1.0),
+            mask=batch["mask"],
+        )
 
 
 def test_ratio_ignores_padding_garbage_only_under_the_mask(model_batch):
@@ -189,20 +201,26 @@ def test_reference_returns_pass_and_match_independent_gae():
 
 def returns_stopping_at(done):
     """Backward recursion that stops (no bootstrap) wherever done(term, trunc, t) holds."""
+
     def fn(r, v, term, trunc, gamma):
         out = torch.zeros_like(r)
         for t in reversed(range(len(r))):
             nxt = 0.0 if done(term, trunc, t) else (v[t + 1] if t == len(r) - 1 else out[t + 1])
             out[t] = r[t] + gamma * nxt
         return out
+
     return fn
 
 
-@pytest.mark.parametrize("done, pattern", [
-    (lambda te, tr, t: te[t] or tr[t], r"truncated last step must bootstrap.*got \[3.0, 4.0, 4.0\]"),
-    (lambda te, tr, t: False, "terminal last step must not bootstrap"),
-    (lambda te, tr, t: te[t], "truncated mid-segment"),  # flows the next episode's return back
-], ids=["truncated_as_terminal", "always_bootstrap", "leak_across_truncation"])
+@pytest.mark.parametrize(
+    "done, pattern",
+    [
+        (lambda te, tr, t: te[t] or tr[t], r"truncated last step must bootstrap.*got \[3.0, 4.0, 4.0\]"),
+        (lambda te, tr, t: False, "terminal last step must not bootstrap"),
+        (lambda te, tr, t: te[t], "truncated mid-segment"),  # flows the next episode's return back
+    ],
+    ids=["truncated_as_terminal", "always_bootstrap", "leak_across_truncation"],
+)
 def test_buggy_returns_fail_bootstrap_contract(done, pattern):
     with pytest.raises(RegressionCheckFailed, match=pattern):
         check_bootstrap_contract(returns_stopping_at(done))
@@ -219,7 +237,9 @@ def rloo(r, g):
     return (x - (x.sum(1, keepdim=True) - x) / (g - 1)).reshape(-1)
 
 
-@pytest.mark.parametrize("fn", [grpo, rloo, lambda r, g: (r.view(-1, g) - r.view(-1, g).mean(1, keepdim=True)).reshape(-1)])
+@pytest.mark.parametrize(
+    "fn", [grpo, rloo, lambda r, g: (r.view(-1, g) - r.view(-1, g).mean(1, keepdim=True)).reshape(-1)]
+)
 def test_correct_group_advantages_pass(fn):
     assert check_group_advantage_zero_on_ties(fn).value <= 1e-6
 
@@ -233,10 +253,11 @@ def test_guarding_only_exact_zero_std_amplifies_rounding_noise():
     def guarded(r, g):  # per-group loop; std of a 1-D tie can be ~1e-17 rather than exactly 0
         out = torch.zeros_like(r)
         for i in range(0, len(r), g):
-            x = r[i:i + g]
+            x = r[i : i + g]
             s = x.std()
-            out[i:i + g] = (x - x.mean()) / s if s > 0 else 0.0
+            out[i : i + g] = (x - x.mean()) / s if s > 0 else 0.0
         return out
+
     with pytest.raises(RegressionCheckFailed, match=r"group_size=3, 3 tied rewards = 0.1 .*nonzero advantages"):
         check_group_advantage_zero_on_ties(guarded)
 
@@ -257,12 +278,15 @@ def strict_masked_mean(m):
     return (VALUES * m).sum() / m.sum()
 
 
-@pytest.mark.parametrize("fn, pattern", [
-    (lambda m: (VALUES * m).sum() / m.sum(), "NaN"),
-    (lambda m: (VALUES * m).sum() / m.sum().clamp(min=1), "silent zero"),
-    (lambda m: float((VALUES * m).sum()) / int(m.sum()), "ZeroDivisionError.*accidental"),
-    (lambda m: (_ for _ in ()).throw(ValueError("bad input")), "without mentioning the mask"),
-])
+@pytest.mark.parametrize(
+    "fn, pattern",
+    [
+        (lambda m: (VALUES * m).sum() / m.sum(), "NaN"),
+        (lambda m: (VALUES * m).sum() / m.sum().clamp(min=1), "silent zero"),
+        (lambda m: float((VALUES * m).sum()) / int(m.sum()), "ZeroDivisionError.*accidental"),
+        (lambda m: (_ for _ in ()).throw(ValueError("bad input")), "without mentioning the mask"),
+    ],
+)
 def test_empty_mask_must_raise_clear_value_error(fn, pattern):
     assert check_empty_mask_raises(strict_masked_mean).value == 1.0
     with pytest.raises(RegressionCheckFailed, match=pattern):
@@ -272,10 +296,18 @@ def test_empty_mask_must_raise_clear_value_error(fn, pattern):
 # ---- run_all ----------------------------------------------------------------------------------------
 def test_run_all_reports_passes_failures_errors_and_skips(model_batch):
     model, batch = model_batch
-    good = run_all(logprob_fn=lambda b: token_logp(model, b), ratio_batch=batch, ratio_mask=batch["mask"],
-                   loss_fn=lambda b: pg_loss(model, b), params=model.parameters(), loss_batch=batch,
-                   baseline_advantage_fn=lambda r, b: r - b.reshape(-1, 1), returns_fn=reference_returns,
-                   group_advantage_fn=grpo, stats_fn=strict_masked_mean)
+    good = run_all(
+        logprob_fn=lambda b: token_logp(model, b),
+        ratio_batch=batch,
+        ratio_mask=batch["mask"],
+        loss_fn=lambda b: pg_loss(model, b),
+        params=model.parameters(),
+        loss_batch=batch,
+        baseline_advantage_fn=lambda r, b: r - b.reshape(-1, 1),
+        returns_fn=reference_returns,
+        group_advantage_fn=grpo,
+        stats_fn=strict_masked_mean,
+    )
     assert good["passed"] and good["failed"] == []
     assert {e["status"] for e in good["checks"].values()} == {"passed"} and len(good["checks"]) == 6
 

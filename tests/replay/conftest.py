@@ -21,8 +21,9 @@ def fault_demo(tmp_path_factory):
     from rl_guard.demo.run import run_demo
 
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    return run_demo(fault="lr_blowup", steps=20, fault_step=8, run_dir=run_dir, quiet=True,
-                    guard_yaml=quiet_demo_yaml())
+    return run_demo(
+        fault="lr_blowup", steps=20, fault_step=8, run_dir=run_dir, quiet=True, guard_yaml=quiet_demo_yaml()
+    )
 
 
 @pytest.fixture(scope="session")
@@ -46,12 +47,31 @@ def trl_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl")
     model = build_tiny_model(root / "model", seed=0)
     (root / "wandb_home").mkdir()
-    args = GRPOConfig(output_dir=str(root / "out"), report_to=["tensorboard", "wandb"],  # events: out/runs/<date>/
-                      per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True,
-                      bf16=False, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_steps=6,
-                      learning_rate=3e-3, beta=0.04, max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
-    trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0),
-                          reward_funcs=[repeat_last_digit_reward, length_penalty_reward])
+    args = GRPOConfig(
+        output_dir=str(root / "out"),
+        report_to=["tensorboard", "wandb"],  # events: out/runs/<date>/
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        max_steps=6,
+        learning_rate=3e-3,
+        beta=0.04,
+        max_grad_norm=1.0,
+        num_iterations=2,
+        steps_per_generation=2,
+    )
+    trainer = GRPOTrainer(
+        model=str(model),
+        args=args,
+        train_dataset=prompt_dataset(64, seed=0),
+        reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
+    )
     trainer.pop_callback(PrinterCallback)  # keep test output short
     with pytest.MonkeyPatch.context() as env:  # an offline wandb run under root/wandb_home/wandb/offline-run-*/
         env.setenv("WANDB_MODE", "offline")
@@ -83,13 +103,32 @@ def grpo_pair(tmp_path_factory):
         injector = FaultInjector(fault, at_step=at_step)
         guard = [RLGuardCallback(guard_yaml, run_dir=str(root / name / "guard"))] if guard_yaml else []
         callbacks = [injector, *guard]
-        args = GRPOConfig(output_dir=str(root / name / "out"), report_to=[], per_device_train_batch_size=8,
-                          num_generations=4, max_completion_length=8, use_cpu=True, bf16=False, save_strategy="no",
-                          logging_steps=1, disable_tqdm=True, seed=0, max_steps=steps, learning_rate=3e-3, beta=0.04,
-                          max_grad_norm=1.0, num_iterations=2, steps_per_generation=2)
-        trainer = GRPOTrainer(model=str(model), args=args, train_dataset=prompt_dataset(64, seed=0),
-                              callbacks=callbacks,
-                              reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward])
+        args = GRPOConfig(
+            output_dir=str(root / name / "out"),
+            report_to=[],
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=8,
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+            max_steps=steps,
+            learning_rate=3e-3,
+            beta=0.04,
+            max_grad_norm=1.0,
+            num_iterations=2,
+            steps_per_generation=2,
+        )
+        trainer = GRPOTrainer(
+            model=str(model),
+            args=args,
+            train_dataset=prompt_dataset(64, seed=0),
+            callbacks=callbacks,
+            reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
+        )
         trainer.pop_callback(PrinterCallback)
         trainer.train()
         return trainer, (callbacks[1].guard if guard_yaml else None)

@@ -49,8 +49,15 @@ def test_trainer_state_maps_trl_keys_and_says_which_rules_have_input(trl_run, ca
     assert fired["entropy_seen"] == fired["kl_seen"] == fired["grad_seen"] == history.steps
     assert fired["ratio_tail"] == []
     has = {i.rule: i.has_input for i in result.inputs}
-    assert has == {"nonfinite_loss": True, "nonfinite_grad": True, "nonfinite_logprobs": False,
-                   "entropy_seen": True, "kl_seen": True, "grad_seen": True, "ratio_tail": False}
+    assert has == {
+        "nonfinite_loss": True,
+        "nonfinite_grad": True,
+        "nonfinite_logprobs": False,
+        "entropy_seen": True,
+        "kl_seen": True,
+        "grad_seen": True,
+        "ratio_tail": False,
+    }
     # The shipped preset on the same file: the table says which rules had input and where it came from.
     assert main(["replay", str(root / "trainer_state.json"), "--config", "grpo"]) == 0
     text = capsys.readouterr().out
@@ -59,8 +66,10 @@ def test_trainer_state_maps_trl_keys_and_says_which_rules_have_input(trl_run, ca
     assert "rl_guard/entropy/mean: 6/6  (from entropy)" in text
     assert "rl_guard/grad/norm: 6/6  (from grad_norm)" in text
     assert 0 < sum("completions/clipped_ratio" in h for h in logs) < 6  # TRL logs them on generation steps only
-    assert ("rl_guard/length/truncated_frac: 6/6  (from completions/clipped_ratio, repeated over the steps that "
-            "train on its generation)") in text
+    assert (
+        "rl_guard/length/truncated_frac: 6/6  (from completions/clipped_ratio, repeated over the steps that "
+        "train on its generation)"
+    ) in text
 
 
 def test_trl_tensorboard_events_replay_like_the_trainer_state(trl_run):
@@ -143,10 +152,12 @@ def test_unknown_formats_get_a_clear_error(tmp_path, capsys):
     (tmp_path / "table.csv").write_text("step,kl\n1,0.1\n")
     (tmp_path / "other.json").write_text(json.dumps({"global_step": 3}))
     (tmp_path / "empty").mkdir()
-    for path, why in [(tmp_path / "table.csv", "unknown file type"),
-                      (tmp_path / "other.json", "without a 'log_history' list"),
-                      (tmp_path / "empty", "holds no metrics.jsonl, trainer_state.json"),
-                      (tmp_path / "missing", "no such file")]:
+    for path, why in [
+        (tmp_path / "table.csv", "unknown file type"),
+        (tmp_path / "other.json", "without a 'log_history' list"),
+        (tmp_path / "empty", "holds no metrics.jsonl, trainer_state.json"),
+        (tmp_path / "missing", "no such file"),
+    ]:
         with pytest.raises(HistoryFormatError, match=why) as err:
             load_history(path)
         assert "trainer_state.json" in str(err.value) and "wandb" in str(err.value)  # what is accepted

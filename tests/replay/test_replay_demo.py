@@ -34,8 +34,10 @@ def test_cli_prints_per_rule_steps_and_writes_records_and_report(fault_demo, tmp
     run = fault_demo.run_dir
     live = read_jsonl(run / "incidents.jsonl")
     out, report = tmp_path / "replayed.jsonl", tmp_path / "report"
-    assert main(["replay", str(run), "--config", str(run / "config.yaml"), "--json", str(out),
-                 "--report", str(report)]) == 0
+    assert (
+        main(["replay", str(run), "--config", str(run / "config.yaml"), "--json", str(out), "--report", str(report)])
+        == 0
+    )
     text = capsys.readouterr().out
     first = next(i for i in live if i["action"] != "warn")
     configured = {i.rule: i.action for i in replay(load_history(run), load_config(run / "config.yaml")).inputs}
@@ -66,9 +68,11 @@ def test_a_stricter_config_fires_earlier_and_escalates_without_snapshots(fault_d
     (healthy_steps 1000): every firing rolls back to it (the fault returns before a newer one), and once the
     rollback budget is spent the next one escalates to checkpoint_and_halt, where the run would have stopped."""
     run = fault_demo.run_dir
-    strict = ("rules:\n"
-              "  - {name: kl_tight, metric: rl_guard/kl_old/k3_mean, op: '>', threshold: 0.0, action: rollback}\n"
-              "snapshots: {healthy_steps: 1000}\nrollback: {max_rollbacks: 1}\n")
+    strict = (
+        "rules:\n"
+        "  - {name: kl_tight, metric: rl_guard/kl_old/k3_mean, op: '>', threshold: 0.0, action: rollback}\n"
+        "snapshots: {healthy_steps: 1000}\nrollback: {max_rollbacks: 1}\n"
+    )
     result = replay(load_history(run), load_config(strict))
     kl = [r["rl_guard/kl_old/k3_mean"] for r in load_history(run).records]
     fired = [r["step"] for r in result.incidents]

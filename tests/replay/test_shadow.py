@@ -61,8 +61,9 @@ def test_demo_shadow_switch_and_replay_agree_on_what_would_have_happened(tmp_pat
     assert f"it would have acted first at step {would[0]['step']}:" in text and would[0]["message"] in text
     assert load_config(run / "config.yaml").mode == "shadow"
     result = replay(load_history(run), load_config(run / "config.yaml"))
-    assert [(r["step"], r["rule"], r["action"], r["restored_to_step"]) for r in result.incidents] == \
-        [(i["step"], i["rule"], i["would"], i["would_restore_to_step"]) for i in live]
+    assert [(r["step"], r["rule"], r["action"], r["restored_to_step"]) for r in result.incidents] == [
+        (i["step"], i["rule"], i["would"], i["would_restore_to_step"]) for i in live
+    ]
     shadow_suffix = lambda m: m.replace("-> would ", "-> ").replace(" (shadow mode)", "")  # noqa: E731
     assert [r["message"] for r in result.incidents] == [shadow_suffix(i["message"]) for i in live]
 
@@ -84,8 +85,18 @@ def test_shadow_in_the_plain_pytorch_recipe_is_bitwise_the_unguarded_run_at_ever
         seen = []
 
         def on_step(step, it, decision, model, opt, sched):
-            seen.append(copy.deepcopy({"step": (step, it), "model": model.state_dict(), "opt": opt.state_dict(),
-                                       "sched": sched.state_dict(), "rng": torch.get_rng_state()}))
+            seen.append(
+                copy.deepcopy(
+                    {
+                        "step": (step, it),
+                        "model": model.state_dict(),
+                        "opt": opt.state_dict(),
+                        "sched": sched.state_dict(),
+                        "rng": torch.get_rng_state(),
+                    }
+                )
+            )
+
         return seen, on_step
 
     plain, on_plain = states()
@@ -93,8 +104,9 @@ def test_shadow_in_the_plain_pytorch_recipe_is_bitwise_the_unguarded_run_at_ever
     shadowed, on_shadow = states()
     preset = (root / "rl_guard" / "presets" / "grpo.yaml").read_text()
     guard = Guard.from_yaml(preset + "\nmode: shadow\n", run_dir=tmp_path / "guard")  # the shipped preset, in shadow
-    res = recipe.run(None, steps=12, fault="policy_mismatch", fault_step=5, guard=guard, stop_on_nonfinite=False,
-                     on_step=on_shadow)
+    res = recipe.run(
+        None, steps=12, fault="policy_mismatch", fault_step=5, guard=guard, stop_on_nonfinite=False, on_step=on_shadow
+    )
     incidents = read_jsonl(tmp_path / "guard" / "incidents.jsonl")
     assert [i for i in incidents if i["would"] != "warn"], incidents  # it would have acted
     assert res.steps_run == 12 and len(shadowed) == len(plain) == 24

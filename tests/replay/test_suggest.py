@@ -70,8 +70,11 @@ def test_spike_suggestions_are_the_live_detectors_edge_of_silence(healthy_demo):
     with the unrounded maximum lowered by 0.1% the same live detector fires (so the z-scores are the live ones)."""
     history = load_history(healthy_demo.run_dir)
     config = load_config(RULES)
-    assert _fired(history, [r for r in config.rules if r["name"] in ("entropy_jump", "kl_rise", "grad_vs_early")]) \
-        != {"entropy_jump": [], "kl_rise": [], "grad_vs_early": []}  # the tight settings do fire on this run
+    assert _fired(history, [r for r in config.rules if r["name"] in ("entropy_jump", "kl_rise", "grad_vs_early")]) != {
+        "entropy_jump": [],
+        "kl_rise": [],
+        "grad_vs_early": [],
+    }  # the tight settings do fire on this run
     suggested = {s.rule["name"]: s for s in suggest(config, [history], quantile=1.0, margin=1.0, min_steps=1)}
     for name, key in (("entropy_jump", "threshold"), ("kl_rise", "threshold"), ("grad_vs_early", "factor")):
         rule = suggested[name].rule
@@ -88,8 +91,23 @@ def test_spike_suggestions_are_the_live_detectors_edge_of_silence(healthy_demo):
 
 def test_quantile_one_is_silent_on_the_healthy_run_and_the_yaml_loads(healthy_demo, capsys):
     run = healthy_demo.run_dir
-    assert main(["suggest", str(run), "--rules", str(run / "config.yaml"), "--quantile", "1", "--margin", "1.2",
-                 "--min-steps", "1"]) == 0
+    assert (
+        main(
+            [
+                "suggest",
+                str(run),
+                "--rules",
+                str(run / "config.yaml"),
+                "--quantile",
+                "1",
+                "--margin",
+                "1.2",
+                "--min-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert text.startswith("# rl-guard suggest: thresholds from 1 healthy history (quantile 1, margin 1.2")
     config = load_config(text)  # a valid guard YAML as printed, comments and all

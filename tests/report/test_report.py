@@ -56,18 +56,32 @@ def metrics_at(s: int) -> dict[str, float]:
     m["rl_guard/optim/lr"] = lr_at(s)
     if s not in (0, LR_JUMP_STEP + 1):  # no update before the first step, nor after the dropped one
         m["rl_guard/update/rel"] = update_at(s)
-    m.update({"rl_guard/clip/low_frac": 0.05, "rl_guard/clip/high_frac": 0.1, "rl_guard/clip/region_frac": 0.15,
-              "rl_guard/grad/norm": 50.0 if s == 15 else 1.0, "rl_guard/grad/norm_postclip": 1.5,
-              "rl_guard/length/mean": 100.0 + s, "rl_guard/length/max": 200.0,
-              "rl_guard/length/truncated_frac": 0.1})
+    m.update(
+        {
+            "rl_guard/clip/low_frac": 0.05,
+            "rl_guard/clip/high_frac": 0.1,
+            "rl_guard/clip/region_frac": 0.15,
+            "rl_guard/grad/norm": 50.0 if s == 15 else 1.0,
+            "rl_guard/grad/norm_postclip": 1.5,
+            "rl_guard/length/mean": 100.0 + s,
+            "rl_guard/length/max": 200.0,
+            "rl_guard/length/truncated_frac": 0.1,
+        }
+    )
     for i, b in enumerate(BUCKETS):
         m[f"rl_guard/lag/{b}/token_frac"] = 0.5 if i == 0 else 0.1
     if s % 2 == 0:  # rewards only on generation steps: the curve must bridge the other steps
         m.update({"rl_guard/reward/mean": 0.1 * s, "rl_guard/reward/std": 0.5})
     # Non-finite data the report must survive and show.
-    m.update({20: {"rl_guard/ratio/max": math.inf}, 21: {"rl_guard/ratio/p50": math.nan},
-              25: {"rl_guard/kl_ref/k3_mean": math.nan}, 30: {"rl_guard/grad/norm": math.nan},
-              33: {"rl_guard/lag/9+/token_frac": math.nan}}.get(s, {}))
+    m.update(
+        {
+            20: {"rl_guard/ratio/max": math.inf},
+            21: {"rl_guard/ratio/p50": math.nan},
+            25: {"rl_guard/kl_ref/k3_mean": math.nan},
+            30: {"rl_guard/grad/norm": math.nan},
+            33: {"rl_guard/lag/9+/token_frac": math.nan},
+        }.get(s, {})
+    )
     return m
 
 
@@ -87,14 +101,25 @@ def write_run(run_dir, steps=range(N), incidents=INCIDENTS, metrics=metrics_at, 
         sink.log(metrics(s), s)
     for step, rule, metric, value, action in incidents:
         op, threshold = ("is", "non-finite") if not math.isfinite(value) else (">", 0.4)  # as rules.Verdict says
-        sink.incident({"step": step, "rule": rule, "metric": metric, "value": value, "op": op,
-                       "threshold": threshold, "action": action, "severity": "error", "rank": 0,
-                       "window": {metric: [1.0]},
-                       "message": f"[rule {rule}] {metric} = {value} {op} {threshold} at step {step} (rank 0) "
-                                  f"-> {action}",
-                       "checkpoint": str(run_dir / CKPT) if action == "checkpoint_and_halt" else None,
-                       "time": 1.0e9 + step, "restored_to_step": RESTORED if action == "rollback" else None,
-                       **(extra(step, action) if extra else {})})
+        sink.incident(
+            {
+                "step": step,
+                "rule": rule,
+                "metric": metric,
+                "value": value,
+                "op": op,
+                "threshold": threshold,
+                "action": action,
+                "severity": "error",
+                "rank": 0,
+                "window": {metric: [1.0]},
+                "message": f"[rule {rule}] {metric} = {value} {op} {threshold} at step {step} (rank 0) -> {action}",
+                "checkpoint": str(run_dir / CKPT) if action == "checkpoint_and_halt" else None,
+                "time": 1.0e9 + step,
+                "restored_to_step": RESTORED if action == "rollback" else None,
+                **(extra(step, action) if extra else {}),
+            }
+        )
     sink.finish()
     for path in (CKPT, "checkpoints/step_00000010/rank0.pt"):  # the second one no incident refers to
         (run_dir / path).parent.mkdir(parents=True, exist_ok=True)
@@ -137,9 +162,14 @@ def test_files_exist_and_decode(report, tmp_path):
 
 def test_markdown_summary(report):
     md = pathlib.Path(report["markdown"]).read_text(encoding="utf-8")
-    for row in ("| warn | 3 | 5-7 |", "| skip_step | 2 | 15, 30 |", "| rollback | 2 | 20 |",
-                "| checkpoint_and_halt | 1 | 25 |", "| early_stop | 1 | 39 |",
-                "| clip_fraction_high | warn | `rl_guard/clip/region_frac` | 3 | 5 | 7 |"):
+    for row in (
+        "| warn | 3 | 5-7 |",
+        "| skip_step | 2 | 15, 30 |",
+        "| rollback | 2 | 20 |",
+        "| checkpoint_and_halt | 1 | 25 |",
+        "| early_stop | 1 | 39 |",
+        "| clip_fraction_high | warn | `rl_guard/clip/region_frac` | 3 | 5 | 7 |",
+    ):
         assert row in md, row
     assert "incidents: 9 (first at step 5, last at step 39)" in md
     assert "> [rule clip_fraction_high] rl_guard/clip/region_frac = 0.45 > 0.4 at step 5 (rank 0) -> warn" in md
@@ -220,15 +250,30 @@ def test_lag_stack_and_rollout(report):
     np.testing.assert_array_equal(mean.get_xdata(), np.arange(0, N, 2))  # sparse metric, one bridged curve
     np.testing.assert_allclose(mean.get_ydata(), 0.1 * np.arange(0, N, 2))
     assert set(axes_by_gid(report["figures"]["overview"])) == {
-        "ratio", "entropy", "kl_old", "kl_ref", "clip", "grad", "lr", "update", "reward", "truncated", "lag"}
+        "ratio",
+        "entropy",
+        "kl_old",
+        "kl_ref",
+        "clip",
+        "grad",
+        "lr",
+        "update",
+        "reward",
+        "truncated",
+        "lag",
+    }
 
 
 def test_missing_metrics_are_skipped_and_cli(tmp_path, capsys):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     (out / "ratio.png").write_bytes(b"stale")  # from an earlier report of a different run
-    write_run(run_dir, steps=range(5), incidents=INCIDENTS[3:4],
-              metrics=lambda s: {"rl_guard/grad/norm": [1.0, math.inf, 2.0, math.nan, 1.5][s]})
+    write_run(
+        run_dir,
+        steps=range(5),
+        incidents=INCIDENTS[3:4],
+        metrics=lambda s: {"rl_guard/grad/norm": [1.0, math.inf, 2.0, math.nan, 1.5][s]},
+    )
     args = add_arguments(argparse.ArgumentParser()).parse_args([str(run_dir), "--out", str(out), "--dpi", "60"])
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -260,8 +305,11 @@ def test_dense_incidents_become_a_rug_and_markers_follow_incidents():
     from rl_guard.report.style import DENSE, mark_incidents
 
     warn = [{"step": s, "action": "warn"} for s in range(0, 3 * DENSE, 2)]  # too many for full-height lines
-    run = RunData(pathlib.Path("r"), [{"step": 0, "rl_guard/grad/norm": 1.0}],
-                  warn + [{"step": 7, "action": "rollback"}, {"step": None, "action": "warn"}])
+    run = RunData(
+        pathlib.Path("r"),
+        [{"step": 0, "rl_guard/grad/norm": 1.0}],
+        warn + [{"step": 7, "action": "rollback"}, {"step": None, "action": "warn"}],
+    )
     ax = Figure().subplots()
     mark_incidents(ax, run)
     segs = {c.get_gid(): c.get_segments() for c in ax.collections}
@@ -278,13 +326,15 @@ def test_report_md_has_one_row_per_incident_with_rule_action_and_restored_step(r
     md = pathlib.Path(report["markdown"]).read_text(encoding="utf-8")
     run_dir = report["run_dir"]
     assert "| step | rule | metric | value | condition | action | restored to / checkpoint |" in md
-    for row in ("| 5 | clip_fraction_high | `rl_guard/clip/region_frac` | 0.45 | > 0.4 | warn | - |",
-                "| 15 | grad_norm_spike | `rl_guard/grad/norm` | 50 | > 0.4 | skip_step | - |",
-                "| 20 | ratio_extreme | `rl_guard/ratio/max` | inf | is non-finite | rollback | restored to step 15 |",
-                "| 20 | update_too_far | `rl_guard/kl_old/k3_mean` | 0.9 | > 0.4 | rollback | restored to step 15 |",
-                f"| 25 | kl_ref_nonfinite | `rl_guard/kl_ref/k3_mean` | nan | is non-finite | checkpoint_and_halt | "
-                f"checkpoint `{run_dir}/{CKPT}` |",
-                "| 39 | entropy_floor | `rl_guard/entropy/mean` | 0.01 | > 0.4 | early_stop | - |"):
+    for row in (
+        "| 5 | clip_fraction_high | `rl_guard/clip/region_frac` | 0.45 | > 0.4 | warn | - |",
+        "| 15 | grad_norm_spike | `rl_guard/grad/norm` | 50 | > 0.4 | skip_step | - |",
+        "| 20 | ratio_extreme | `rl_guard/ratio/max` | inf | is non-finite | rollback | restored to step 15 |",
+        "| 20 | update_too_far | `rl_guard/kl_old/k3_mean` | 0.9 | > 0.4 | rollback | restored to step 15 |",
+        f"| 25 | kl_ref_nonfinite | `rl_guard/kl_ref/k3_mean` | nan | is non-finite | checkpoint_and_halt | "
+        f"checkpoint `{run_dir}/{CKPT}` |",
+        "| 39 | entropy_floor | `rl_guard/entropy/mean` | 0.01 | > 0.4 | early_stop | - |",
+    ):
         assert row in md, row
     table = md.split("## Incidents\n")[1].split("\n## ")[0]
     assert len([ln for ln in table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]) == len(INCIDENTS)
@@ -314,8 +364,12 @@ def test_incident_labels_name_rule_action_and_restored_step(report):
     run = load_run(report["run_dir"])
     full = {lab.first: lab for lab in incident_labels(run)}
     # Both rules that fired at step 20 share one label, the most severe action first, then where it went back to.
-    assert full[20].lines == ["step 20:", "ratio_extreme -> rollback", "update_too_far -> rollback",
-                              f"restored to step {RESTORED}"]
+    assert full[20].lines == [
+        "step 20:",
+        "ratio_extreme -> rollback",
+        "update_too_far -> rollback",
+        f"restored to step {RESTORED}",
+    ]
     assert full[5].last == 7 and full[5].lines == ["steps 5-7: clip_fraction_high -> warn"]  # a streak: one label
     assert full[15].lines == ["step 15: grad_norm_spike -> skip_step", "grad/norm 50 > 0.4"]  # the reason too
     assert full[25].lines[0] == "step 25: kl_ref_nonfinite -> checkpoint_and_halt"
@@ -343,8 +397,9 @@ def test_labels_that_do_not_fit_are_counted_and_report_md_keeps_every_row(tmp_pa
     res = render_report(run_dir, keep_figures=True, dpi=60)
     ax = axes_by_gid(res["figures"]["grad"])["grad"]
     assert 1 <= len(labels_of(ax)) < len(crowded)
-    assert any(t.get_gid() == "incident_labels_hidden" and "report.md" in t.get_text()
-               for t in res["figures"]["grad"].texts)
+    assert any(
+        t.get_gid() == "incident_labels_hidden" and "report.md" in t.get_text() for t in res["figures"]["grad"].texts
+    )
     md = pathlib.Path(res["markdown"]).read_text(encoding="utf-8")
     assert all(f"| {s} | a_rather_long_rule_name_{s} |" in md for s, *_ in crowded)
     res["figures"].clear()
@@ -354,10 +409,20 @@ def trl_defaults_metrics(s: int) -> dict[str, float]:
     """TRL's defaults: one update per batch (ratio exactly 1, kl_old exactly 0, nothing clipped), no reference
     model (no kl_ref), a constant gradient-norm (not a design constant), the rest moving."""
     m = {f"rl_guard/ratio/{q}": 1.0 for q in (*QS, "max", "min")}
-    m.update({"rl_guard/kl_old/k3_mean": 0.0, "rl_guard/kl_old/k3_seq_max": -0.0, "rl_guard/clip/low_frac": 0.0,
-              "rl_guard/clip/high_frac": 0.0, "rl_guard/clip/region_frac": 0.0, "rl_guard/grad/norm": 1.0,
-              "rl_guard/entropy/p50": 2.0 - 0.01 * s, "rl_guard/optim/lr": lr_at(s),
-              "rl_guard/reward/mean": 0.1 * s, "rl_guard/reward/std": 0.5})
+    m.update(
+        {
+            "rl_guard/kl_old/k3_mean": 0.0,
+            "rl_guard/kl_old/k3_seq_max": -0.0,
+            "rl_guard/clip/low_frac": 0.0,
+            "rl_guard/clip/high_frac": 0.0,
+            "rl_guard/clip/region_frac": 0.0,
+            "rl_guard/grad/norm": 1.0,
+            "rl_guard/entropy/p50": 2.0 - 0.01 * s,
+            "rl_guard/optim/lr": lr_at(s),
+            "rl_guard/reward/mean": 0.1 * s,
+            "rl_guard/reward/std": 0.5,
+        }
+    )
     if s:
         m["rl_guard/update/rel"] = update_at(s)
     return m
@@ -381,12 +446,15 @@ def test_panels_constant_by_design_are_labelled_and_left_out_of_the_overview(tmp
     for name in ("ratio", "kl", "clip", "grad"):  # their own figures still show them, labelled
         for gid, ax in axes_by_gid(res["figures"][name]).items():
             notes[gid] = [t.get_text() for t in ax.texts if t.get_gid() == "constant"]
-    assert notes == {"ratio": ["constant by design in this run (value 1)"],
-                     "kl_old": ["constant by design in this run (value 0)"],
-                     "clip": ["constant by design in this run (value 0)"],
-                     "grad": ["constant in this run (value 1)"]}
+    assert notes == {
+        "ratio": ["constant by design in this run (value 1)"],
+        "kl_old": ["constant by design in this run (value 0)"],
+        "clip": ["constant by design in this run (value 0)"],
+        "grad": ["constant in this run (value 1)"],
+    }
     assert [t.get_text() for t in overview["grad"].texts if t.get_gid() == "constant"] == [
-        "constant in this run (value 1)"]
+        "constant in this run (value 1)"
+    ]
     assert not [t for t in overview["lr"].texts if t.get_gid() == "constant"]
     md = pathlib.Path(res["markdown"]).read_text(encoding="utf-8")
     panels_md = md.split("## Panels\n")[1]
@@ -402,8 +470,9 @@ def test_float32_round_off_is_not_constant():
     from rl_guard.report.data import RunData
     from rl_guard.report.panels import constant_value
 
-    run = RunData(pathlib.Path("r"), [{"step": s, "rl_guard/ratio/p50": v} for s, v in enumerate([1.0, 0.99999976])],
-                  [])
+    run = RunData(
+        pathlib.Path("r"), [{"step": s, "rl_guard/ratio/p50": v} for s, v in enumerate([1.0, 0.99999976])], []
+    )
     assert constant_value("ratio", run) is None
     one = RunData(pathlib.Path("r"), [{"step": 0, "rl_guard/ratio/p50": 1.0}], [])
     assert constant_value("ratio", one) is None  # one step says nothing about the run
@@ -419,17 +488,24 @@ def test_shadow_mode_incidents_say_what_would_have_happened(tmp_path):
     write_run(run_dir, incidents=INCIDENTS[3:6], extra=shadow)
     res = render_report(run_dir, keep_figures=True, dpi=60)
     md = pathlib.Path(res["markdown"]).read_text(encoding="utf-8")
-    assert ("| 20 | ratio_extreme | `rl_guard/ratio/max` | inf | is non-finite | would rollback (shadow: warned only) "
-            f"| would restore to step {RESTORED} |") in md
+    assert (
+        "| 20 | ratio_extreme | `rl_guard/ratio/max` | inf | is non-finite | would rollback (shadow: warned only) "
+        f"| would restore to step {RESTORED} |"
+    ) in md
     assert "- shadow-mode incidents: 3" in md
     ax = axes_by_gid(res["figures"]["grad"])["grad"]
     texts = [t.get_text() for t in labels_of(ax)]
-    assert "shadow, step 20:\nratio_extreme -> would rollback\nupdate_too_far -> would rollback\n" \
-           f"would restore to step {RESTORED}" in texts
+    assert (
+        "shadow, step 20:\nratio_extreme -> would rollback\nupdate_too_far -> would rollback\n"
+        f"would restore to step {RESTORED}" in texts
+    )
     assert marker_x(ax, "incident:warn") == {15.0, 20.0}  # what actually happened: warnings only
     legend = [t.get_text() for t in res["figures"]["grad"].legends[0].get_texts()]
-    assert legend == ["shadow mode, rule fired -> warn (3)", "non-finite value (drawn at the edge)",
-                      "arrow: back to the step a rollback restored"]
+    assert legend == [
+        "shadow mode, rule fired -> warn (3)",
+        "non-finite value (drawn at the edge)",
+        "arrow: back to the step a rollback restored",
+    ]
     res["figures"].clear()
 
 
@@ -441,8 +517,10 @@ def test_replayed_incidents_are_marked_as_replayed(tmp_path):
 
     run_dir = tmp_path / "recorded"
     write_run(run_dir, incidents=[])
-    config = load_config("rules:\n  - {name: lr_high, metric: rl_guard/optim/lr, op: '>', threshold: 0.01, "
-                         "action: rollback}\nsnapshots: {healthy_steps: 2, every: 2, keep: 2}\n")
+    config = load_config(
+        "rules:\n  - {name: lr_high, metric: rl_guard/optim/lr, op: '>', threshold: 0.01, "
+        "action: rollback}\nsnapshots: {healthy_steps: 2, every: 2, keep: 2}\n"
+    )
     result = replay(load_history(run_dir), config)
     assert [(r["step"], r["rule"], r["replayed"]) for r in result.incidents] == [(LR_JUMP_STEP, "lr_high", True)]
     restored = result.incidents[0]["restored_to_step"]
@@ -451,8 +529,10 @@ def test_replayed_incidents_are_marked_as_replayed(tmp_path):
     write_report(result, out, "cfg.yaml", dpi=60)
     md = (out / "report.md").read_text(encoding="utf-8")
     assert "- rules replayed: `cfg.yaml`" in md and f"`rl-guard replay` of `{run_dir / 'metrics.jsonl'}`" in md
-    assert (f"| {LR_JUMP_STEP} | lr_high | `rl_guard/optim/lr` | 0.08 | > 0.01 | rollback (replayed) | "
-            f"would restore to step {restored} |") in md
+    assert (
+        f"| {LR_JUMP_STEP} | lr_high | `rl_guard/optim/lr` | 0.08 | > 0.01 | rollback (replayed) | "
+        f"would restore to step {restored} |"
+    ) in md
     res = render_report(out, tmp_path / "again", keep_figures=True, dpi=60)
     ax = axes_by_gid(res["figures"]["optim"])["lr"]
     replayed = [c for c in ax.collections if c.get_gid() == "incident:rollback:replayed"]

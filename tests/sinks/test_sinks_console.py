@@ -8,9 +8,13 @@ from rl_guard.sinks import ConsoleSink
 from rl_guard.sinks.console import health_rows
 
 VALUES = {
-    "rl_guard/ratio/p50": 1.0004, "rl_guard/ratio/p99": 1.3127, "rl_guard/ratio/max": 7.25,
-    "rl_guard/kl_ref/k3_mean": 0.0312, "rl_guard/entropy/mean": 0.8123,
-    "rl_guard/clip/region_frac": 0.125, "rl_guard/grad/norm": float("nan"),
+    "rl_guard/ratio/p50": 1.0004,
+    "rl_guard/ratio/p99": 1.3127,
+    "rl_guard/ratio/max": 7.25,
+    "rl_guard/kl_ref/k3_mean": 0.0312,
+    "rl_guard/entropy/mean": 0.8123,
+    "rl_guard/clip/region_frac": 0.125,
+    "rl_guard/grad/norm": float("nan"),
     "rl_guard/adv/mean": 0.5,  # not a key metric: must not be shown
 }
 MESSAGE = "[rule kl_spike] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step 812 (rank 0) -> checkpoint_and_halt"

@@ -82,8 +82,9 @@ for s in range({steps}):
 
 def _child(tmp_path, n, steps, fired=(), tail="time.sleep(120)"):
     code = _CHILD.format(n=n, run_dir=str(tmp_path), steps=steps, fired=set(fired) or "()", tail=tail)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2]
+    )
 
 
 @pytest.mark.parametrize("fired", [(), (14,)])
@@ -113,11 +114,25 @@ def test_a_process_that_exits_without_finish_writes_its_buffer(tmp_path):
 def test_nonfinite_round_trip_is_valid_json(tmp_path):
     sink = JsonlSink()
     sink.start(tmp_path)
-    values = {"a": float("nan"), "b": float("inf"), "c": -math.inf, "d": np.float32(0.5),
-              "e": np.float64("nan"), "f": np.int64(7)}
+    values = {
+        "a": float("nan"),
+        "b": float("inf"),
+        "c": -math.inf,
+        "d": np.float32(0.5),
+        "e": np.float64("nan"),
+        "f": np.int64(7),
+    }
     sink.log(values, 5)
-    sink.incident({"step": 5, "rule": "r", "value": float("nan"), "message": "m",
-                   "window": {"rl_guard/x": [1.0, float("inf"), np.float32(2.0)]}, "checkpoint": None})
+    sink.incident(
+        {
+            "step": 5,
+            "rule": "r",
+            "value": float("nan"),
+            "message": "m",
+            "window": {"rl_guard/x": [1.0, float("inf"), np.float32(2.0)]},
+            "checkpoint": None,
+        }
+    )
     sink.finish()
     raw = (tmp_path / METRICS_FILE).read_text()
     # Strict parser (rejects NaN/Infinity literals) must accept the file.
@@ -186,13 +201,16 @@ def test_finish_is_idempotent(tmp_path):
         sink.finish()
 
 
-@pytest.mark.parametrize("values", [
-    {"rl_guard/a": 0.1, "rl_guard/b": 1e-300, "rl_guard/c": -2.5, "rl_guard/é": 3.0},  # plain floats: the fast path
-    {"rl_guard/a": 0.1, "rl_guard/b": float("nan"), "rl_guard/c": -math.inf},
-    {"rl_guard/a": np.float32(0.5), "rl_guard/b": np.int64(3), "rl_guard/c": np.float64(0.25), "rl_guard/d": True},
-    {"rl_guard/a": 1, "rl_guard/b": None, "rl_guard/c": "text", "rl_guard/d": [1.0, math.nan]},
-    {"step": 99, "rl_guard/a": 0.5},  # a step entry in the values never replaces the step
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"rl_guard/a": 0.1, "rl_guard/b": 1e-300, "rl_guard/c": -2.5, "rl_guard/é": 3.0},  # plain floats: the fast path
+        {"rl_guard/a": 0.1, "rl_guard/b": float("nan"), "rl_guard/c": -math.inf},
+        {"rl_guard/a": np.float32(0.5), "rl_guard/b": np.int64(3), "rl_guard/c": np.float64(0.25), "rl_guard/d": True},
+        {"rl_guard/a": 1, "rl_guard/b": None, "rl_guard/c": "text", "rl_guard/d": [1.0, math.nan]},
+        {"step": 99, "rl_guard/a": 0.5},  # a step entry in the values never replaces the step
+    ],
+)
 def test_metrics_line_is_the_converted_record(values):
     want = {"step": 7, **{k: to_jsonable(v) for k, v in values.items() if k != "step"}}
     line = metrics_line(values, 7)

@@ -32,6 +32,7 @@ time.sleep(120)
 
 def _strict_lines(path: Path) -> list[dict]:
     """Every line of the file, parsed by a JSON parser that refuses NaN/Infinity literals."""
+
     def refuse(constant):
         raise AssertionError(f"non-JSON constant {constant}")
 
@@ -43,8 +44,9 @@ def _strict_lines(path: Path) -> list[dict]:
 @pytest.mark.parametrize("how", ["sigkill", "os._exit"])
 def test_a_killed_guarded_run_keeps_every_step_but_the_last_flush_every(tmp_path, how):
     n, steps = 4, 11
-    source = _CHILD.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), n=n, steps=steps,
-                           exit_mid_step=how == "os._exit")
+    source = _CHILD.format(
+        tests=str(ROOT / "tests"), tmp=str(tmp_path), n=n, steps=steps, exit_mid_step=how == "os._exit"
+    )
     child = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert [int(child.stdout.readline()) for _ in range(steps)] == list(range(steps))  # all logged

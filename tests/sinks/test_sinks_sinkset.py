@@ -6,8 +6,15 @@ import warnings
 import pytest
 
 from rl_guard.sinks import (
-    SINK_NAMES, ConsoleSink, JsonlSink, Sink, SinkSet, TensorBoardSink, WandbSink,
-    build_sinks, read_jsonl,
+    SINK_NAMES,
+    ConsoleSink,
+    JsonlSink,
+    Sink,
+    SinkSet,
+    TensorBoardSink,
+    WandbSink,
+    build_sinks,
+    read_jsonl,
 )
 
 
@@ -106,8 +113,7 @@ def test_non_main_process_skips_main_only_sinks(tmp_path):
 
 
 def test_build_sinks_spec_forms(tmp_path):
-    sinks = build_sinks(["jsonl", {"tensorboard": {"log_dir": "tb"}}, {"console": {"every": 5}},
-                         "wandb"], tmp_path)
+    sinks = build_sinks(["jsonl", {"tensorboard": {"log_dir": "tb"}}, {"console": {"every": 5}}, "wandb"], tmp_path)
     kinds = [type(s) for s in sinks]
     assert kinds == [JsonlSink, TensorBoardSink, ConsoleSink, WandbSink]
     assert sinks.get("console").every == 5

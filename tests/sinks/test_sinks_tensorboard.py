@@ -27,9 +27,15 @@ def test_scalars_histograms_and_incidents(tmp_path):
         counts, edges = np.histogram(ratios, bins=16)
         hists[step] = (edges, counts)
         medians.append(float(np.median(ratios)))
-        sink.log({"step": step, "rl_guard/ratio/p50": medians[-1],
-                  "rl_guard/grad/nonfinite": float("nan") if step == 2 else 0.0},
-                 step, histograms={"rl_guard/ratio": (edges, counts)})
+        sink.log(
+            {
+                "step": step,
+                "rl_guard/ratio/p50": medians[-1],
+                "rl_guard/grad/nonfinite": float("nan") if step == 2 else 0.0,
+            },
+            step,
+            histograms={"rl_guard/ratio": (edges, counts)},
+        )
     sink.incident({"step": 3, "rule": "ratio_tail", "message": "[rule ratio_tail] boom"})
     sink.finish()
 

@@ -65,10 +65,21 @@ def offline(tmp_path, monkeypatch):
 
 
 def _incident(step, rule, severity="error"):
-    return {"step": step, "rule": rule, "metric": "rl_guard/kl_ref/k3_mean", "value": 0.31, "op": ">",
-            "threshold": 0.2, "action": "warn", "severity": severity, "rank": 0, "checkpoint": None,
-            "window": {"rl_guard/kl_ref/k3_mean": [0.1, 0.31]}, "time": 1.0,
-            "message": f"[rule {rule}] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step {step} (rank 0) -> warn"}
+    return {
+        "step": step,
+        "rule": rule,
+        "metric": "rl_guard/kl_ref/k3_mean",
+        "value": 0.31,
+        "op": ">",
+        "threshold": 0.2,
+        "action": "warn",
+        "severity": severity,
+        "rank": 0,
+        "checkpoint": None,
+        "window": {"rl_guard/kl_ref/k3_mean": [0.1, 0.31]},
+        "time": 1.0,
+        "message": f"[rule {rule}] rl_guard/kl_ref/k3_mean = 0.31 > 0.2 at step {step} (rank 0) -> warn",
+    }
 
 
 def test_own_offline_run(offline, monkeypatch):
@@ -79,8 +90,11 @@ def test_own_offline_run(offline, monkeypatch):
     assert wandb.run is not None
     edges, counts = np.linspace(0.0, 2.0, 5), np.array([1, 5, 3, 1])
     for step in (1, 2, 3):
-        sink.log({"rl_guard/ratio/p50": 1.0 + step / 10, "rl_guard/loss/nonfinite": float("nan")}, step,
-                 histograms={"rl_guard/ratio": (edges, counts)})
+        sink.log(
+            {"rl_guard/ratio/p50": 1.0 + step / 10, "rl_guard/loss/nonfinite": float("nan")},
+            step,
+            histograms={"rl_guard/ratio": (edges, counts)},
+        )
     sink.incident(_incident(3, "kl_spike"))
     sink.incident(_incident(3, "kl_spike"))  # same rule within alert_every_s: no second alert
     sink.incident(_incident(3, "ratio_tail", severity="warn"))
@@ -150,4 +164,4 @@ def test_a_file_cut_inside_a_record_reads_up_to_the_last_whole_record(offline, t
         torn = tmp_path / f"cut{cut}.wandb"
         torn.write_bytes(data[:cut])
         got = [r.WhichOneof("record_type") for r in read_records(torn)]
-        assert got == kinds[:len(got)] and len(got) < len(kinds)  # a prefix of the whole file's records
+        assert got == kinds[: len(got)] and len(got) < len(kinds)  # a prefix of the whole file's records

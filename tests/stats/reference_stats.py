@@ -96,8 +96,15 @@ def reference(d: dict, cv=None, eps_low=0.2, eps_high=0.2, level="token", edges=
         av = m & np.isfinite(adv)
         out["input/advantages/nonfinite"] = m.sum() - av.sum()
         a = adv[av]
-        out.update({"adv/mean": a.mean(), "adv/std": a.std(ddof=1), "adv/min": a.min(), "adv/max": a.max(),
-                    "adv/zero_frac": (a == 0).mean()})
+        out.update(
+            {
+                "adv/mean": a.mean(),
+                "adv/std": a.std(ddof=1),
+                "adv/min": a.min(),
+                "adv/max": a.max(),
+                "adv/zero_frac": (a == 0).mean(),
+            }
+        )
         if clip_lr is not None:
             cv_ = clip_ok & av
             low = cv_ & (clip_lr < math.log1p(-eps_low)) & (adv < 0)
@@ -112,8 +119,9 @@ def reference(d: dict, cv=None, eps_low=0.2, eps_high=0.2, level="token", edges=
     if "rewards" in d:
         rw = d["rewards"][np.isfinite(d["rewards"])]
         out["input/rewards/nonfinite"] = d["rewards"].size - rw.size
-        out.update({"reward/mean": rw.mean(), "reward/std": rw.std(ddof=1), "reward/min": rw.min(),
-                    "reward/max": rw.max()})
+        out.update(
+            {"reward/mean": rw.mean(), "reward/std": rw.std(ddof=1), "reward/min": rw.min(), "reward/max": rw.max()}
+        )
     if "versions" in d:
         ver = d["versions"] if d["versions"].ndim == 2 else np.repeat(d["versions"][:, None], m.shape[1], 1)
         lag = cv - np.round(ver)

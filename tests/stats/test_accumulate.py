@@ -11,8 +11,9 @@ LAYOUT = ((("a.count", 1), ("a.hist", 3)), (("a.max", 1), ("-a.min", 1)))
 
 
 def _packed(values, maxes) -> Partial:
-    return Partial.of_packed(LAYOUT, torch.tensor(values, dtype=torch.float64),
-                             torch.tensor(maxes, dtype=torch.float64))
+    return Partial.of_packed(
+        LAYOUT, torch.tensor(values, dtype=torch.float64), torch.tensor(maxes, dtype=torch.float64)
+    )
 
 
 def test_micro_batches_merge_and_the_given_partials_are_never_written():

@@ -75,7 +75,9 @@ def test_versions_without_current_version():
 
 def test_packed_batch_checks():
     cu = torch.tensor([0, 2, 5])
-    with pytest.raises(BatchError, match=re.escape("packed batch: logprobs must be [N] with cu_seqlens, got shape (3, 5)")):
+    with pytest.raises(
+        BatchError, match=re.escape("packed batch: logprobs must be [N] with cu_seqlens, got shape (3, 5)")
+    ):
         TokenBatch(lp(), cu_seqlens=cu)
     with pytest.raises(BatchError, match="cu_seqlens must be"):
         TokenBatch(lp(5), cu_seqlens=torch.tensor([0]))

@@ -26,8 +26,12 @@ def _close(got: float, want: float, rel: float) -> bool:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.sampled_from(SIZES), min_size=1, max_size=4), st.floats(-30, 30), st.integers(0, 2**16),
-       st.sampled_from([None, "nan", "inf", "huge", "zeros", "tiny"]))
+@given(
+    st.lists(st.sampled_from(SIZES), min_size=1, max_size=4),
+    st.floats(-30, 30),
+    st.integers(0, 2**16),
+    st.sampled_from([None, "nan", "inf", "huge", "zeros", "tiny"]),
+)
 def test_square_sums_match_float64_within_the_bound(sizes, log_scale, seed, special):
     # Heavy-tailed values at any scale; one tensor may hold NaN / inf / a value whose float32 square overflows, or be
     # all zero or all below float32's squared range: those are taken in float64, so they match exactly.

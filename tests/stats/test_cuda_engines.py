@@ -79,9 +79,11 @@ def test_cuda_chunks_packed_rows_sequence_level_and_nonfinite_inputs(engine):
 
 def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[list, list, torch.nn.Module]:
     yaml = tmp_path / f"{device}-{engine}.yaml"
-    yaml.write_text(f"version: 1\nstats_engine: {engine}\nsinks: []\n"
-                    "rules:\n  - {name: nan_grad, metric: rl_guard/grad/nonfinite, op: '>', threshold: 0,\n"
-                    "     action: skip_step}\n")
+    yaml.write_text(
+        f"version: 1\nstats_engine: {engine}\nsinks: []\n"
+        "rules:\n  - {name: nan_grad, metric: rl_guard/grad/nonfinite, op: '>', threshold: 0,\n"
+        "     action: skip_step}\n"
+    )
     torch.manual_seed(0)  # the same weights on both devices: built on CPU, then moved
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -93,8 +95,7 @@ def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[lis
         for micro in range(2):
             d = make_padded(10 * step + micro, fields=ALL_FIELDS)
             loss = model(torch.randn(5, 8, generator=g).to(device)).pow(2).mean()
-            guard.observe(TokenBatch(**{k: v.to(device) for k, v in d.items()}, current_version=CV),
-                          loss=loss.detach())
+            guard.observe(TokenBatch(**{k: v.to(device) for k, v in d.items()}, current_version=CV), loss=loss.detach())
             loss.backward()
         if step == nan_step:
             with torch.no_grad():

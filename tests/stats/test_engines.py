@@ -58,8 +58,10 @@ def test_a_compiler_failure_stays_with_its_engine(monkeypatch):
 
     b = TokenBatch(**make_padded(0, fields=("old", "adv")))
     want = EagerEngine(host_max_tokens=0).probe(b)
-    first, second = CompiledEngine(host_max_tokens=0, cpu_min_tokens=1), CompiledEngine(host_max_tokens=0,
-                                                                                        cpu_min_tokens=1)
+    first, second = (
+        CompiledEngine(host_max_tokens=0, cpu_min_tokens=1),
+        CompiledEngine(host_max_tokens=0, cpu_min_tokens=1),
+    )
     with monkeypatch.context() as m:
         m.setattr(families, "kernel", broken)
         with warnings.catch_warnings(record=True) as caught:

@@ -19,8 +19,13 @@ from rl_guard.stats.engines import CompiledEngine, EagerEngine
 # family -> the named outputs of ``families.chunk_stats`` that carry its per-chunk sufficient statistics
 FAMILIES = {
     "tokens": ("tokens", "lengths"),
-    "rows (logp, entropy, adv, log-ratios: counts, value sums, extremes, non-finite inputs)":
-        ("counts", "sums", "maxes", "mins", "nonfinite"),
+    "rows (logp, entropy, adv, log-ratios: counts, value sums, extremes, non-finite inputs)": (
+        "counts",
+        "sums",
+        "maxes",
+        "mins",
+        "nonfinite",
+    ),
     "adv": ("adv_sum", "adv_sumsq", "adv_zero"),
     "sketch cells (entropy, log-ratios)": ("hist_cells", "hist_invalid"),
     "ratio families (sum r)": ("ratio_sums",),
@@ -92,5 +97,8 @@ def test_the_compiled_engine_compiles_a_copy_of_the_definition():
     compiled = families.kernel(_static(b), compiled=True)  # the one the engine ran (cached)
     fn = compiled._torchdynamo_orig_callable
     code, ref = fn.__code__, families.chunk_stats.__code__
-    assert code is not ref and (code.co_code, code.co_consts, code.co_names) == (ref.co_code, ref.co_consts,
-                                                                                 ref.co_names)
+    assert code is not ref and (code.co_code, code.co_consts, code.co_names) == (
+        ref.co_code,
+        ref.co_consts,
+        ref.co_names,
+    )

@@ -77,8 +77,9 @@ def _compare(d: dict, chunk=None, **kw) -> dict:
     return summarize(c)[0]
 
 
-@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "prox", "adv", "entropy"),
-                                    ("ref", "entropy")])
+@pytest.mark.parametrize(
+    "fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "prox", "adv", "entropy"), ("ref", "entropy")]
+)
 def test_compiled_equals_eager_and_the_float64_reference(fields):
     for seed in range(2):
         d = make_padded(seed, fields=fields)
@@ -108,8 +109,10 @@ def test_nonfinite_bf16_inputs_and_gspo():
     got = _compare(d)
     assert got["rl_guard/input/logprobs/nonfinite"] + got["rl_guard/input/old_logprobs/nonfinite"] >= 1
     check(got, reference(np_dict(d), cv=CV))
-    half = {k: v.to(torch.bfloat16) if k in ("logprobs", "old_logprobs", "ref_logprobs") else v for k, v in
-            make_padded(6, fields=("old", "ref", "entropy", "adv", "versions")).items()}
+    half = {
+        k: v.to(torch.bfloat16) if k in ("logprobs", "old_logprobs", "ref_logprobs") else v
+        for k, v in make_padded(6, fields=("old", "ref", "entropy", "adv", "versions")).items()
+    }
     _compare(half)
     g = make_padded(7, B=8, T=30, spread=0.6, fields=("old", "ref", "entropy", "adv", "versions"))
     check(_compare(g, importance_sampling_level="sequence"), reference(np_dict(g), cv=CV, level="sequence"))
@@ -189,6 +192,7 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
 
 def test_an_input_error_is_raised_and_does_not_turn_the_engine_off(monkeypatch):
     """Only the compiler's own failures switch to eager; a bad batch is the caller's error, raised as is."""
+
     def bad_batch(*args, **kwargs):
         raise BatchError("logprobs must be ...")
 

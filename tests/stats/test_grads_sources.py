@@ -13,8 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_guard.stats import keys
-from rl_guard.stats.grads import (GradientSource, _cpu_figures, _multi_tensor_figures, abs_max, drop_grads,
-                                  param_groups_of, probe_grads, segments_for)
+from rl_guard.stats.grads import (
+    GradientSource,
+    _cpu_figures,
+    _multi_tensor_figures,
+    abs_max,
+    drop_grads,
+    param_groups_of,
+    probe_grads,
+    segments_for,
+)
 
 
 def _params(*grads):
@@ -52,10 +60,17 @@ def test_plain_gradients_merge_by_max_unless_declared_sharded():
 def test_gradient_source_partitions_merge_by_sum_and_unscale():
     rng = np.random.default_rng(0)
     pieces = [rng.normal(size=5), rng.normal(size=3), rng.normal(size=4)]
-    scale = 2.0 ** -10  # fp16: the buffers hold loss-scaled gradients
-    src = Partitions([[torch.tensor(pieces[0] / scale, dtype=torch.float32),
-                       torch.tensor(pieces[1] / scale, dtype=torch.float32)],
-                      [torch.tensor(pieces[2] / scale, dtype=torch.float32), torch.empty(0)]], scale=scale)
+    scale = 2.0**-10  # fp16: the buffers hold loss-scaled gradients
+    src = Partitions(
+        [
+            [
+                torch.tensor(pieces[0] / scale, dtype=torch.float32),
+                torch.tensor(pieces[1] / scale, dtype=torch.float32),
+            ],
+            [torch.tensor(pieces[2] / scale, dtype=torch.float32), torch.empty(0)],
+        ],
+        scale=scale,
+    )
     assert isinstance(src, GradientSource) and param_groups_of(src) is src
     p = probe_grads(src)
     want = sum(float(np.sum(x.astype(np.float32).astype(np.float64) ** 2)) for x in pieces)
@@ -69,9 +84,20 @@ def test_gradient_source_partitions_merge_by_sum_and_unscale():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False), st.sampled_from([math.nan, math.inf, -math.inf])),
-                         max_size=40), min_size=1, max_size=6),
-       st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    st.lists(
+        st.lists(
+            st.one_of(
+                st.floats(width=32, allow_nan=False, allow_infinity=False),
+                st.sampled_from([math.nan, math.inf, -math.inf]),
+            ),
+            max_size=40,
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_abs_max_matches_float64_reference_with_nonfinite_values(values, dtype):
     tensors = [torch.tensor(v, dtype=torch.float32).to(dtype) for v in values]
     got = abs_max(tensors).double().numpy()
@@ -82,15 +108,20 @@ def test_abs_max_matches_float64_reference_with_nonfinite_values(values, dtype):
     # the same figures as torch's inf-norm (the CUDA path; it refuses empty tensors, which never reach it)
     full = [t for t in tensors if t.numel()]
     if full:
-        np.testing.assert_array_equal(abs_max(full).double().numpy(),
-                                      torch.stack(torch._foreach_norm(full, math.inf)).double().numpy())
+        np.testing.assert_array_equal(
+            abs_max(full).double().numpy(), torch.stack(torch._foreach_norm(full, math.inf)).double().numpy()
+        )
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.sampled_from([(64,), (32, 3), (5, 7), (1,), (8192,), (8193,), (4, 2049), (3,)]), min_size=1,
-                max_size=7),
-       st.lists(st.sampled_from([math.nan, math.inf, -math.inf, 1e30]), max_size=3),
-       st.integers(0, 2**16), st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    st.lists(
+        st.sampled_from([(64,), (32, 3), (5, 7), (1,), (8192,), (8193,), (4, 2049), (3,)]), min_size=1, max_size=7
+    ),
+    st.lists(st.sampled_from([math.nan, math.inf, -math.inf, 1e30]), max_size=3),
+    st.integers(0, 2**16),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_grad_figures_match_float64_reference_on_every_layout(shapes, specials, seed, dtype):
     # Tensors small and large, sizes multiple of 32 or not, in two groups (one may be empty), with NaN / +-inf /
     # huge values planted: norms, max |g| and the count of non-finite tensors as float64 numpy computes them.
@@ -117,8 +148,9 @@ def test_grad_figures_match_float64_reference_on_every_layout(shapes, specials, 
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.sampled_from([(64,), (5, 7), (8192,), (8193,), (2, 48)]), min_size=1, max_size=6),
-       st.integers(0, 2**16))
+@given(
+    st.lists(st.sampled_from([(64,), (5, 7), (8192,), (8193,), (2, 48)]), min_size=1, max_size=6), st.integers(0, 2**16)
+)
 def test_packed_cpu_figures_equal_the_multi_tensor_ones(shapes, seed):
     # The CUDA (and merge-weighted) path and the packed CPU path give the same figures, NaN and inf included.
     rng = np.random.default_rng(seed)

@@ -70,8 +70,9 @@ def _compare(d: dict, host_calls, monkeypatch, **kw) -> dict:
     return summarize(h)[0]
 
 
-@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv"), ("old", "prox", "adv", "entropy"),
-                                    ("ref", "entropy"), ("old",), ()])
+@pytest.mark.parametrize(
+    "fields", [("old", "ref", "entropy", "adv"), ("old", "prox", "adv", "entropy"), ("ref", "entropy"), ("old",), ()]
+)
 def test_host_equals_eager_and_the_float64_reference(fields, host_calls, monkeypatch):
     for seed in range(2):
         d = make_padded(seed, B=5, T=24, fields=fields)
@@ -82,8 +83,10 @@ def test_per_sequence_advantages_given_lengths_and_gspo(host_calls, monkeypatch)
     d = with_per_sequence_fields(0)
     d.pop("versions")
     for level in ("token", "sequence"):
-        check(_compare(d, host_calls, monkeypatch, importance_sampling_level=level, eps_high=0.28),
-              reference(np_dict(d), level=level, eps_high=0.28))
+        check(
+            _compare(d, host_calls, monkeypatch, importance_sampling_level=level, eps_high=0.28),
+            reference(np_dict(d), level=level, eps_high=0.28),
+        )
 
 
 _FIELDS = ("entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
@@ -112,9 +115,13 @@ def _batches(draw):
         d["lengths"] = torch.randint(0, T + 1, (B,), generator=g)
     if draw(st.booleans()):
         d["truncated"] = torch.rand(B, generator=g) < 0.5
-    kw = dict(allow_empty_mask=True, clipped_loss=draw(st.booleans()),
-              importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
-              eps_low=draw(st.sampled_from([0.1, 0.2])), eps_high=draw(st.sampled_from([0.2, 0.28])))
+    kw = dict(
+        allow_empty_mask=True,
+        clipped_loss=draw(st.booleans()),
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        eps_low=draw(st.sampled_from([0.1, 0.2])),
+        eps_high=draw(st.sampled_from([0.2, 0.28])),
+    )
     return d, kw
 
 
@@ -135,11 +142,11 @@ def test_batches_it_does_not_take_go_to_the_chosen_engine(host_calls):
     assert host_engine.takes(small, HOST_MAX_TOKENS)
     versioned = TokenBatch(**d, current_version=12)
     packed = TokenBatch(**{k: v for k, v in packed_from(d).items() if k != "versions"})
-    bf16 = TokenBatch(**{**{k: v for k, v in d.items() if k != "versions"},
-                         "logprobs": d["logprobs"].bfloat16()})
+    bf16 = TokenBatch(**{**{k: v for k, v in d.items() if k != "versions"}, "logprobs": d["logprobs"].bfloat16()})
     large = make_padded(0, B=64, T=200, fields=("old",))
-    on_device = TokenBatch(logprobs=torch.zeros(2, 3, device="meta"), mask=torch.ones(2, 3, dtype=torch.bool,
-                                                                                        device="meta"))
+    on_device = TokenBatch(
+        logprobs=torch.zeros(2, 3, device="meta"), mask=torch.ones(2, 3, dtype=torch.bool, device="meta")
+    )
     for b in (versioned, packed, bf16, TokenBatch(**large), on_device):
         assert not host_engine.takes(b, HOST_MAX_TOKENS)
     for b in (versioned, packed, bf16, TokenBatch(**large)):
@@ -177,8 +184,9 @@ def _sequences(draw):
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     fields = {}
     if draw(st.booleans()):
-        fields["lengths"] = torch.randint(0, 50, (n,), generator=g).to(draw(st.sampled_from([torch.int64,
-                                                                                            torch.float32])))
+        fields["lengths"] = torch.randint(0, 50, (n,), generator=g).to(
+            draw(st.sampled_from([torch.int64, torch.float32]))
+        )
         # counted; NaN is left out of the sums and extremes, inf is not (a length is never negative: +inf next to
         # -inf would make the sum the order of addition's, in either engine)
         if fields["lengths"].is_floating_point():

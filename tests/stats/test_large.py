@@ -61,11 +61,17 @@ def child() -> dict:
     m, hists = summarize(acc.finish())
     after = _memory_kib()
     return {
-        "metrics": {k: v for k, v in m.items()
-                    if k.startswith(("rl_guard/tokens/", "rl_guard/kl_old/", "rl_guard/ratio/", "rl_guard/length/"))},
+        "metrics": {
+            k: v
+            for k, v in m.items()
+            if k.startswith(("rl_guard/tokens/", "rl_guard/kl_old/", "rl_guard/ratio/", "rl_guard/length/"))
+        },
         "log_ratio_hist_total": int(hists["rl_guard/log_ratio"][1].sum()),
-        "counts": counts.tolist(), "per_row_mean": float(per_row.mean()), "per_row_max": int(per_row.max()),
-        "input_bytes": input_bytes, "rss_before_kib": before["VmRSS"],
+        "counts": counts.tolist(),
+        "per_row_mean": float(per_row.mean()),
+        "per_row_max": int(per_row.max()),
+        "input_bytes": input_bytes,
+        "rss_before_kib": before["VmRSS"],
         "step_peak_kib": after["VmHWM"] if reset else None,
         "process_peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
@@ -85,7 +91,8 @@ def test_64m_tokens_in_one_micro_batch(big):
     n = int(counts.sum())
     assert n > 1 << 25  # well past float32's exact-integer range and torch.quantile's 2^24 limit
     assert m["rl_guard/tokens/count"] == n and m["rl_guard/kl_old/k1_mean"] == pytest.approx(
-        -(np.arange(-64, 65) / 1024 * counts).sum() / n, rel=1e-5, abs=1e-9)
+        -(np.arange(-64, 65) / 1024 * counts).sum() / n, rel=1e-5, abs=1e-9
+    )
     values = np.arange(-64, 65) / 1024.0
     assert m["rl_guard/ratio/mean"] == pytest.approx((np.exp(values) * counts).sum() / n, rel=1e-6)
     assert m["rl_guard/ratio/min"] == math.exp(-64 / 1024) and m["rl_guard/ratio/max"] == math.exp(64 / 1024)

@@ -157,8 +157,10 @@ def test_extra_places_several_sketches_in_one_vector_and_buffers_give_the_same_c
     base = cell_index(x, LOG_RATIO)
     assert torch.equal(cell_index(x, LOG_RATIO, 2 * LOG_RATIO.bins), base + 2 * LOG_RATIO.bins)
     out = (torch.empty(6), torch.empty(6, dtype=torch.int32), torch.empty(6, dtype=torch.int32))
-    assert torch.equal(cell_index(x, LOG_RATIO, out=out), base) and out[1].data_ptr() == cell_index(
-        x, LOG_RATIO, out=out).data_ptr()
+    assert (
+        torch.equal(cell_index(x, LOG_RATIO, out=out), base)
+        and out[1].data_ptr() == cell_index(x, LOG_RATIO, out=out).data_ptr()
+    )
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=["log_ratio", "entropy", "coarse"])
@@ -176,7 +178,7 @@ def test_every_value_lies_in_its_cell_and_cells_are_at_most_w_wide(spec):
     x = x[np.abs(x.astype(np.float64)) <= spec.max_abs]
     cells = cell_index(torch.from_numpy(x), spec).numpy()
     x64 = x.astype(np.float64)
-    slack = (np.abs(x64) + spec.scale) * 2.0 ** -23  # float32 rounding of |x| + scale
+    slack = (np.abs(x64) + spec.scale) * 2.0**-23  # float32 rounding of |x| + scale
     assert np.all(edges[cells] <= x64 + slack) and np.all(x64 - slack <= edges[cells + 1])
 
 

@@ -28,15 +28,24 @@ from rl_guard.stats.summarize import summarize
 
 # The reference against every engine explicitly: the eager engine with its host path (small CPU batches without
 # versions take it), the eager engine's torch path alone, and the compiled engine (``slow``: it compiles).
-ENGINES = [pytest.param(EagerEngine, id="eager-host"), pytest.param(lambda: EagerEngine(host_max_tokens=0), id="eager"),
-           pytest.param(lambda: CompiledEngine(host_max_tokens=0, cpu_min_tokens=1), id="compiled",
-                        marks=pytest.mark.slow)]
+ENGINES = [
+    pytest.param(EagerEngine, id="eager-host"),
+    pytest.param(lambda: EagerEngine(host_max_tokens=0), id="eager"),
+    pytest.param(lambda: CompiledEngine(host_max_tokens=0, cpu_min_tokens=1), id="compiled", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("make_engine", ENGINES)
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("fields", [("old", "ref", "entropy", "adv", "versions"), ("old", "adv"),
-                                    ("old", "prox", "adv", "entropy"), ("ref", "entropy")])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        ("old", "ref", "entropy", "adv", "versions"),
+        ("old", "adv"),
+        ("old", "prox", "adv", "entropy"),
+        ("ref", "entropy"),
+    ],
+)
 def test_all_metrics_match_reference(seed, fields, make_engine):
     d = make_padded(seed, fields=fields)
     engine = make_engine()
@@ -127,8 +136,25 @@ def test_micro_batches_merge_like_one_batch():
         w = raw_many[key]
         if key == "tokens.microbatches":
             assert w[0] == 4
-        elif key.endswith((".count", ".seqs", ".hist", ".tokens", ".clip", ".nonfinite", ".max", ".min", ".logmax",
-                           ".logmin", ".seqmax", ".low", ".high", ".zero", "truncated")):
+        elif key.endswith(
+            (
+                ".count",
+                ".seqs",
+                ".hist",
+                ".tokens",
+                ".clip",
+                ".nonfinite",
+                ".max",
+                ".min",
+                ".logmax",
+                ".logmin",
+                ".seqmax",
+                ".low",
+                ".high",
+                ".zero",
+                "truncated",
+            )
+        ):
             np.testing.assert_array_equal(w, v, err_msg=key)  # counts, histogram cells and extremes: exact
         else:
             np.testing.assert_allclose(w, v, rtol=1e-6, atol=1e-9, err_msg=key)  # sums: fp32 chunk order
@@ -160,8 +186,11 @@ def test_half_precision_inputs_accumulate_in_fp32(dtype):
     check(got, reference(np_dict(d), cv=12))  # reference on the exact half values, in float64
     # 60K tokens of entropy 1.0: a bf16/fp16 running sum would stall at 256 / 2048 (or overflow); fp32 does not.
     n = 60_000
-    b = {"logprobs": torch.full((1, n), -1.0, dtype=dtype), "mask": torch.ones(1, n, dtype=torch.bool),
-         "entropy": torch.ones(1, n, dtype=dtype)}
+    b = {
+        "logprobs": torch.full((1, n), -1.0, dtype=dtype),
+        "mask": torch.ones(1, n, dtype=torch.bool),
+        "entropy": torch.ones(1, n, dtype=dtype),
+    }
     m = step([b])
     assert m["rl_guard/entropy/mean"] == 1.0 and m["rl_guard/tokens/count"] == n
 
@@ -202,8 +231,13 @@ def test_lag_buckets_custom_edges_negative_and_nonfinite_versions(edges, chunk):
     got = summarize(acc.finish(), lag_edges=edges)[0]
     lag_ok = d["mask"] & torch.isfinite(d["versions"])
     out, samples = reference(np_dict({**d, "mask": lag_ok}), cv=8, edges=edges)
-    check(got, ({k: v for k, v in out.items() if k.startswith("lag/")},
-                {k: v for k, v in samples.items() if k.startswith("lag/")}))
+    check(
+        got,
+        (
+            {k: v for k, v in out.items() if k.startswith("lag/")},
+            {k: v for k, v in samples.items() if k.startswith("lag/")},
+        ),
+    )
     check(got, reference(np_dict({k: v for k, v in d.items() if k != "versions"})))  # the rest: unaffected
     assert got["rl_guard/lag/max"] == 12
 

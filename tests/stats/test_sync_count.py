@@ -40,11 +40,19 @@ def micro_batch(seed: int, packed: bool = False, device="cpu") -> TokenBatch:
     g = torch.Generator().manual_seed(seed)
     B, T = 4, 33
     lp = -torch.rand(B, T, generator=g)
-    d = dict(logprobs=lp, mask=torch.rand(B, T, generator=g) > 0.2, old_logprobs=lp + 0.1 * torch.randn(B, T, generator=g),
-             prox_logprobs=lp + 0.05 * torch.randn(B, T, generator=g), ref_logprobs=lp + 0.1 * torch.randn(B, T, generator=g),
-             entropy=torch.rand(B, T, generator=g), advantages=torch.randn(B, generator=g),
-             versions=torch.randint(0, 4, (B, T), generator=g), current_version=4, rewards=torch.randn(B, generator=g),
-             truncated=torch.rand(B, generator=g) < 0.5)
+    d = dict(
+        logprobs=lp,
+        mask=torch.rand(B, T, generator=g) > 0.2,
+        old_logprobs=lp + 0.1 * torch.randn(B, T, generator=g),
+        prox_logprobs=lp + 0.05 * torch.randn(B, T, generator=g),
+        ref_logprobs=lp + 0.1 * torch.randn(B, T, generator=g),
+        entropy=torch.rand(B, T, generator=g),
+        advantages=torch.randn(B, generator=g),
+        versions=torch.randint(0, 4, (B, T), generator=g),
+        current_version=4,
+        rewards=torch.randn(B, generator=g),
+        truncated=torch.rand(B, generator=g) < 0.5,
+    )
     if packed:
         for k in ("logprobs", "mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "entropy", "versions"):
             d[k] = d[k].reshape(-1)
@@ -117,7 +125,9 @@ def test_whole_guard_steps_sync_only_in_the_one_transfer(tmp_path):
         # go to the host in one multi-tensor copy, there only.
         copies = [e for e in seen["step_done"] if e.site == "state capture"]
         assert [e.op for e in copies] == (["aten._foreach_copy_.default"] if step == SNAPSHOT_STEP else []), (
-            step, [str(e) for e in copies])
+            step,
+            [str(e) for e in copies],
+        )
         assert len(copies) == len(seen["step_done"])
 
 
@@ -153,20 +163,24 @@ def _index(args):
     list(range(args[1].reshape(-1)[:1].long().clamp(0, 2)[0]))  # range(t) goes through __index__
 
 
-@pytest.mark.parametrize("extra, kind, op", [
-    (_mask_select, "data_dependent_shape", "aten.index.Tensor (boolean mask)"),
-    (_equal, "compare", "aten.equal.default"),
-    (_copy_to_host, "device_to_host", "aten.copy_.default"),
-    (_index, "scalar_read", "Tensor.__index__"),
-])
+@pytest.mark.parametrize(
+    "extra, kind, op",
+    [
+        (_mask_select, "data_dependent_shape", "aten.index.Tensor (boolean mask)"),
+        (_equal, "compare", "aten.equal.default"),
+        (_copy_to_host, "device_to_host", "aten.copy_.default"),
+        (_index, "scalar_read", "Tensor.__index__"),
+    ],
+)
 def test_an_injected_sync_inside_observe_is_caught(tmp_path, monkeypatch, extra, kind, op):
     _inject(monkeypatch, "loss_stats", extra)
     loop = Loop(tmp_path)
     steps = loop.run(SyncDetector(), steps=1)
     stray = [e for e in steps[0]["observe"] if e.site is None]
     assert [(e.kind, e.op) for e in stray] == [(kind, op)] * MICRO, [str(e) for e in stray]
-    assert all(e.file.endswith("test_sync_count.py") and e.callers[1] == "patched" and "observe" in e.callers
-               for e in stray)
+    assert all(
+        e.file.endswith("test_sync_count.py") and e.callers[1] == "patched" and "observe" in e.callers for e in stray
+    )
 
 
 def test_an_injected_nonzero_in_a_kernel_is_caught(tmp_path, monkeypatch):
@@ -176,7 +190,8 @@ def test_an_injected_nonzero_in_a_kernel_is_caught(tmp_path, monkeypatch):
     seen = loop.run(SyncDetector(), steps=1)[0]
     stray = [e for e in seen["observe"] + seen["check"] if e.site is None]
     assert stray and {(e.kind, e.op, e.function) for e in stray} == {
-        ("data_dependent_shape", "aten.nonzero.default", "<lambda>")}
+        ("data_dependent_shape", "aten.nonzero.default", "<lambda>")
+    }
     assert all(e.callers[1] == "patched" and "observe" in e.callers for e in stray)
 
 
@@ -195,7 +210,10 @@ def test_a_copy_to_host_from_a_device_tensor_is_caught():
         stats.to("cpu")
         stats.cpu()
     assert [(e.kind, e.op) for e in det.events] == [
-        ("device_to_host", "aten.copy_.default"), ("device_to_host", "Tensor.to(cpu)"), ("host_read", "Tensor.cpu")]
+        ("device_to_host", "aten.copy_.default"),
+        ("device_to_host", "Tensor.to(cpu)"),
+        ("host_read", "Tensor.cpu"),
+    ]
 
 
 def test_a_blocking_copy_from_host_to_a_device_tensor_is_caught():
@@ -219,9 +237,12 @@ def test_a_blocking_copy_from_host_to_a_device_tensor_is_caught():
         device_vector([1.0, 1.0, 2.0], device)
         on_device.to(device)  # already there
     assert [(e.kind, e.op) for e in det.events] == [
-        ("host_to_device", "aten.copy_.default"), ("host_to_device", "aten.copy_.default"),
-        ("host_to_device", "Tensor.to(device)"), ("host_to_device", "torch.tensor(device=...)"),
-        ("host_to_device", "torch.as_tensor(device=...)")]
+        ("host_to_device", "aten.copy_.default"),
+        ("host_to_device", "aten.copy_.default"),
+        ("host_to_device", "Tensor.to(device)"),
+        ("host_to_device", "torch.tensor(device=...)"),
+        ("host_to_device", "torch.as_tensor(device=...)"),
+    ]
 
 
 def test_the_step_transfer_is_recognised_only_inside_to_host():
@@ -232,7 +253,11 @@ def test_the_step_transfer_is_recognised_only_inside_to_host():
         acc.finish()
         acc.pack()[1].cpu().numpy()  # the same calls elsewhere are not the documented transfer
     assert [(e.op, e.site) for e in det.events] == [
-        ("Tensor.cpu", "step transfer"), ("Tensor.numpy", "step transfer"), ("Tensor.cpu", None), ("Tensor.numpy", None)]
+        ("Tensor.cpu", "step transfer"),
+        ("Tensor.numpy", "step transfer"),
+        ("Tensor.cpu", None),
+        ("Tensor.numpy", None),
+    ]
 
 
 def test_a_documented_site_allows_only_its_own_ops():
@@ -246,7 +271,10 @@ def test_a_documented_site_allows_only_its_own_ops():
         counter(torch.tensor([0, 2, 2]), 4)
         torch.bincount(torch.tensor([1]))
     assert [(e.op, e.site) for e in det.events] == [
-        ("aten.bincount.default", "cpu-only bincount"), ("Tensor.item", None), ("aten.bincount.default", None)]
+        ("aten.bincount.default", "cpu-only bincount"),
+        ("Tensor.item", None),
+        ("aten.bincount.default", None),
+    ]
 
 
 @pytest.mark.gpu
@@ -263,6 +291,7 @@ def test_no_sync_on_cuda_under_sync_debug_mode(tmp_path, monkeypatch):
                 return fn(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("error")
+
         return wrapper
 
     monkeypatch.setattr(accumulate, "to_host", allow_syncs("transfer", accumulate.to_host))

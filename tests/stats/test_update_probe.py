@@ -123,7 +123,8 @@ def test_views_follow_a_parameter_given_new_storage():
     got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
     assert got["rl_guard/update/rel"] > 0.5
     assert got["rl_guard/update/param_norm"] == pytest.approx(
-        math.sqrt(sum(float(p.detach().double().square().sum()) for g in groups for p in g)), rel=REL_ERROR / 2)
+        math.sqrt(sum(float(p.detach().double().square().sum()) for g in groups for p in g)), rel=REL_ERROR / 2
+    )
 
 
 def test_a_change_outside_the_optimizer_is_seen_and_a_restore_is_not():
@@ -253,7 +254,7 @@ def test_every_element_is_covered_by_the_integrity_count(corrupt, where):
         elif corrupt == "sign":
             flat[i] = -flat[i]
         elif corrupt == "bit":  # the lowest mantissa bit
-            flat[i:i + 1].view(torch.int32).bitwise_xor_(1)
+            flat[i : i + 1].view(torch.int32).bitwise_xor_(1)
         else:
             flat[i] = flat[i] + 1e-7 * abs(float(flat[i]))
     got = _metrics(probe.pre_step(groups, [0.1, 0.1]))

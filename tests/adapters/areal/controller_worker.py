@@ -27,7 +27,6 @@ from areal.infra.rpc.serialization import deserialize_value, serialize_value  # 
 from areal.utils.environ import is_single_controller  # noqa: E402
 from rank_launch import free_port  # noqa: E402  (tests/ is on the PYTHONPATH test_areal_controller.py gives)
 
-
 GUARD = """version: 1
 sinks: [jsonl]
 rules:
@@ -76,15 +75,29 @@ def main() -> None:
         return r.get_json()
 
     def call(method, *args, **kwargs):
-        out = post("/call", method=method, engine_name="actor/0", args=serialize_value(list(args)),
-                   kwargs=serialize_value(kwargs))
+        out = post(
+            "/call",
+            method=method,
+            engine_name="actor/0",
+            args=serialize_value(list(args)),
+            kwargs=serialize_value(kwargs),
+        )
         return deserialize_value(out.get("result"))
 
     config = PPOActorConfig(
-        experiment_name="rl_guard_areal", trial_name="controller", path=MODEL, dtype="float32",
-        optimizer=OptimizerConfig(type="adam", lr=1e-2, warmup_steps_proportion=0.0), mb_spec=MicroBatchSpec(n_mbs=1),
-        ppo_n_minibatches=1, use_decoupled_loss=True, recompute_logprob=True, attn_impl="sdpa", backend="fsdp:d1",
-        kl_ctl=0.0)
+        experiment_name="rl_guard_areal",
+        trial_name="controller",
+        path=MODEL,
+        dtype="float32",
+        optimizer=OptimizerConfig(type="adam", lr=1e-2, warmup_steps_proportion=0.0),
+        mb_spec=MicroBatchSpec(n_mbs=1),
+        ppo_n_minibatches=1,
+        use_decoupled_loss=True,
+        recompute_logprob=True,
+        attn_impl="sdpa",
+        backend="fsdp:d1",
+        kl_ctl=0.0,
+    )
     # The controller side: rl_guard's PPOTrainer builds the actor as AReaL's PPOTrainer.__init__ would
     # (``_create_train_engine(config.actor, alloc)``; the rest of __init__ needs a scheduler and inference servers,
     # so only the fields that method reads are given). It returns AReaL's PPOActorController, whose engine class is
@@ -101,19 +114,34 @@ def main() -> None:
     os.environ["RL_GUARD_RUN_DIR"] = os.path.join(OUT, "guard")
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.scheduler = None
-    trainer.config = SimpleNamespace(actor=config, experiment_name="e", trial_name="t",
-                                     cluster=SimpleNamespace(fileroot=OUT),
-                                     rollout=SimpleNamespace(max_head_offpolicyness=2))
+    trainer.config = SimpleNamespace(
+        actor=config,
+        experiment_name="e",
+        trial_name="t",
+        cluster=SimpleNamespace(fileroot=OUT),
+        rollout=SimpleNamespace(max_head_offpolicyness=2),
+    )
     controller = trainer._create_train_engine(config, ModelAllocation.from_str("fsdp:d1"))
     assert isinstance(controller, PPOActorController), type(controller)
     engine_path = f"{controller.train_engine.__module__}.{controller.train_engine.__name__}"
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0",
-           **config.scheduling_spec[0].env_vars}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "LOCAL_RANK": "0",
+        **config.scheduling_spec[0].env_vars,
+    }
     for key in ("RL_GUARD_CONFIG", "RL_GUARD_RUN_DIR"):
         del os.environ[key]  # the worker gets them only through /set_env, as a separate process would
     post("/set_env", env=env)
-    post("/create_engine", engine=engine_path, engine_name="actor/0", init_args=serialize_value([]),
-         init_kwargs=serialize_value({"config": config}))
+    post(
+        "/create_engine",
+        engine=engine_path,
+        engine_name="actor/0",
+        init_args=serialize_value([]),
+        init_kwargs=serialize_value({"config": config}),
+    )
     call("create_process_group", parallel_strategy=None)
     call("initialize", None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=4))
     call("set_version", 3)
@@ -126,9 +154,16 @@ def main() -> None:
             mask[:, PROMPT:] = 1
             versions = torch.full((1, L), 2, dtype=torch.int32)
             versions[:, :PROMPT] = -1
-            data.append({"input_ids": torch.randint(4, 14, (1, L), generator=g),
-                         "attention_mask": torch.ones(1, L, dtype=torch.int32), "loss_mask": mask,
-                         "versions": versions, "logprobs": torch.zeros(1, L), "rewards": torch.rand(1, generator=g)})
+            data.append(
+                {
+                    "input_ids": torch.randint(4, 14, (1, L), generator=g),
+                    "attention_mask": torch.ones(1, L, dtype=torch.int32),
+                    "loss_mask": mask,
+                    "versions": versions,
+                    "logprobs": torch.zeros(1, L),
+                    "rewards": torch.rand(1, generator=g),
+                }
+            )
         prox = RTensor.localize(call("compute_logp", data))
         for traj, lp in zip(data, prox):
             traj["logprobs"][:, 1:] = lp[:, :-1] + shift
@@ -146,11 +181,20 @@ def main() -> None:
         proxy_error = None
     except TypeError as exc:
         proxy_error = str(exc)
-    print(json.dumps({"single_controller": is_single_controller(), "engine_path": engine_path,
-                      "proxy_error": proxy_error, "worker_env": sorted(k for k in env if k.startswith("RL_GUARD_")),
-                      "healthy": {k: healthy.get(k) for k in ("step", "skipped", "rl_guard/lag/max",
-                                                              "rl_guard/behave_imp_weight/min")},
-                      "far": {k: far.get(k) for k in ("step", "skipped", "rl_guard/behave_imp_weight/min")}}))
+    print(
+        json.dumps(
+            {
+                "single_controller": is_single_controller(),
+                "engine_path": engine_path,
+                "proxy_error": proxy_error,
+                "worker_env": sorted(k for k in env if k.startswith("RL_GUARD_")),
+                "healthy": {
+                    k: healthy.get(k) for k in ("step", "skipped", "rl_guard/lag/max", "rl_guard/behave_imp_weight/min")
+                },
+                "far": {k: far.get(k) for k in ("step", "skipped", "rl_guard/behave_imp_weight/min")},
+            }
+        )
+    )
     os._exit(0)  # the RPC app's engine thread is not a daemon
 
 

@@ -25,11 +25,18 @@ def test_single_controller_workers_import_and_run_the_guarded_engine(tmp_path):
     from tiny_qwen2 import build
 
     model = build(tmp_path / "model")
-    env = {**os.environ,  # tests/: the worker imports the shared rank_launch helpers
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,  # tests/: the worker imports the shared rank_launch helpers
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("AREAL_SPMD_MODE", None)
-    proc = subprocess.run([sys.executable, str(HERE / "controller_worker.py"), str(model), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=500, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "controller_worker.py"), str(model), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["single_controller"] and out["engine_path"] == "rl_guard.adapters.areal_engine.GuardedFSDPPPOActor"

@@ -35,8 +35,12 @@ def model(tmp_path_factory):
 
 
 def run_ranks(model, out: Path, world: int, phase: str = "train") -> list[dict]:
-    return launch(ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py", [model, out, phase], world,
-                  {"OMP_NUM_THREADS": "1"})
+    return launch(
+        ROOT / "integrations" / "areal_async" / "fsdp_actor_on_cpu.py",
+        [model, out, phase],
+        world,
+        {"OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -61,13 +65,25 @@ def test_real_fsdp_ppo_actor_guarded(model, tmp_path, world):
     # one mini-batch: the current policy is the proximal one -> importance_weight exactly 1
     assert first["importance_healthy"] == [1.0, 1.0]
     assert [(s, r) for s, r, _ in first["incidents"]] == [
-        (2, "behaviour_far"), (2, "behaviour_broken"), (3, "staleness_bound"), (4, "behaviour_far")]
+        (2, "behaviour_far"),
+        (2, "behaviour_broken"),
+        (3, "staleness_bound"),
+        (4, "behaviour_far"),
+    ]
     assert first["snapshot_dir"].startswith("/dev/shm/")
     assert all(r["snapshot_files"] == ["step1", "step4"] for r in ranks)  # no rank freed it under another
     assert not os.path.exists(first["snapshot_dir"])  # RAM freed once the last rank exited
     # the same decisions and weights-level outcomes on every rank
-    keys = ("applied", "rolled_back_to_snapshot", "skipped_unchanged", "steps", "skipped", "rollbacks",
-            "lag_max_stale", "behave_far")
+    keys = (
+        "applied",
+        "rolled_back_to_snapshot",
+        "skipped_unchanged",
+        "steps",
+        "skipped",
+        "rollbacks",
+        "lag_max_stale",
+        "behave_far",
+    )
     for other in ranks[1:]:
         assert {k: other[k] for k in keys} == {k: first[k] for k in keys}
 

@@ -82,5 +82,6 @@ def test_two_rollbacks_restore_the_same_snapshot_through_strategy_load_ckpt(mode
     assert [i for i, ok in enumerate(first["restored"]) if ok] == [0, 3, 6]
     assert (first["steps"], first["rollbacks"]) == (7, 2)
     for other in ranks[1:]:
-        assert {k: other[k] for k in ("offered", "tags", "restored")} == \
-            {k: first[k] for k in ("offered", "tags", "restored")}
+        assert {k: other[k] for k in ("offered", "tags", "restored")} == {
+            k: first[k] for k in ("offered", "tags", "restored")
+        }

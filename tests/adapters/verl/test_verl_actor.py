@@ -67,8 +67,12 @@ def test_verl_actor_drops_faulty_updates_on_every_rank(world, tmp_path, monkeypa
         assert by_fault["nan_reward"]["metrics"]["rl_guard/input/rewards/nonfinite"] == [1.0] * world
     lines = (tmp_path / "run" / "incidents.jsonl").read_text().splitlines()
     fired = [(i["step"], i["rule"], i["action"]) for i in map(json.loads, lines)]
-    assert fired == [(1, "nonfinite_grad", "skip_step"), (3, "nonfinite_rewards", "skip_step"),
-                     (4, "reward_jump", "rollback"), (5, "reward_collapse", "checkpoint_and_halt")], fired
+    assert fired == [
+        (1, "nonfinite_grad", "skip_step"),
+        (3, "nonfinite_rewards", "skip_step"),
+        (4, "reward_jump", "rollback"),
+        (5, "reward_collapse", "checkpoint_and_halt"),
+    ], fired
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*/rank*.pt"))
     assert saved == [f"rank{r}.pt" for r in range(world)], saved
     # verl's own Tracking (tensorboard backend), fed as RayPPOTrainer feeds it, holds the guard's figures

@@ -18,13 +18,13 @@ DOC = REPO / "docs" / "adapters" / "verl.md"
 
 def doc_lines() -> list[str]:
     text = DOC.read_text(encoding="utf-8")
-    block = text[text.index("## Three lines to add\n"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = text[text.index("## Three lines to add\n") :].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.strip().rstrip("\\").strip() for line in block.strip().splitlines()]
 
 
 def script_overrides() -> list[str]:
     src = SCRIPT.read_text(encoding="utf-8")
-    cmd = src[src.index("python3 -m verl.trainer.main_ppo"):].split('"$@"')[0].replace("\\\n", " ")
+    cmd = src[src.index("python3 -m verl.trainer.main_ppo") :].split('"$@"')[0].replace("\\\n", " ")
     cmd = re.sub(r"`#[^`]*`", "", cmd)  # inline comments
     for name, value in {"DATA": "/data", "MODEL": "/model", "RUN_DIR": "/runs/guard", "PWD": "/work"}.items():
         cmd = cmd.replace("$" + name, value)
@@ -46,6 +46,8 @@ def test_recipe_command_composes_with_verls_config():
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=script_overrides())
     assert cfg.actor_rollout_ref.model.external_lib == "rl_guard.adapters.verl"
-    assert dict(cfg.ray_kwargs.ray_init.runtime_env.env_vars) == {"RL_GUARD_CONFIG": "grpo",
-                                                                   "RL_GUARD_RUN_DIR": "/runs/guard"}
+    assert dict(cfg.ray_kwargs.ray_init.runtime_env.env_vars) == {
+        "RL_GUARD_CONFIG": "grpo",
+        "RL_GUARD_RUN_DIR": "/runs/guard",
+    }
     assert cfg.algorithm.adv_estimator == "grpo" and list(cfg.trainer.logger) == ["console", "wandb"]

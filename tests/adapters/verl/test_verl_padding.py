@@ -45,18 +45,30 @@ def padded_batch(gen: torch.Generator) -> TensorDict:
     response_mask = torch.arange(R) < torch.tensor(RESPONSE_LENS).unsqueeze(1)
     attention = torch.cat([prompt_mask, response_mask], dim=1).long()
     input_ids = torch.randint(3, 1000, (b, P + R), generator=gen) * attention
+
     def rng():
         return torch.randn(b, R, generator=gen) * response_mask
 
-    return TensorDict({
-        "prompts": input_ids[:, :P], "responses": input_ids[:, P:], "input_ids": input_ids,
-        "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-        "response_mask": response_mask.long(), "old_log_probs": rng(), "advantages": rng(),
-        "token_level_scores": rng(), "ref_log_prob": rng()}, batch_size=[b])
+    return TensorDict(
+        {
+            "prompts": input_ids[:, :P],
+            "responses": input_ids[:, P:],
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "response_mask": response_mask.long(),
+            "old_log_probs": rng(),
+            "advantages": rng(),
+            "token_level_scores": rng(),
+            "ref_log_prob": rng(),
+        },
+        batch_size=[b],
+    )
 
 
 def nested_batch(gen: torch.Generator, max_response_len: int | None) -> TensorDict:
     """Prompts, responses and per-response fields packed end to end, as verl's padding-free trainer keeps them."""
+
     def jag(lens, fill):
         return torch.nested.as_nested_tensor([fill(n) for n in lens], layout=torch.jagged)
 
@@ -67,11 +79,17 @@ def nested_batch(gen: torch.Generator, max_response_len: int | None) -> TensorDi
         return torch.randn(n, generator=gen)
 
     responses = RESPONSE_LENS  # an empty one among them
-    data = TensorDict({
-        "prompts": jag(PROMPT_LENS, ids), "responses": jag(responses, ids),
-        "response_mask": jag(responses, lambda n: torch.ones(n, dtype=torch.long)),
-        "old_log_probs": jag(responses, floats), "advantages": jag(responses, floats),
-        "rollout_log_probs": jag(responses, floats)}, batch_size=[len(PROMPT_LENS)])
+    data = TensorDict(
+        {
+            "prompts": jag(PROMPT_LENS, ids),
+            "responses": jag(responses, ids),
+            "response_mask": jag(responses, lambda n: torch.ones(n, dtype=torch.long)),
+            "old_log_probs": jag(responses, floats),
+            "advantages": jag(responses, floats),
+            "rollout_log_probs": jag(responses, floats),
+        },
+        batch_size=[len(PROMPT_LENS)],
+    )
     if max_response_len is not None:
         tu.assign_non_tensor_data(data, "max_response_len", max_response_len)
     return data
@@ -132,8 +150,9 @@ def test_token_batch_holds_what_ppo_loss_computes_on_without_host_reads(layout):
     prompt_lens, response_lens = lengths(micro)
     total = sum(prompt_lens) + sum(response_lens)
     output = {"log_probs": model_output(total, gen), "entropy": model_output(total, gen, torch.bfloat16)}
-    fields = ["response_mask", "old_log_probs", "advantages"] + [k for k in ("ref_log_prob", "rollout_log_probs",
-                                                                             "token_level_scores") if k in micro]
+    fields = ["response_mask", "old_log_probs", "advantages"] + [
+        k for k in ("ref_log_prob", "rollout_log_probs", "token_level_scores") if k in micro
+    ]
     expected = micro.select(*fields).to_padded_tensor()  # as ppo_loss pads them
     log_prob, entropy = (no_padding_2_padding(output[k], micro) for k in ("log_probs", "entropy"))
     with HostReads() as reads:

@@ -58,8 +58,15 @@ def test_the_real_classes_attach_and_the_config_is_read_as_verl_reads_it(tmp_pat
     adapter.install(worker, _guard(tmp_path))
     assert "optimizer_step" in vars(worker.engine) and worker.rl_guard is not None
     assert adapter.clip_settings(_config()) == (0.2, 0.28, "token")
-    gspo = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.1,
-                       clip_ratio_low=None, clip_ratio_high=0.0, policy_loss=PolicyLossConfig(loss_mode="gspo"))
+    gspo = ActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.1,
+        clip_ratio_low=None,
+        clip_ratio_high=0.0,
+        policy_loss=PolicyLossConfig(loss_mode="gspo"),
+    )
     assert adapter.clip_settings(gspo) == (0.1, 0.0, "sequence")  # None means clip_ratio; 0.0 is 0.0
 
 
@@ -68,19 +75,42 @@ def _subclass(**body):
 
 
 SEAMS = {  # seam -> (worker, what the error must name)
-    "optimizer_step renamed": (lambda: _worker(_engine(_subclass(optimizer_step=None))),
-                               "FSDPEngine.optimizer_step is missing"),
+    "optimizer_step renamed": (
+        lambda: _worker(_engine(_subclass(optimizer_step=None))),
+        "FSDPEngine.optimizer_step is missing",
+    ),
     "train_batch renamed": (lambda: _worker(_engine(_subclass(train_batch=None))), "FSDPEngine.train_batch is missing"),
-    "save_checkpoint re-signed": (lambda: _worker(_engine(_subclass(save_checkpoint=lambda self, path: None))),
-                                  "no longer takes local_path"),
-    "load_checkpoint re-signed": (lambda: _worker(_engine(_subclass(load_checkpoint=lambda self, path: None))),
-                                  "no longer takes local_path"),
-    "loss re-signed": (lambda: _worker(loss_fn=functools.partial(lambda config, output, data: None, config=_config())),
-                       "no longer takes model_output"),
-    "clip_ratio_low gone": (lambda: _worker(loss_fn=functools.partial(ppo_loss, config=SimpleNamespace(
-        clip_ratio=0.2, clip_ratio_high=0.2, policy_loss=PolicyLossConfig()))), "has no clip_ratio_low"),
-    "loss_mode gone": (lambda: _worker(loss_fn=functools.partial(ppo_loss, config=SimpleNamespace(
-        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, policy_loss=SimpleNamespace()))), "has no loss_mode"),
+    "save_checkpoint re-signed": (
+        lambda: _worker(_engine(_subclass(save_checkpoint=lambda self, path: None))),
+        "no longer takes local_path",
+    ),
+    "load_checkpoint re-signed": (
+        lambda: _worker(_engine(_subclass(load_checkpoint=lambda self, path: None))),
+        "no longer takes local_path",
+    ),
+    "loss re-signed": (
+        lambda: _worker(loss_fn=functools.partial(lambda config, output, data: None, config=_config())),
+        "no longer takes model_output",
+    ),
+    "clip_ratio_low gone": (
+        lambda: _worker(
+            loss_fn=functools.partial(
+                ppo_loss, config=SimpleNamespace(clip_ratio=0.2, clip_ratio_high=0.2, policy_loss=PolicyLossConfig())
+            )
+        ),
+        "has no clip_ratio_low",
+    ),
+    "loss_mode gone": (
+        lambda: _worker(
+            loss_fn=functools.partial(
+                ppo_loss,
+                config=SimpleNamespace(
+                    clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, policy_loss=SimpleNamespace()
+                ),
+            )
+        ),
+        "has no loss_mode",
+    ),
 }
 
 
@@ -144,8 +174,11 @@ def test_an_optimizer_step_after_a_dropped_update_escalates_to_checkpoint_and_ha
         worker.engine.train_batch()
     assert guard.stopped["rule"] == "skip_not_taken"
     last = json.loads((tmp_path / "run" / "incidents.jsonl").read_text().splitlines()[-1])
-    assert (last["rule"], last["decision"], last["escalated_from"]) == ("skip_not_taken", "checkpoint_and_halt",
-                                                                        "skip_step")
+    assert (last["rule"], last["decision"], last["escalated_from"]) == (
+        "skip_not_taken",
+        "checkpoint_and_halt",
+        "skip_step",
+    )
 
 
 class Bypassing(SteppingAnyway):
