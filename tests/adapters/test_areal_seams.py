@@ -93,6 +93,7 @@ def test_grpo_loss_fn_without_a_setting_read_fails_at_attach(tmp_path, monkeypat
 
 
 def test_absent_areal_refuses_unless_allowed_and_then_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RL_GUARD_ALLOW_UNTESTED", raising=False)  # as a user has it by default
     monkeypatch.setattr("rl_guard.adapters.areal.installed", lambda package: None)
     monkeypatch.setattr("rl_guard.versions.installed", lambda package: None)
     with pytest.raises(UnsupportedVersion, match="areal is not installed"):
@@ -103,6 +104,7 @@ def test_absent_areal_refuses_unless_allowed_and_then_says_so(tmp_path, monkeypa
 
 
 def test_outside_the_tested_range_attach_refuses(tmp_path, monkeypatch):
+    monkeypatch.delenv("RL_GUARD_ALLOW_UNTESTED", raising=False)  # as a user has it by default
     monkeypatch.setattr("rl_guard.versions.installed", lambda package: "1.1.0")
     with pytest.raises(UnsupportedVersion, match=r"areal >= 1\.0, < 1\.1; found areal 1\.1\.0"):
         adapter.install(_engine(), _guard(tmp_path))

@@ -142,6 +142,7 @@ def test_without_openrlhfs_module_the_first_experience_is_checked(tmp_path, monk
 
 
 def test_outside_the_tested_range_attach_refuses_unless_allowed(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RL_GUARD_ALLOW_UNTESTED", raising=False)  # as a user has it by default
     monkeypatch.setattr("rl_guard.versions.installed", lambda package: "0.12.0")
     with pytest.raises(UnsupportedVersion, match=r"openrlhf >= 0\.11, < 0\.12; found openrlhf 0\.12\.0"):
         _install(Trainer(tmp_path), tmp_path)

@@ -110,6 +110,7 @@ def test_an_optimizer_without_a_way_to_skip_is_refused():
 
 
 def test_outside_the_tested_range_attach_refuses(monkeypatch):
+    monkeypatch.delenv("RL_GUARD_ALLOW_UNTESTED", raising=False)  # as a user has it by default
     monkeypatch.setattr("rl_guard.versions.installed", lambda package: "0.20.0")
     with pytest.raises(UnsupportedVersion, match=r"deepspeed >= 0\.19, < 0\.20; found deepspeed 0\.20\.0"):
         ds.check_engine(Engine(_zero_optimizer()))
