@@ -80,8 +80,10 @@ def _relock(session: nox.Session, name: str) -> None:
         )
         CONSTRAINTS.mkdir(exist_ok=True)
         header = f"# nox session '{name}' (python {PYTHON}); rewrite with RL_GUARD_RELOCK=1 nox -s {name}\n"
-        # A local build's tag (torch 2.13.0+cpu) is dropped: the pin must resolve on PyPI too.
-        pins = re.sub(r"^([A-Za-z0-9_.-]+==[^+\s]+)\+\S+$", r"\1", frozen, flags=re.MULTILINE)
+        # Requirement lines only (uv reports the environment on stderr, which the run captures too); a local
+        # build's tag (torch 2.13.0+cpu) is dropped: the pin must resolve on PyPI too.
+        lines = [line for line in frozen.splitlines() if re.match(r"^[A-Za-z0-9_.-]+==", line)]
+        pins = re.sub(r"^([A-Za-z0-9_.-]+==[^+\s]+)\+\S+$", r"\1", "\n".join(lines) + "\n", flags=re.MULTILINE)
         (CONSTRAINTS / f"{name}.txt").write_text(header + pins, encoding="utf-8")
 
 
