@@ -53,12 +53,19 @@ FIND_LINKS = _pip_find_links()
 
 
 def _install(
-    session: nox.Session, name: str, *requirements: str, no_deps: bool = False, no_build_isolation: bool = False
+    session: nox.Session,
+    name: str,
+    *requirements: str,
+    no_deps: bool = False,
+    no_build_isolation: bool = False,
+    latest: bool = False,
 ) -> None:
-    constraints = CONSTRAINTS / f"{name}.txt"
+    """``uv pip install`` with the session's constraints (``latest``: none but torch's, and the newest releases)."""
     args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
-    if os.environ.get("RL_GUARD_RELOCK") != "1":
-        args += ["--constraint", str(constraints)]
+    if latest:
+        args.append("--upgrade")
+    elif os.environ.get("RL_GUARD_RELOCK") != "1":
+        args += ["--constraint", str(CONSTRAINTS / f"{name}.txt")]
     if no_deps:
         args.append("--no-deps")
     if no_build_isolation:
@@ -87,18 +94,10 @@ def _relock(session: nox.Session, name: str) -> None:
         (CONSTRAINTS / f"{name}.txt").write_text(header + pins, encoding="utf-8")
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
+def _pytest(session: nox.Session, *paths: str, env: dict | None = None) -> None:
     # CI=true: a skipped test fails unless it is marked gpu and no GPU is present (tests/conftest.py).
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        *paths,
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"},
-    )
+    run_env = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *paths, *session.posargs, env=run_env)
 
 
 @nox.session(python=PYTHON)
@@ -214,38 +213,16 @@ LATEST_ENV = {"RL_GUARD_ALLOW_UNTESTED": "1"}  # attach outside the tested range
 @nox.session(python=PYTHON, default=False)
 def latest(session: nox.Session) -> None:
     """The newest trl, transformers, accelerate, deepspeed, openrlhf and areal against the adapters' tests."""
-    args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
-    session.install(*args, "--upgrade", "-e", ".[dev]", "setuptools", "wheel", "trl", "transformers", "accelerate")
-    session.install(*args, "--upgrade", "--no-deps", "openrlhf", "areal")
-    session.install(*args, "--upgrade", "--no-build-isolation", "deepspeed", env={"DS_BUILD_OPS": "0"})
+    _install(session, "", "-e", ".[dev]", "setuptools", "wheel", "trl", "transformers", "accelerate", latest=True)
+    _install(session, "", "openrlhf", "areal", no_deps=True, latest=True)
+    _install(session, "", "deepspeed", no_build_isolation=True, latest=True)
     session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "tests/adapters",
-        "tests/engines",
-        *(f"--ignore={suite}" for suite in FRAMEWORK_SUITES),
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV},
-    )
+    _pytest(session, "tests/adapters", "tests/engines", *(f"--ignore={s}" for s in FRAMEWORK_SUITES), env=LATEST_ENV)
 
 
 @nox.session(python=PYTHON, default=False)
 def latest_verl(session: nox.Session) -> None:
     """The newest verl against its adapter's tests."""
-    args = [f"--find-links={link}" for link in FIND_LINKS] + ["--constraint", str(CONSTRAINTS / "torch.txt")]
-    session.install(*args, "--upgrade", "-e", ".", "verl", "uvicorn", "fastapi", *TEST_TOOLS)
+    _install(session, "", "-e", ".", "verl", "uvicorn", "fastapi", *TEST_TOOLS, latest=True)
     session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "tests/adapters/verl",
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **LATEST_ENV},
-    )
+    _pytest(session, "tests/adapters/verl", env=LATEST_ENV)

@@ -31,6 +31,7 @@ from .action_names import Action
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
 from .culprits import culprits_for, write_bundle
+from .incident import incident_record
 from .shadow import SnapshotPlan, snapshot_due
 
 
@@ -279,33 +280,17 @@ class Actions:
         g = self.guard
         if g.rank != 0:
             return
-        v = firing.verdict
-        record = {
-            "step": decision.step,
-            "rule": firing.rule.name,
-            "metric": v.metric,
-            "value": v.value,
-            "op": v.op,
-            "threshold": v.threshold,
-            "action": firing.action,
-            "severity": firing.rule.severity,
-            "message": firing.message,
-            "detail": v.detail,
-            "rank": g.rank,
-            "window": firing.window,
-            "checkpoint": ckpt,
-            "time": time.time(),
-            "escalated_from": decision.escalated_from,
-            "decision": decision.action,  # the step's action after precedence (``action`` is this rule's)
-            "restored_to_step": restored_to,  # rollback: the state from before this guard step was restored
-            "escalation_reason": decision.escalation_reason,
-            "culprits": [
-                {k: c[k] for k in ("prompt", "prompt_key", "reward", "family", "value", "nonfinite") if k in c}
-                for c in culprits or []
-            ],
-            "bundle": bundle,
-            "quarantined": [q["prompt"] for q in quarantined or []],
-        }
+        record = incident_record(
+            decision,
+            firing,
+            rank=g.rank,
+            checkpoint=ckpt,
+            time=time.time(),
+            restored_to=restored_to,
+            culprits=culprits,
+            bundle=bundle,
+            quarantined=quarantined,
+        )
         if restored_to is not None and self.further_back:
             record["further_back"] = True  # the fault returned before a new healthy snapshot: one further back
         if self.plan is not None:  # shadow: the run only got this record; ``would`` is what the guard would have done

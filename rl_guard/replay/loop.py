@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..control.config import GuardConfig
 from ..control.controller import Controller
+from ..control.incident import incident_record
 from ..control.shadow import SnapshotPlan
 from .history import History
 
@@ -53,35 +54,10 @@ class Replay:
 
 def incident(decision, firing, restored_to, source: str, after_halt: bool) -> dict:
     """The live ``incidents.jsonl`` record (``control/actions.py``), marked as replayed."""
-    v = firing.verdict
-    return {
-        "step": decision.step,
-        "rule": firing.rule.name,
-        "metric": v.metric,
-        "value": v.value,
-        "op": v.op,
-        "threshold": v.threshold,
-        "action": firing.action,
-        "severity": firing.rule.severity,
-        "message": firing.message,
-        "detail": v.detail,
-        "rank": 0,
-        "window": firing.window,
-        "checkpoint": None,
-        "time": None,
-        "escalated_from": decision.escalated_from,
-        "decision": decision.action,
-        "restored_to_step": restored_to,
-        "escalation_reason": decision.escalation_reason,
-        # the sequences behind a firing are not in a metrics history: the live record and its bundle name them
-        "culprits": [],
-        "bundle": None,
-        "quarantined": [],
-        "replayed": True,
-        "would": firing.action,
-        "source": source,
-        "after_halt": after_halt,
-    }
+    # the sequences behind a firing are not in a metrics history: the live record and its bundle name them
+    record = incident_record(decision, firing, rank=0, checkpoint=None, time=None, restored_to=restored_to)
+    record.update(replayed=True, would=firing.action, source=source, after_halt=after_halt)
+    return record
 
 
 def rule_inputs(controller: Controller, history: History) -> list[RuleInput]:
