@@ -68,4 +68,4 @@ def test_a_skip_deepspeed_does_not_take_is_noticed_and_halts(results, config):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_zero_optimizer_without_check_overflow_is_refused_at_attach(results, config):
     error = results[config]["renamed_error"]
-    assert "has no overflow / check_overflow" in error and "deepspeed >= 0.19, < 0.20" in error
+    assert "has no overflow / check_overflow" in error and "deepspeed >= 0.19.6, < 0.19.7" in error

@@ -11,12 +11,12 @@ import torch
 
 from rl_guard import Guard
 from rl_guard.adapters import deepspeed as ds
-from rl_guard.versions import SeamError, UnsupportedVersion
+from rl_guard.versions import SeamError, UnsupportedVersion, installed
 
 deepspeed = pytest.importorskip("deepspeed")
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 
-CONTEXT = "DeepSpeed 0.19.6, tested with deepspeed >= 0.19, < 0.20"
+CONTEXT = f"DeepSpeed {installed('deepspeed')}, tested with deepspeed >= 0.19.6, < 0.19.7"
 
 
 def _zero_optimizer(cls=DeepSpeedZeroOptimizer):
@@ -111,8 +111,8 @@ def test_an_optimizer_without_a_way_to_skip_is_refused():
 
 def test_outside_the_tested_range_attach_refuses(monkeypatch):
     monkeypatch.delenv("RL_GUARD_ALLOW_UNTESTED", raising=False)  # as a user has it by default
-    monkeypatch.setattr("rl_guard.versions.installed", lambda package: "0.20.0")
-    with pytest.raises(UnsupportedVersion, match=r"deepspeed >= 0\.19, < 0\.20; found deepspeed 0\.20\.0"):
+    monkeypatch.setattr("rl_guard.versions.installed", lambda package: "0.19.8")  # its skip path changed
+    with pytest.raises(UnsupportedVersion, match=r"deepspeed >= 0\.19\.6, < 0\.19\.7; found deepspeed 0\.19\.8"):
         ds.check_engine(Engine(_zero_optimizer()))
 
 
