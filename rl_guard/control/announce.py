@@ -127,13 +127,9 @@ class Announcer:
 
     def summary(self, first_step: int, last_step: int, run_dir) -> list[str]:
         """Steps guarded, actions per rule, and for a stop or halt the reason (adapters add how to resume)."""
-        actions = (
-            ", ".join(f"{rule} {action} x{n}" for (rule, action), n in sorted(self.counts.items()) if action != "warn")
-            or "none"
-        )
-        warnings = (
-            ", ".join(f"{rule} x{n}" for (rule, action), n in sorted(self.counts.items()) if action == "warn") or "none"
-        )
+        counted = sorted(self.counts.items(), key=str)  # str: a shadow record may lack an action
+        actions = ", ".join(f"{rule} {action} x{n}" for (rule, action), n in counted if action != "warn") or "none"
+        warnings = ", ".join(f"{rule} x{n}" for (rule, action), n in counted if action == "warn") or "none"
         lines = [
             f"rl_guard summary: steps {first_step}-{last_step} guarded in this process; since the run began: "
             f"actions {actions}; warnings {warnings}",
