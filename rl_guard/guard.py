@@ -53,7 +53,6 @@ from .errors import InputError
 from .stats import keys, ranks
 from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
-from .stats.culprits import sequence_extremes
 from .stats.engines import HOST_MAX_TOKENS, make_engine
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .stats.kernels import rank_count
@@ -110,8 +109,8 @@ class Guard:
         self.quarantine = Quarantine(config.quarantine["max_share"])
         self.culprit_candidates: dict[str, list[dict]] = {}  # family -> sequences (control/culprits.py)
         self.last_bundle: dict | None = None  # the last incident bundle: path, bytes, seconds to write
-        # this step's most extreme sequences per token family (device) with the adapter's context per micro-batch
-        self.sequence_extremes: list[tuple[dict, object]] = []
+        # this step's micro-batches (detached) with the adapter's context, for culprits if a rule acts
+        self.step_batches: list[tuple[TokenBatch, object]] = []
         self.describe_sequence = None  # adapter: (context, row) -> {"prompt": ..., "completion": ..., ids}
         self.last_metrics: dict[str, float] = {}
         self.last_histograms: dict = {}
@@ -122,6 +121,7 @@ class Guard:
         self._failed_this_step = False
         self._incomplete_step = False  # an observe failed: this rank's statistics for the step are partial
         self._saw_loss = False
+        self._stepped = False  # a step_done in this process (start_at numbers only what comes before it)
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
         # How far each optimizer step moves the weights (every configuration has an update; stats/update.py).
         self.update_probe = UpdateProbe(sharded=config.sharded_grads)
@@ -153,9 +153,13 @@ class Guard:
         if self._sinks is not None:
             raise RuntimeError(f"the run directory is already in use ({self.run_dir}); set it before the first step")
         self.run_dir = Path(run_dir)
+        self._new_rank_parts()
+        return self
+
+    def _new_rank_parts(self) -> None:
+        """The parts built from the run directory and the rank (before anything was recorded)."""
         self.actions = Actions(self)
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
-        return self
 
     # -- wiring ----------------------------------------------------------------------------------------------------
     def attach(self, model, optimizer=None, scheduler=None, **extra) -> Guard:
@@ -165,8 +169,7 @@ class Guard:
             # The process group may start after the guard was built (TRL's GRPOConfig starts it).
             self.rank, self.world_size = ranks.rank_and_world()
             self.controller.rank = self.rank
-            self.actions = Actions(self)
-            self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
+            self._new_rank_parts()
         param = next(iter(model.parameters()), None) if model is not None else None
         if param is not None and self._acc.device is None:
             # A rank that saw no data this step still enters the collectives with tensors on the right device.
@@ -228,8 +231,9 @@ class Guard:
         return self.controller.rollbacks
 
     def start_at(self, step: int) -> None:
-        """Number the next step ``step`` (a trainer resuming or starting at its own count); only before the first."""
-        if self.controller.step == 0:
+        """Number the next step ``step`` (a trainer starting or resuming at its own count, which wins over a loaded
+        state's; the adapter says so when they differ); only before this process's first step."""
+        if not self._stepped:
             self.controller.step = step
 
     def mark_reported_absent(self, metrics) -> None:
@@ -252,7 +256,7 @@ class Guard:
         with self._clock, self.protect("observe"):
             if batch is not None:
                 self._acc.add(self.engine.probe(batch, self.config.lag_buckets))
-                self.sequence_extremes.append((sequence_extremes(batch, self.config.quarantine["culprits"]), context))
+                self.step_batches.append((batch, context))  # reduced only if a rule on a token family acts
             if loss is not None:
                 self._saw_loss = True
                 self._acc.add(self.engine.loss(loss))
@@ -323,12 +327,12 @@ class Guard:
             finally:
                 self._incomplete_step = self._saw_loss = False
                 self._host_metrics = {}
-                extremes, self.sequence_extremes = self.sequence_extremes, []
+                kept, self.step_batches = self.step_batches, []
             metrics.update(self.controller.counters(decision))
             metrics["rl_guard/guard/fired"] = float(len(decision.firings))
             metrics.update(cost)
             self.last_metrics, self.last_histograms, self.last_decision = metrics, hists, decision
-            self.actions.apply(decision, params, defer_restore=defer_restore, extremes=extremes)
+            self.actions.apply(decision, params, defer_restore=defer_restore, kept=kept)
             return decision
 
     def step_done(self) -> None:
@@ -343,6 +347,7 @@ class Guard:
             with self.protect("snapshot"):
                 self.actions.after_step(decision)
             self.controller.step_done(decision)
+            self._stepped = True
             self.last_logged = dict(self.last_metrics)
             self.last_decision = None
 

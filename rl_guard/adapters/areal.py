@@ -61,8 +61,8 @@ import torch
 
 from .. import TokenBatch
 from ..stats.constants import DEFAULT_CLIP_EPS
-from ..versions import ALLOW_UNTESTED, SeamError, check_range, installed, require_attr, require_seam
-from .seams import StepCounter, announce, arguments, halted, where
+from ..versions import ALLOW_UNTESTED, check_range, installed, require_attr, require_seam
+from .seams import DroppedStepCheck, announce, arguments, halted, where
 
 TESTED = {"areal": ("1.0", "1.1")}  # constraints/areal.txt: areal 1.0.4
 # the engine's methods wrapped or called, with the parameters read by name, and the attributes read
@@ -228,9 +228,8 @@ def install(engine, guard, shift_versions: bool = True):
     check_seams(engine)
     guard.attach(engine.model, engine.optimizer, engine.lr_scheduler)
     original_train_batch, original_step = engine.train_batch, engine.optimizer_step
-    steps = StepCounter(engine.optimizer)  # verifies that a dropped update stays dropped
+    check = DroppedStepCheck(engine, guard, "AReaL", describe_tested)  # a dropped update stays dropped
     said: set[str] = set()
-    state: dict = {"gated": False, "skipped_at": None, "decision": None}
 
     def observing(loss_fn):
         def guarded(*args, **kwargs):
@@ -259,35 +258,19 @@ def install(engine, guard, shift_versions: bool = True):
     def train_batch(*args, **kwargs):
         call = inspect.signature(original_train_batch).bind(*args, **kwargs)
         call.arguments["loss_fn"] = observing(call.arguments["loss_fn"])
-        state.update(gated=False, skipped_at=None, decision=None)
+        check.begin()
         out = original_train_batch(*call.args, **call.kwargs)
-        verify_step()
+        check.verify()
         return out
-
-    def verify_step() -> None:
-        if not state["gated"]:
-            raise SeamError(
-                f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
-                f"({describe_tested()}): the update was applied without the guard's check"
-            )
-        skipped_at, decision = state["skipped_at"], state["decision"]
-        if skipped_at is not None and steps.calls != skipped_at:
-            guard.skip_not_taken(
-                decision,
-                "AReaL",
-                f"its optimizer stepped {steps.calls - skipped_at} time(s) "
-                "in the train_batch whose update the guard dropped",
-            )
-            raise halted(guard, decision)
 
     @functools.wraps(original_step)
     def optimizer_step(*args, **kwargs):
-        state["gated"] = True
+        check.gated()
         decision = guard.check()
         if decision.apply_step:
             stats = original_step(*args, **kwargs)
         else:
-            state["skipped_at"], state["decision"] = steps.calls, decision
+            check.dropped(decision)
             engine.optimizer_zero_grad()
             stats = {
                 "update_successful": 0.0,

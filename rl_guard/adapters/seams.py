@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..versions import describe, installed
+from ..versions import SeamError, describe, installed
 
 
 def where(framework: str, package: str, lo: str, hi: str) -> str:
@@ -31,16 +31,45 @@ def arguments(fn, args: tuple, kwargs: dict) -> dict:
     return dict(bound.arguments)
 
 
-class StepCounter:
-    """Counts ``optimizer.step`` calls through a step pre-hook (torch optimizers), so an adapter can verify that the
-    optimizer did not run in a step the guard dropped."""
+class DroppedStepCheck:
+    """Per ``train_batch`` of an engine whose skip goes through the framework (AReaL, verl): that the guard's gate ran,
+    and that the optimizer did not step (``optimizer.step`` counted by a pre-hook) after the guard dropped the update.
+    ``begin`` before the framework's ``train_batch``, ``gated``/``dropped`` in the gate, ``verify`` after it."""
 
-    def __init__(self, optimizer) -> None:
+    def __init__(self, engine, guard, framework: str, where) -> None:
+        self.engine, self.guard, self.framework, self.where = engine, guard, framework, where
         self.calls = 0
-        self._handle = optimizer.register_step_pre_hook(self._count) if optimizer is not None else None
+        self._handle = engine.optimizer.register_step_pre_hook(self._count) if engine.optimizer is not None else None
+        self.begin()
 
     def _count(self, optimizer, args, kwargs) -> None:
         self.calls += 1
+
+    def begin(self) -> None:
+        self.was_gated = False
+        self.skipped_at: int | None = None  # the optimizer's step count when the guard dropped the update
+        self.decision = None
+
+    def gated(self) -> None:
+        self.was_gated = True
+
+    def dropped(self, decision) -> None:
+        self.skipped_at, self.decision = self.calls, decision
+
+    def verify(self) -> None:
+        if not self.was_gated:
+            raise SeamError(
+                f"rl_guard: {type(self.engine).__name__}.train_batch returned without calling optimizer_step "
+                f"({self.where()}): the update was applied without the guard's check"
+            )
+        if self.skipped_at is not None and self.calls != self.skipped_at:
+            self.guard.skip_not_taken(
+                self.decision,
+                self.framework,
+                f"its optimizer stepped {self.calls - self.skipped_at} time(s) "
+                "in the train_batch whose update the guard dropped",
+            )
+            raise halted(self.guard, self.decision)
 
     def remove(self) -> None:
         if self._handle is not None:

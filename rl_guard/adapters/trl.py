@@ -200,13 +200,12 @@ class RLGuardCallback(TrainerCallback):
         """Number guard steps as the trainer does: the step that ends with global_step = n is guard step n."""
         if self.guard.step == 0:
             _ = self.guard.sinks  # started first, so a fresh run is not mistaken for a resumed one
-        self.guard.start_at(state.global_step + 1)
-        if self.guard.step != state.global_step + 1:
+        elif self.guard.step != state.global_step + 1:
             console_logger().warning(
                 f"rl_guard: the saved guard state is at step {self.guard.step}, the trainer at "
                 f"global_step {state.global_step}: the guard follows the trainer"
             )
-            self.guard.controller.step = state.global_step + 1
+        self.guard.start_at(state.global_step + 1)
         _ = self.guard.sinks  # a resumed run: records after the resume step are dropped, none duplicated
 
     def _quiet_printers(self) -> None:

@@ -64,7 +64,7 @@ from .. import TokenBatch
 from ..stats.constants import DEFAULT_CLIP_EPS
 from ..versions import SeamError, check_range, require_attr, require_seam
 from . import CONFIG_ENV, RUN_DIR_ENV
-from .seams import StepCounter, announce, arguments, halted, load_state, save_state, where
+from .seams import DroppedStepCheck, announce, arguments, halted, load_state, save_state, where
 
 TESTED = {"verl": ("0.9", "0.10")}  # constraints/verl.txt: verl 0.9.1
 ENGINE_METHODS = {
@@ -239,17 +239,16 @@ def install(worker, guard):
     if type(engine.module).__name__ == "FullyShardedDataParallel":
         guard.mark_sharded()  # FSDP1 flat parameters: plain tensors, disjoint shards (sum over ranks)
     original_step, original_train = engine.optimizer_step, engine.train_batch
-    steps = StepCounter(engine.optimizer)  # verifies that a dropped update stays dropped
-    state: dict = {"gated": False, "skipped_at": None, "decision": None}
+    check = DroppedStepCheck(engine, guard, "verl", _where)  # a dropped update stays dropped
 
     @functools.wraps(original_step)
     def optimizer_step(*args, **kwargs):
-        state["gated"] = True
+        check.gated()
         decision = guard.check()  # before verl clips: the guard sees the pre-clip gradients
         if decision.apply_step:
             grad_norm = original_step(*args, **kwargs)
         else:  # gradients already dropped by the guard; the optimizer does not run
-            state["skipped_at"], state["decision"] = steps.calls, decision
+            check.dropped(decision)
             engine.optimizer.zero_grad(set_to_none=True)
             grad_norm = guard.last_metrics.get("rl_guard/grad/norm", math.nan)
         guard.step_done()
@@ -259,29 +258,13 @@ def install(worker, guard):
 
     @functools.wraps(original_train)
     def train_batch(*args, **kwargs):
-        state.update(gated=False, skipped_at=None, decision=None)
+        check.begin()
         outputs = original_train(*args, **kwargs)
-        verify_step()
+        check.verify()
         if isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
             # one entry per step, as verl's per-micro-batch metric lists (it gathers them over ranks, then averages)
             outputs["metrics"].update({k: [v] for k, v in guard.last_logged.items()})
         return outputs
-
-    def verify_step() -> None:
-        if not state["gated"]:
-            raise SeamError(
-                f"rl_guard: {type(engine).__name__}.train_batch returned without calling optimizer_step "
-                f"({_where()}): the update was applied without the guard's check"
-            )
-        skipped_at, decision = state["skipped_at"], state["decision"]
-        if skipped_at is not None and steps.calls != skipped_at:
-            guard.skip_not_taken(
-                decision,
-                "verl",
-                f"its optimizer stepped {steps.calls - skipped_at} time(s) in the "
-                "train_batch whose update the guard dropped",
-            )
-            raise halted(guard, decision)
 
     original_save, original_load = engine.save_checkpoint, engine.load_checkpoint
 

@@ -70,13 +70,13 @@ class Actions:
         horizon = self.rollback_horizon(self.guard.step)
         return min(self.snapshots.steps(), default=horizon) < horizon
 
-    def apply(self, decision: Decision, params, defer_restore: bool, extremes: list | None = None) -> None:
+    def apply(self, decision: Decision, params, defer_restore: bool, kept: list | None = None) -> None:
         if decision.firings:  # the samples that led here are worth reading, even after a crash
             with self.guard.protect("audit"):
                 self.guard.diagnostics.flush()
         if self.plan is not None:
             return self._shadow(decision)
-        culprits = self._culprits(decision, extremes or [])
+        culprits = self._culprits(decision, kept or [])
         quarantined = self._quarantine(decision, culprits)
         self._starting_snapshot(decision)
         if decision.skip_step and params is not None:
@@ -100,7 +100,7 @@ class Actions:
         for firing in decision.firings:
             self._incident(decision, firing, ckpt, restored_to, culprits.get(firing.rule.name), bundle, quarantined)
 
-    def _culprits(self, decision: Decision, extremes: list) -> dict[str, list[dict]]:
+    def _culprits(self, decision: Decision, kept: list) -> dict[str, list[dict]]:
         """Per acting rule, the sequences behind it (at most ``quarantine.culprits``): from the adapter's reward
         candidates, or the step's most extreme sequences of the rule's token family (read on the host now)."""
         g, k = self.guard, self.guard.config.quarantine["culprits"]
@@ -111,7 +111,7 @@ class Actions:
             family = token_family(f.verdict.metric)
             with g.protect("culprits"):
                 out[f.rule.name] = (
-                    host_candidates(extremes, family, k, g.describe_sequence)
+                    host_candidates(kept, family, k, g.describe_sequence)
                     if family
                     else culprits_for(f.verdict.metric, g.culprit_candidates)[:k]
                 )

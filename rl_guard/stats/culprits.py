@@ -1,11 +1,11 @@
-"""The few most extreme sequences of a micro-batch per token family, on the device, for naming culprits.
+"""The few most extreme sequences of a micro-batch per token family, for naming culprits.
 
 Per sequence of a padded ``[B, T]`` batch: the largest |log pi_theta - log pi_old| over its tokens (``logratio``), its
 mean k3 KL to the reference (``kl_ref``: exp(d) - 1 - d with d = ref - logprobs), its mean entropy (``entropy``,
-lowest first) and its count of non-finite log-probs (``nonfinite_logprobs``). Of each, the ``k`` most extreme
-(``torch.topk``: values and row indices) stay on the device with the step; nothing is read on the host unless a rule
-acts on that family (``Guard``), so a healthy step pays a few small reductions and no transfer. Packed batches
-(``cu_seqlens``) are not covered.
+lowest first) and its count of non-finite log-probs (``nonfinite_logprobs``); of each, the ``k`` most extreme
+(``torch.topk``). Nothing is computed on a healthy step: the guard keeps the step's (detached) batches until its
+check, and only when a rule on a token family acts are they reduced here and read on the host (``host_candidates``).
+Packed batches (``cu_seqlens``) are not covered.
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ def sequence_extremes(batch, k: int) -> dict[str, tuple[torch.Tensor, torch.Tens
     return out
 
 
-def host_candidates(kept: list[tuple[dict, dict | None]], family: str, k: int, describe) -> list[dict]:
-    """The ``k`` most extreme sequences of ``family`` over the step's micro-batches, read on the host now (a rule
-    acted). ``kept``: per micro-batch, (extremes, the adapter's context); ``describe(context, row)`` -> dict of
-    what the adapter knows of that sequence (ids, text)."""
+def host_candidates(kept: list[tuple[object, object]], family: str, k: int, describe) -> list[dict]:
+    """The ``k`` most extreme sequences of ``family`` over the step's micro-batches, computed and read on the host now
+    (a rule acted). ``kept``: per micro-batch, (its ``TokenBatch``, the adapter's context); ``describe(context, row)``
+    -> dict of what the adapter knows of that sequence (ids, text)."""
     rows = []
-    for mb, (extremes, context) in enumerate(kept):
+    for mb, (batch, context) in enumerate(kept):
+        extremes = sequence_extremes(batch, k)
         if family not in extremes:
             continue
         values, index = (t.tolist() for t in extremes[family])

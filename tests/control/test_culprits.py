@@ -1,5 +1,6 @@
 """Culprits of token families: when a rule acts, the incident names the micro-batch rows that drove it (most extreme
-first), read on the host only then; the incident bundle holds them with what the adapter knows of each row."""
+first), computed and read on the host only then; the incident bundle holds them with what the adapter knows of each
+row."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_sequence_extremes_match_a_float64_reference():
 
 
 def test_host_candidates_merge_micro_batches_most_extreme_first():
-    kept = [(sequence_extremes(_batch([2.0, 0.4, 1.0]), 2), "mb0"), (sequence_extremes(_batch([0.3, 5.0]), 2), "mb1")]
+    kept = [(_batch([2.0, 0.4, 1.0]), "mb0"), (_batch([0.3, 5.0]), "mb1")]
     found = host_candidates(kept, "entropy", 3, lambda ctx, row: {"prompt": f"{ctx}/row{row}"})
     assert [c["prompt"] for c in found] == ["mb1/row0", "mb0/row1", "mb0/row2"]
     assert [round(c["value"], 6) for c in found] == [0.3, 0.4, 1.0]
@@ -69,4 +70,4 @@ def test_an_acting_rule_names_its_culprit_rows_and_writes_a_bundle(tmp_path):
     bundle = json.loads((Path(incident["bundle"]) / "bundle.json").read_text())
     assert [c["prompt"] for c in bundle["rules"][0]["culprits"]] == ["p1", "q0"]
     assert bundle["learning_rates"] == [0.1] and bundle["decision"] == "skip_step"
-    assert guard.sequence_extremes == []  # nothing kept past the step
+    assert guard.step_batches == []  # nothing kept past the step
