@@ -55,7 +55,7 @@ from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
 from .stats.engines import HOST_MAX_TOKENS, make_engine
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
-from .stats.kernels import rank_count
+from .stats.sequences import rank_count
 from .stats.summarize import summarize
 from .stats.update import UpdateProbe, learning_rates
 

@@ -72,7 +72,7 @@ def test_core_imports_no_trainer_framework(name):
 
 
 def test_the_layout_separates_engine_and_control():
-    assert {"rl_guard.stats.kernels", "rl_guard.stats.sketch", "rl_guard.stats.ranks"} <= set(MODULES)
+    assert {"rl_guard.stats.families", "rl_guard.stats.sketch", "rl_guard.stats.ranks"} <= set(MODULES)
     assert {"rl_guard.control.rules", "rl_guard.control.controller", "rl_guard.control.actions"} <= set(MODULES)
     for name in MODULES:
         if name.startswith("rl_guard.stats"):  # the engine knows nothing of rules or actions

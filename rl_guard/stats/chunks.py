@@ -9,11 +9,13 @@ token found from ``cu_seqlens`` on the device.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from . import xp
 from .batch import TokenBatch
 from .on_device import host_to_device
-from .partial import pack
+from .partial import Partial
 
 F64 = torch.float64
 
@@ -139,8 +141,8 @@ class ChunkStats:
     Float sums turn float64 when a second chunk arrives (fp32 counts are exact per chunk, not beyond 2^24 in
     total). ``seq(name)`` is a float64 ``[S]`` (or ``[rows, S]``) accumulator of per-sequence sums."""
 
-    def __init__(self, num_seqs: int, device: torch.device) -> None:
-        self.num_seqs, self.device = num_seqs, device
+    def __init__(self, num_seqs: int, device: torch.device, ops=xp.TORCH) -> None:
+        self.num_seqs, self.device, self.ops = num_seqs, device, ops
         self._pieces: dict[str, list] = {"sum": [], "max": [], "min": []}
         self._cursor: dict[str, int] | None = None
         self._chunks = 0
@@ -155,11 +157,11 @@ class ChunkStats:
     def chunks_done(self) -> None:
         self._cursor = None
 
-    def _add(self, op: str, layout: tuple, t: torch.Tensor) -> None:
+    def _add(self, op: str, layout: tuple, t) -> None:
         pieces = self._pieces[op]
         if self._cursor is None:
             pieces.append([layout, t])
-            return
+            return  # a later chunk (torch only: the numpy host path computes one chunk) merges in place
         i = self._cursor[op]
         self._cursor[op] = i + 1
         piece = pieces[i]
@@ -171,8 +173,8 @@ class ChunkStats:
         else:
             piece[1] = (torch.maximum if op == "max" else torch.minimum)(cur, t)
 
-    def sum(self, name: str, t: torch.Tensor) -> None:
-        self._add("sum", ((name, t.numel() if t.dim() else 1),), t)
+    def sum(self, name: str, t) -> None:
+        self._add("sum", ((name, self.ops.size(t)),), t)
 
     def max(self, name: str, t: torch.Tensor) -> None:
         self._add("max", ((name, 1),), t)
@@ -203,41 +205,57 @@ class ChunkStats:
         """Cell counts of zero-filled values: each histogram's ``n_invalid`` zero fills are taken out of its zero
         cell. ``layout`` is a name, or ``((name, cells), ...)`` for histograms back to back, with ``zero_cells``
         then the index of each one's zero cell (an int64 tensor)."""
+        ops = self.ops
         if isinstance(layout, str):
-            counts[zero_cells : zero_cells + 1].sub_(n_invalid.reshape(1).to(counts.dtype))
-            layout = ((layout, counts.numel()),)
+            counts[zero_cells : zero_cells + 1] -= ops.cast(n_invalid, counts.dtype)
+            layout = ((layout, ops.size(counts)),)
         else:
-            counts.index_add_(0, zero_cells, n_invalid.to(counts.dtype), alpha=-1)
+            ops.add_at(counts, zero_cells, -ops.cast(n_invalid, counts.dtype))
         self._add("sum", layout, counts)
 
-    def total(self, name: str) -> torch.Tensor:
+    def total(self, name: str):
         """The sum so far of the scalar statistic ``name`` (0-d)."""
         return next(t for layout, t in self._pieces["sum"] if layout[0][0] == name).reshape(())
 
-    def seq(self, name: str, rows: int | None = None) -> torch.Tensor:
+    def seq(self, name: str, rows: int | None = None):
         if name not in self._seq:
             shape = (self.num_seqs,) if rows is None else (rows, self.num_seqs)
-            self._seq[name] = torch.zeros(shape, dtype=F64, device=self.device)
+            self._seq[name] = self.ops.zeros(shape, self.ops.f64, self.device)
         return self._seq[name]
 
-    def partial(self):
-        """One ``Partial``: every piece packed into one float64 vector per reduction (sum, max; minima negated),
-        whose views are the named entries. The 0-d pieces are stacked once per reduction, because on a small
-        micro-batch a kernel per statistic would cost more than the statistics."""
-        out = []
-        for op in ("sum", "max", "min"):
-            vectors: list = []
-            scalars: dict[torch.dtype, list] = {}
-            for piece in self._pieces[op]:
-                if piece[1].dim():
-                    vectors.append(piece)
-                else:
-                    scalars.setdefault(piece[1].dtype, []).append(piece)
-            for group in scalars.values():  # stacking mixed dtypes costs several times more than one dtype
-                vectors.append((tuple(e for lay, _ in group for e in lay), torch.stack([t for _, t in group])))
-            out.append(vectors)
-        sums, maxes, mins = out
-        return pack(sums, maxes, mins, self.device)
+    def partial(self) -> Partial:
+        """One packed ``Partial``: every piece in one float64 vector per reduction (sum, max; minima negated), whose
+        views are the named entries. Pieces are grouped by dtype, vectors first (torch concatenates each group at
+        once, and stacks the 0-d pieces, because on a small micro-batch a kernel per statistic would cost more than
+        the statistics); numpy fills one preallocated vector in that same order, so both layouts agree."""
+        (s_lay, s), (m_lay, m), (n_lay, n) = (self._joined(self._pieces[op]) for op in ("sum", "max", "min"))
+        if n_lay:
+            m_lay += tuple(("-" + name, k) for name, k in n_lay)
+            m = torch.cat([m, n.neg_()])
+        return Partial.of_packed((s_lay, m_lay), s, m)
+
+    def _joined(self, pieces: list) -> tuple[tuple, torch.Tensor]:
+        groups: dict = {}
+        for layout, t in sorted(pieces, key=lambda p: self.ops.ndim(p[1]) == 0):  # stable: vectors, then 0-d
+            groups.setdefault(t.dtype, []).append((layout, t))
+        layout = tuple(e for group in groups.values() for lay, _ in group for e in lay)
+        if self.ops is xp.NUMPY:
+            out, at = np.empty(sum(k for _, k in layout)), 0
+            for group in groups.values():
+                for lay, t in group:
+                    k = sum(k for _, k in lay)
+                    out[at : at + k] = t
+                    at += k
+            return layout, torch.from_numpy(out)
+        vectors = []
+        for group in groups.values():
+            parts = [t for _, t in group if t.dim()]
+            scalars = [t for _, t in group if not t.dim()]
+            parts += [torch.stack(scalars)] if scalars else []
+            vectors.append((torch.cat(parts) if len(parts) > 1 else parts[0].clone()).to(F64))
+        if not vectors:
+            return (), torch.zeros(0, dtype=F64, device=self.device)
+        return layout, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
 
 
 def row_layout(names) -> tuple:

@@ -1,9 +1,9 @@
 """The token-statistics engines as objects, chosen by ``stats_engine: auto | eager | compiled``.
 
 - ``eager``: the one definition (``families.chunk_stats``) run chunk by chunk as plain torch operations
-  (``eager.py``). Small CPU micro-batches (up to
-  ``HOST_MAX_TOKENS`` tokens, float32 fields, padded, no policy versions) are computed in place by numpy
-  (``host_engine.py``): the same statistics in the same layout, at a fraction of ~200 torch calls' dispatch cost.
+  (``eager.py``). Small CPU micro-batches (up to ``HOST_MAX_TOKENS`` tokens, float32 fields, padded, no policy
+  versions) run the same functions on numpy views of their tensors (``xp.NUMPY``): the same statistics in the same
+  layout, without ~200 torch calls' dispatch cost.
 - ``compiled``: the same function under ``torch.compile`` (C++ loops on CPU, Triton on CUDA). CPU
   micro-batches under ``COMPILED_CPU_MIN_TOKENS`` tokens stay eager (a compiled call's fixed cost exceeds its gain).
 - ``auto``: ``compiled`` on a CUDA device where Triton is importable (there every eager operation is a kernel
@@ -25,10 +25,9 @@ import warnings
 import torch
 
 from ..errors import InputError
-from . import host_engine
+from . import xp
 from .constants import DEFAULT_LAG_EDGES, STATS_ENGINES
-from .eager import eager_probe, eager_sequence_stats, probe_on_host, sequence_fields, sequence_layout_sample
-from .kernels import loss_stats
+from .eager import eager_loss, eager_probe, eager_sequence_stats, sequence_fields, takes_on_host
 from .partial import Partial
 
 # Measured against the eager engine (benchmarks/stats.py small_batch_ms): 3.0x faster at 64 tokens, 1.5x at 8K;
@@ -42,8 +41,8 @@ def _short(error: BaseException) -> str:
 
 
 class EagerEngine:
-    """``stats_engine: eager``. ``host_max_tokens``: the largest CPU micro-batch numpy computes in place (0: none,
-    every CPU tensor takes the path a GPU's takes)."""
+    """``stats_engine: eager``. ``host_max_tokens``: the largest CPU micro-batch computed by numpy (0: none, every
+    CPU tensor takes the path a GPU's takes)."""
 
     name = "eager"
 
@@ -53,8 +52,8 @@ class EagerEngine:
 
     def probe(self, b, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None) -> Partial:
         """All token-level sufficient statistics of one micro-batch (device tensors, no host sync)."""
-        if chunk_tokens is None and self._host_on() and host_engine.takes(b, self.host_max_tokens):
-            p = self._on_host(lambda: probe_on_host(b, lag_edges))
+        if chunk_tokens is None and self._host_on() and takes_on_host(b, self.host_max_tokens):
+            p = self._on_host(lambda: eager_probe(b, lag_edges, None, ops=xp.NUMPY))
             if p is not None:
                 return p
         return eager_probe(b, lag_edges, chunk_tokens)
@@ -64,14 +63,8 @@ class EagerEngine:
         fields = sequence_fields(lengths, truncated, rewards)
         if not fields:
             return Partial()
-        if self._host_on() and host_engine.takes_sequences(fields, self.host_max_tokens):
-            p = self._on_host(
-                lambda: host_engine.computed(
-                    ("sequences", tuple((name, t.dtype) for name, t in fields.items())),
-                    lambda: eager_sequence_stats(sequence_layout_sample(fields)),
-                    lambda sig: host_engine.sequence_probe(fields, sig),
-                )
-            )
+        if self._host_on() and all(t.device.type == "cpu" for t in fields.values()):
+            p = self._on_host(lambda: eager_sequence_stats(fields, xp.NUMPY))
             if p is not None:
                 return p
         return eager_sequence_stats(fields)
@@ -79,17 +72,17 @@ class EagerEngine:
     def loss(self, loss: torch.Tensor) -> Partial:
         """Sum of the finite micro-batch losses and the count of non-finite ones."""
         if self._host_on() and loss.device.type == "cpu":
-            p = self._on_host(lambda: host_engine.loss_partial(loss))
+            p = self._on_host(lambda: eager_loss(loss, xp.NUMPY))
             if p is not None:
                 return p
-        return loss_stats(Partial(), loss)
+        return eager_loss(loss)
 
     def describe(self, device) -> str:
         """What computes the token statistics on ``device``, in one sentence."""
         if torch.device(device).type == "cpu" and self._host_on():
             return (
                 f"eager (plain torch operations; micro-batches of up to {self.host_max_tokens} tokens computed "
-                "in place by numpy)"
+                "by numpy)"
             )
         return "eager (plain torch operations)"
 
@@ -128,7 +121,7 @@ class CompiledEngine(EagerEngine):
         return self.failure is None and n > 0 and (b.device.type != "cpu" or n >= self.cpu_min_tokens)
 
     def probe(self, b, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None) -> Partial:
-        if chunk_tokens is None and self._host_on() and host_engine.takes(b, self.host_max_tokens):
+        if chunk_tokens is None and self._host_on() and takes_on_host(b, self.host_max_tokens):
             return super().probe(b, lag_edges, chunk_tokens)
         if self.takes(b):
             try:

@@ -46,11 +46,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import keys
+from . import keys, xp
 from .constants import EXP_CLAMP
+from .lags import by_bucket, lag_slot_offset, lag_slots
 from .sketch import LOG_RATIO, cell_index_with, count_cells
-from .token_probes import by_bucket, lag_slot_offset, lag_slots
-from .token_rows import RowPlan, device_constant
+from .token_rows import RowPlan, plan_constant
 
 INF = math.inf
 
@@ -79,9 +79,14 @@ class Static(NamedTuple):
 
 
 def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
+    return _static(plan, token_clip, b.eps_low, b.eps_high, b.versions is not None, b.lengths is None, tuple(edges))
+
+
+@functools.lru_cache(maxsize=64)
+def _static(plan: RowPlan, token_clip: bool, eps_low, eps_high, versions: bool, lengths: bool, edges) -> Static:
     clip_row = plan.clip_row if token_clip else -1
-    lo, hi = math.log1p(-b.eps_low), math.log1p(b.eps_high)
-    lag = "" if b.versions is None else ("cells" if plan.has("ratio") else "counts")
+    lo, hi = math.log1p(-eps_low), math.log1p(eps_high)
+    lag = "" if not versions else ("cells" if plan.has("ratio") else "counts")
     cell_rows = plan.cell_rows
     ratio_cell = cell_rows.index("ratio") if plan.lag_cells else -1
     consts = tuple(
@@ -106,11 +111,11 @@ def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
         lag,
         edges[0],
         edges[-1],
-        b.lengths is None,
+        lengths,
     )
 
 
-def _finite(t: torch.Tensor) -> torch.Tensor:
+def _finite(t):
     """Where ``t`` is finite: ``t - t`` is 0 there and NaN at NaN and +-inf (one vector comparison, where the
     compiler turns ``isnan`` / ``nan_to_num`` into a scalar loop per vector)."""
     return (t - t) == 0
@@ -119,169 +124,192 @@ def _finite(t: torch.Tensor) -> torch.Tensor:
 K3_SERIES = 0.5  # below this |log r| k3 comes from its Taylor series, above from exp
 
 
-def _k3(x: torch.Tensor) -> torch.Tensor:
+def k3(ops, x):
     """k3 = (r - 1) - log r = exp(x) - 1 - x, accurate in float32 for every x: the compiler computes ``expm1`` as
     ``exp(x) - 1``, which cancels for small x, so small |x| use the series x^2/2! + ... + x^10/10! (truncation
     < 1e-9 relative at |x| = 0.5) and larger ones exp(x) - 1 - x (rounding ~1e-6 relative there)."""
-    poly = torch.full_like(x, 1.0 / math.factorial(10))
-    for k in range(9, 1, -1):
+    poly = x * (1.0 / math.factorial(10)) + 1.0 / math.factorial(9)
+    for k in range(8, 1, -1):
         poly = poly * x + 1.0 / math.factorial(k)
-    big = torch.exp(torch.clamp(x, max=EXP_CLAMP)) - 1.0 - x
-    return torch.where(x.abs() < K3_SERIES, poly * x * x, big)
+    big = ops.exp(ops.clamp(x, hi=EXP_CLAMP)) - 1.0 - x
+    return ops.where(ops.abs(x) < K3_SERIES, poly * x * x, big)
 
 
-def _seq_sums(x: torch.Tensor, ids, num_seqs, row_sums=None) -> torch.Tensor:
+def _seq_sums(ops, x, ids, num_seqs, row_sums=None):
     """Per-sequence sums of a ``[r, T]`` token tensor: its row sums (whole padded rows; ``row_sums`` if already
     taken) or, for packed tokens, float64 sums by sequence ``ids``."""
     if ids is None:
         return x.sum(-1) if row_sums is None else row_sums
-    return torch.zeros(num_seqs, dtype=torch.float64, device=x.device).index_add_(0, ids, x.reshape(-1).double())
+    return ops.add_at(ops.zeros((num_seqs,), ops.f64, x.device), ids, x.reshape(-1))
+
+
+def _gate(ops, mask):
+    """(the mask as booleans, 0 where it is set and -inf elsewhere: added to a field, the gate makes the masked-out
+    tokens invalid)."""
+    m = mask if mask.dtype == ops.bool_ else mask != 0
+    return m, ops.where(m, 0.0, -INF)
 
 
 def chunk_stats(
-    lp, mask, ent, adv, prox, old, ref, versions, ids, num_seqs: int, current_version: int, nonfinite_a, *, s: Static
+    lp,
+    mask,
+    ent,
+    adv,
+    prox,
+    old,
+    ref,
+    versions,
+    ids,
+    num_seqs: int,
+    current_version: int,
+    nonfinite_a,
+    *,
+    s: Static,
+    ops,
 ):
     """The statistics of one chunk (inputs ``[r, T]``: whole padded rows; packed chunks ``[1, n]`` with sequence
-    ``ids``), by name (a name is present only when its statistic is computed for these fields: module docstring).
+    ``ids``), by name (a name is present only when its statistic is computed for these fields: module docstring),
+    in the array namespace ``ops`` (``xp.TORCH`` or ``xp.NUMPY``).
 
-    Written field by field on ``[r, T]`` tensors, every reduction first along each row (``_rows``): the compiler
-    then fuses all of them into one loop nest that reads each input once, and the per-sequence sums come out of the
-    same loop. A stacked ``[fields, ...]`` tensor would instead be rebuilt, one branch per field, inside every loop
-    that reads it."""
+    Written field by field on ``[r, T]`` tensors, every reduction first along each row: the compiler then fuses all
+    of them into one loop nest that reads each input once, and the per-sequence sums come out of the same loop. A
+    stacked ``[fields, ...]`` tensor would instead be rebuilt, one branch per field, inside every loop that reads
+    it."""
     shape = lp.shape
-    n = lp.numel()
-    m = mask if mask.dtype == torch.bool else mask != 0
-    gate = torch.where(m, 0.0, -INF)
-    full = lambda t: t if t.shape == shape else t.expand(shape)  # noqa: E731 - per-sequence fields broadcast
-    lpg = full(lp).float() + gate
+    n = ops.size(lp)
+    m, gate = _gate(ops, mask)
+    full = lambda t: ops.expand(t, shape)  # noqa: E731 - per-sequence fields broadcast
+    lpg = ops.cast(full(lp), ops.f32) + gate
     y = {"logp": lpg}
     if ent is not None:
-        y["entropy"] = full(ent).float() + gate
+        y["entropy"] = ops.cast(full(ent), ops.f32) + gate
     if adv is not None:
-        y["adv"] = full(adv).float() + gate
+        y["adv"] = ops.cast(full(adv), ops.f32) + gate
     if prox is not None:
         y["importance_weight"] = lpg - full(prox)
     if old is not None:
         y["ratio"] = lpg - full(old)
-    if prox is not None and old is not None:
+    if prox is not None and old is not None:  # invalid wherever pi/pi_prox or pi/pi_old is: x * 0 is NaN there
         y["behave_imp_weight"] = (
-            torch.sub(full(prox), full(old)).float() + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
+            ops.cast(full(prox) - full(old), ops.f32) + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
         )
     if ref is not None:
         y["kl_ref"] = full(ref) - lpg
     ys = [y[r] for r in s.rows]
     fin = [_finite(t) for t in ys]
-    z = [torch.where(f, t, 0.0) for f, t in zip(fin, ys)]
-    v = [f.float() for f in fin]
+    z = [ops.where(f, t, 0.0) for f, t in zip(fin, ys)]
+    v = [ops.cast(f, ops.f32) for f in fin]
     v_rows = [t.sum(-1) for t in v]
-    counts = torch.stack([t.sum() for t in v_rows])
-    n_mask = m.sum(-1).sum()
+    counts = ops.stack([t.sum() for t in v_rows])
+    n_mask = ops.total(m)
     ext = ys[: s.n_ext]
     out = {
         "tokens": n_mask,
         "counts": counts,
-        "sums": torch.stack([t.sum(-1).sum() for t in z[s.values[0] : s.values[1]]]),
-        "maxes": torch.stack([torch.where(f, t, -INF).amax(-1).amax() for f, t in zip(fin, ext)])
+        "sums": ops.stack([ops.total(t) for t in z[s.values[0] : s.values[1]]]),
+        "maxes": ops.stack([ops.max_where(t, f) for f, t in zip(fin, ext)])
         if n
-        else torch.full((len(ext),), -INF, device=lp.device),  # an empty chunk (an empty batch): no extremes
-        "mins": torch.stack([torch.where(f, t, INF).amin(-1).amin() for f, t in zip(fin, ext)])
+        else ops.full((len(ext),), -INF, ops.f32, lp.device),  # an empty chunk (an empty batch): no extremes
+        "mins": ops.stack([ops.min_where(t, f) for f, t in zip(fin, ext)])
         if n
-        else torch.full((len(ext),), INF, device=lp.device),
+        else ops.full((len(ext),), INF, ops.f32, lp.device),
     }
     if s.lengths:
-        out["lengths"] = _seq_sums(m.int(), ids, num_seqs)
+        out["lengths"] = _seq_sums(ops, ops.cast(m, ops.i32), ids, num_seqs)
     i_adv = s.rows.index("adv") if "adv" in s.rows else -1
     if i_adv >= 0:
-        zd = z[i_adv].double()
-        out["adv_sum"], out["adv_sumsq"] = zd.sum(-1).sum(), (zd * zd).sum(-1).sum()
+        zd = ops.cast(z[i_adv], ops.f64)
+        out["adv_sum"], out["adv_sumsq"] = ops.total(zd), ops.total(zd * zd)
     cells = []
     if s.cells[1]:
         h0 = s.cells[0]
-        cells = [cell_index_with(z[h0 + i], *consts) for i, consts in enumerate(s.cell_consts)]
-        out["hist_cells"], out["hist_invalid"] = tuple(cells[: s.n_hist]), torch.rsub(counts[h0 : h0 + s.n_hist], n)
+        cells = [cell_index_with(ops, z[h0 + i], *consts) for i, consts in enumerate(s.cell_consts)]
+        out["hist_cells"], out["hist_invalid"] = tuple(cells[: s.n_hist]), n - counts[h0 : h0 + s.n_hist]
     r0, k0 = s.log_ratios, s.kl_first
-    k3 = [_k3(t) for t in z[r0:]]  # r - 1 = log r + k3
+    k3s = [k3(ops, t) for t in z[r0:]]  # r - 1 = log r + k3
     if s.n_ratio:
         out["ratio_sums"] = (
-            torch.stack([(t + k).sum(-1).sum() for t, k in zip(z[r0 : r0 + s.n_ratio], k3)])
-            + counts[r0 : r0 + s.n_ratio]
+            ops.stack([ops.total(t + k) for t, k in zip(z[r0 : r0 + s.n_ratio], k3s)]) + counts[r0 : r0 + s.n_ratio]
         )
-    k3 = k3[k0 - r0 :]
-    if k3:
+    k3s = k3s[k0 - r0 :]
+    if k3s:
         if "ratio" in s.rows:
             i = s.rows.index("ratio")
             out["kl_count"] = counts[i : i + 1]
-        per_seq = [_seq_sums(t, ids, num_seqs, rows) for t, rows in zip(v[k0:], v_rows[k0:])]
-        per_seq += [_seq_sums(t, ids, num_seqs) for t in (*z[k0:], *(t * t for t in z[k0:]), *k3)]
-        out["kl_seq"] = torch.stack(per_seq).view(4, len(k3), -1)
-    out["nonfinite"] = (nonfinite_a * torch.cat([n_mask.reshape(1).float(), counts])).sum(1)
+        per_seq = [_seq_sums(ops, t, ids, num_seqs, rows) for t, rows in zip(v[k0:], v_rows[k0:])]
+        per_seq += [_seq_sums(ops, t, ids, num_seqs) for t in (*z[k0:], *(t * t for t in z[k0:]), *k3s)]
+        out["kl_seq"] = ops.stack(per_seq).reshape(4, len(k3s), -1)
+    out["nonfinite"] = (nonfinite_a * ops.cat([ops.cast(n_mask.reshape(1), ops.f32), counts])).sum(1)
     clipped = None
     if i_adv >= 0:
-        sign = torch.sign(z[i_adv])
-        out["adv_zero"] = counts[i_adv] - (sign * sign).sum(-1).sum()
+        sign = ops.sign(z[i_adv])
+        out["adv_zero"] = counts[i_adv] - ops.total(sign * sign)
         if s.clip_row >= 0:
             j = s.clip_row
-            clipped = _clip(out, z[j], sign, s)
-            out["clip_count"] = (v[j] * v[i_adv]).sum(-1).sum()
+            clipped = _clip(ops, out, z[j], sign, s)
+            out["clip_count"] = ops.total(v[j] * v[i_adv])
     if s.lag:
-        lag = (gate - torch.round(full(versions).float())) + current_version
-        fl = _finite(lag)
-        zl = torch.where(fl, lag, 0.0)
-        out["lag_sum"], out["lag_max"] = zl.sum(-1).sum(), torch.where(fl, lag, -INF).amax(-1).amax()
-        slots, slot = _lag_slot(zl, fl, s)
+        zl, fl = _lag(ops, gate, full(versions), current_version)
+        out["lag_sum"], out["lag_max"] = ops.total(zl), ops.max_where(zl, fl)
+        slots, slot = _lag_slot(ops, zl, fl, s)
         if s.lag == "counts":
-            out["lag_slots"] = slot.int() + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False)
+            out["lag_slots"] = ops.cast(slot, ops.i32) + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False)
         else:
             slot = slot + v[s.rows.index("ratio")] * (-2.0 * slots)
             if clipped is not None:
                 slot = slot + clipped * float(slots)
-            offset = slot.int()
+            offset = ops.cast(slot, ops.i32)
             base = lag_slot_offset((s.lag_lo, s.lag_hi), regions=True)
             out["lag_cells"] = cells[s.ratio_cell] + (LOG_RATIO.bins * base - s.ratio_start) + offset * LOG_RATIO.bins
-            out["lag_regions"], out["lag_k3"] = offset + base, k3[0].double()
+            out["lag_regions"], out["lag_k3"] = offset + base, ops.cast(k3s[0], ops.f64)
     return out
 
 
-def _clip(out: dict, z, sign, s: Static) -> torch.Tensor:
+def _clip(ops, out: dict, z, sign, s: Static):
     """PPO's clip regions of the zero-filled log-ratio ``z`` against the advantage ``sign`` (0 where invalid) into
     ``out`` (``clip_low``, ``clip_high``); returns the clipped tokens as 0/1 floats (module docstring)."""
-    clipped = ((z - s.clip_b) * sign > s.clip_a).float()
-    n_clipped = clipped.sum(-1).sum()
-    n_low = (n_clipped - (clipped * sign).sum(-1).sum()) * 0.5  # sum(sign * clipped) = high - low
+    clipped = ops.cast((z - s.clip_b) * sign > s.clip_a, ops.f32)
+    n_clipped = ops.total(clipped)
+    n_low = (n_clipped - ops.total(clipped * sign)) * 0.5  # sum(sign * clipped) = high - low
     out["clip_low"], out["clip_high"] = n_low, n_clipped - n_low
     return clipped
 
 
-def _lag_slot(zl, fl, s: Static):
+def _lag(ops, gate, versions, current_version: int):
+    """(zero-filled lag, its validity): current_version - round(versions), invalid where masked out."""
+    lag = (gate - ops.round(ops.cast(versions, ops.f32))) + current_version
+    fl = _finite(lag)
+    return ops.where(fl, lag, 0.0), fl
+
+
+def _lag_slot(ops, zl, fl, s: Static):
     """(slots, each token's slot offset ``slot - (slots - 1)`` as a float): ``slot`` is the zero-filled lag ``zl``
     clamped into the buckets' range, minus its start; the last slot (offset 0) where the lag is invalid (``fl``)."""
     slots = s.lag_hi - s.lag_lo + 2
-    return slots, (torch.clamp(zl, s.lag_lo, s.lag_hi) - (s.lag_lo + slots - 1)) * fl.float()
+    return slots, (ops.clamp(zl, s.lag_lo, s.lag_hi) - (s.lag_lo + slots - 1)) * ops.cast(fl, ops.f32)
 
 
-def gspo_clip_stats(lp, mask, old, adv, versions, seq_lr, current_version: int, *, s: Static) -> dict:
+def gspo_clip_stats(lp, mask, old, adv, versions, seq_lr, current_version: int, *, s: Static, ops) -> dict:
     """GSPO's sequence-level clipping (a second pass: it needs each sequence's whole log-ratio ``seq_lr``, given per
     token): every valid token of a sequence is clipped by the sequence's ratio and its own advantage's sign.
     Outputs ``clip_count``, ``clip_low``, ``clip_high`` and, with ``versions``, ``lag_clip_slots`` (each clipped
     token's lag slot, the others in an extra last slot)."""
-    m = mask if mask.dtype == torch.bool else mask != 0
-    gate = torch.where(m, 0.0, -INF)
-    shape = lp.shape
-    full = lambda t: t if t.shape == shape else t.expand(shape)  # noqa: E731 - per-sequence fields broadcast
-    fin_lr = _finite((lp.float() + gate) - full(old))
-    a = full(adv).float() + gate
+    _, gate = _gate(ops, mask)
+    full = lambda t: ops.expand(t, lp.shape)  # noqa: E731 - per-sequence fields broadcast
+    fin_lr = _finite((ops.cast(lp, ops.f32) + gate) - full(old))
+    a = ops.cast(full(adv), ops.f32) + gate
     fin_a = _finite(a)
-    out: dict = {"clip_count": (fin_lr & fin_a).float().sum(-1).sum()}
-    clipped = _clip(out, torch.where(fin_lr, full(seq_lr).float(), 0.0), torch.sign(torch.where(fin_a, a, 0.0)), s)
+    out: dict = {"clip_count": ops.total(ops.cast(fin_lr & fin_a, ops.f32))}
+    seq = ops.where(fin_lr, ops.cast(full(seq_lr), ops.f32), 0.0)
+    clipped = _clip(ops, out, seq, ops.sign(ops.where(fin_a, a, 0.0)), s)
     if versions is not None:
-        lag = (gate - torch.round(full(versions).float())) + current_version
-        fl = _finite(lag)
-        slots, slot = _lag_slot(torch.where(fl, lag, 0.0), fl, s)
-        out["lag_clip_slots"] = torch.where(clipped > 0, slot.int() + (slots - 1), slots)
+        zl, fl = _lag(ops, gate, full(versions), current_version)
+        slots, slot = _lag_slot(ops, zl, fl, s)
+        out["lag_clip_slots"] = ops.where(clipped > 0, ops.cast(slot, ops.i32) + (slots - 1), slots)
     return out
 
 
-def probe_gspo_chunk(acc, b, ch, seq_lr, s: Static, lut, nb: int) -> None:
+def probe_gspo_chunk(acc, b, ch, seq_lr, s: Static, lut, nb: int, ops) -> None:
     """``gspo_clip_stats`` of one chunk added to ``acc``; clipped tokens per lag bucket (``lut``: slot -> bucket)."""
     view = ch.block
     out = gspo_clip_stats(
@@ -290,9 +318,10 @@ def probe_gspo_chunk(acc, b, ch, seq_lr, s: Static, lut, nb: int) -> None:
         view(b.old_logprobs),
         view(b.advantages),
         view(b.versions),
-        ch.block(seq_lr, per_seq=True),
+        view(seq_lr, per_seq=True),
         int(b.current_version or 0),
         s=s,
+        ops=ops,
     )
     acc.sum(keys.CLIP.count, out["clip_count"])
     acc.sum(keys.CLIP.low, out["clip_low"])
@@ -302,9 +331,10 @@ def probe_gspo_chunk(acc, b, ch, seq_lr, s: Static, lut, nb: int) -> None:
         acc.sum(keys.LAG.clip, by_bucket(per_slot, lut, nb, 0)[:nb])
 
 
-def kernel(s: Static, compiled: bool):
-    """``chunk_stats`` for one ``Static``: the function itself (the eager engine) or compiled (the compiled one)."""
-    return _compiled(s) if compiled else functools.partial(chunk_stats, s=s)
+def kernel(s: Static, compiled: bool, ops=xp.TORCH):
+    """``chunk_stats`` for one ``Static``: the function itself in the namespace ``ops`` (the eager engine: torch;
+    its host path: numpy) or compiled (the compiled engine)."""
+    return _compiled(s) if compiled else functools.partial(chunk_stats, s=s, ops=ops)
 
 
 @functools.lru_cache(maxsize=32)
@@ -315,15 +345,15 @@ def _compiled(s: Static):
     one."""
     code = chunk_stats.__code__.replace(co_name=f"chunk_stats_{_compiled.cache_info().currsize}")
     fn = types.FunctionType(code, chunk_stats.__globals__, code.co_name)
-    fn.__kwdefaults__ = {"s": s}  # a constant to the compiler (a partial would share one wrapper's code object)
+    fn.__kwdefaults__ = {"s": s, "ops": xp.TORCH}  # constants to the compiler (a partial would share one code object)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool) -> None:
+def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, ops=xp.TORCH) -> None:
     """One chunk's statistics (``chunk_stats``, run as it is or compiled) added to ``acc`` by name, in a fixed
     order: the layout of a micro-batch's ``Partial`` is the same whichever way it ran."""
-    view, device = ch.block, b.device
-    out = kernel(s, compiled)(
+    view = ch.block
+    out = kernel(s, compiled, ops)(
         view(b.logprobs),
         view(b.mask),
         view(b.entropy),
@@ -335,7 +365,7 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool) -> 
         ch.seq_ids() if b.packed else None,
         b.num_seqs,
         int(b.current_version or 0),
-        device_constant("nonfinite", plan, device),
+        plan_constant("nonfinite", plan, ops, b.device),
     )
     names = plan.names
     acc.sum(keys.TOKENS.count, out["tokens"])
@@ -350,16 +380,18 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool) -> 
         acc.sum(keys.ADV.sumsq, out["adv_sumsq"])
     if s.n_hist:  # whole [r, T] outputs keep the compiled loops fused; flattened here (views, or one copy)
         idx = out["hist_cells"]
-        idx = idx[0].reshape(-1) if len(idx) == 1 else torch.cat([t.reshape(-1) for t in idx])
+        idx = idx[0].reshape(-1) if len(idx) == 1 else ops.cat([t.reshape(-1) for t in idx])
         cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[: s.n_hist]))
-        acc.hist(names["hist"], cells, device_constant("hists", plan, device)[5][: s.n_hist], out["hist_invalid"])
+        acc.hist(
+            names["hist"], cells, plan_constant("zero_cells", plan, ops, b.device)[: s.n_hist], out["hist_invalid"]
+        )
     if "ratio_sums" in out:
         acc.sum_rows(names["ratio_sum"], out["ratio_sums"])
     if "kl_count" in out:
         acc.sum_rows(names["kl_count"], out["kl_count"])
     if "kl_seq" in out:
         nk = len(s.rows) - s.kl_first
-        ch.add_seq_sums(acc.seq("kl", 4 * nk).view(4, nk, -1), out["kl_seq"])
+        ch.add_seq_sums(acc.seq("kl", 4 * nk).reshape(4, nk, -1), out["kl_seq"])
     acc.sum_rows(names["nonfinite"], out["nonfinite"])
     if "adv_zero" in out:
         acc.sum(keys.ADV.zero, out["adv_zero"])

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from . import host_engine, keys
-from .cpu_squares import square_sums
+from . import keys
+from .cpu_squares import dot, square_sums
 from .on_device import device_vector
 from .partial import Partial, Scalars
 from .ranks import rank_and_world
@@ -273,7 +273,7 @@ def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[np.ndarray, np.nda
     for g, (lo, hi, r_lo, r_hi) in enumerate(ranges):  # per group: a range of ``flat``, one of ``rest_sq``
         if hi > lo:
             x = flat[lo:hi]
-            per_group[g] = host_engine.dot(x, x)
+            per_group[g] = dot(x, x)
         if r_hi > r_lo:
             per_group[g] += rest_sq[r_lo:r_hi].sum()
     return per_group, (linf[0] if len(linf) == 1 else np.concatenate(linf))

@@ -87,31 +87,3 @@ def _scalar_vector(entries: list, host: bool, device) -> torch.Tensor:
         return torch.zeros(0, dtype=F64, device=device)
     values = [v if torch.is_tensor(v) else torch.tensor(v, dtype=F64) for v in values]
     return host_to_device(torch.stack(values), device, F64)
-
-
-def _joined(parts: list, device) -> tuple[tuple, torch.Tensor]:
-    """``(layout, float64 vector)`` of ``[(layout, tensor)]`` pieces, concatenated one dtype at a time (a
-    concatenation of mixed dtypes costs several times more), so the layout follows the dtype groups."""
-    if not parts:
-        return (), torch.zeros(0, dtype=F64, device=device)
-    groups: dict = {}
-    for layout, t in parts:
-        groups.setdefault(t.dtype, []).append((layout, t))
-    layout, vectors = [], []
-    for dtype, group in groups.items():
-        layout.extend(e for lay, _ in group for e in lay)
-        v = torch.cat([t for _, t in group]) if len(group) > 1 else group[0][1].clone()
-        vectors.append(v if dtype == F64 else v.to(F64))
-    return tuple(layout), (torch.cat(vectors) if len(vectors) > 1 else vectors[0])
-
-
-def pack(sums: list, maxes: list, mins: list, device) -> Partial:
-    """A packed ``Partial`` from ``[(layout, tensor)]`` 1-D pieces (``layout``: ``((name, size), ...)`` covering the
-    tensor's elements in order); minima are negated into the max vector under ``-name``."""
-    sum_layout, s = _joined(sums, device)
-    max_layout, m = _joined(maxes, device)
-    if mins:
-        min_layout, m_min = _joined(mins, device)
-        max_layout += tuple(("-" + n, k) for n, k in min_layout)
-        m = torch.cat([m, m_min.neg_()])
-    return Partial.of_packed((sum_layout, max_layout), s, m)

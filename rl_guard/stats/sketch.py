@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import xp
+
 QUANTILES = (0.01, 0.05, 0.25, 0.50, 0.75, 0.95, 0.99)
 QUANTILE_NAMES = tuple(f"p{round(q * 100):02d}" for q in QUANTILES)
 
@@ -108,38 +110,32 @@ LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=6)  # 2338 cells,
 ENTROPY = SketchSpec(scale=1e-3, max_abs=20.0, mantissa_bits=8)  # 7286 cells, eps 0.39%
 
 
-def cell_index(x: torch.Tensor, spec: SketchSpec, extra: int = 0, out=None) -> torch.Tensor:
-    """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor, plus a constant ``extra`` (several
-    sketches counted in one vector). Values beyond ``max_abs`` (and +-inf) land in the edge cells. ``out``: three
-    buffers shaped like ``x`` (float32, int32, int32) to compute in without allocating."""
-    return cell_index_with(x.float(), spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + extra, out)
+def cell_index(x, spec: SketchSpec, extra: int = 0):
+    """Cell index (int32) in ``[0, bins)`` of every element of a NaN-free tensor or numpy array, plus a constant
+    ``extra`` (several sketches counted in one vector). Values beyond ``max_abs`` (and +-inf) land in the edge
+    cells."""
+    ops = xp.of(x)
+    return cell_index_with(
+        ops, ops.cast(x, ops.f32), spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + extra
+    )
 
 
-def cell_index_with(xf: torch.Tensor, scale, top, shift, base, middle, out=None) -> torch.Tensor:
-    """``cell_index`` of a float32 ``xf`` from a spec's constants: Python numbers, or ``[rows, 1]`` tensors giving
-    each row of ``xf`` its own sketch (``middle`` = ``bins // 2`` plus where that row's cells start)."""
-    a_out, k_out, sign_out = out or (None, None, None)
-    a = torch.abs(xf, out=a_out).add_(scale).clamp_(max=top)
-    k = torch.bitwise_right_shift(a.view(torch.int32), shift, out=k_out)
+def cell_index_with(ops, xf, scale: float, top: float, shift: int, base: int, middle: int):
+    """``cell_index`` of a float32 ``xf`` from a spec's constants, in the array namespace ``ops``."""
+    k = ops.bits(ops.clamp(ops.abs(xf) + scale, hi=top)) >> shift
     # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
-    sign = torch.bitwise_right_shift(xf.view(torch.int32), 31, out=sign_out)
-    return k.sub_(base).bitwise_xor_(sign).add_(middle)
+    return ((k - base) ^ (ops.bits(xf) >> 31)) + middle
 
 
-def cell_index_numpy(x: np.ndarray, scale, top, shift, base, middle) -> np.ndarray:
-    """``cell_index_with`` of float32 numpy values (the host path): the same float32 arithmetic and bit shifts."""
-    a = np.minimum(np.abs(x) + scale, top)
-    k = (a.view(np.int32) >> shift) - base
-    return (k ^ (x.view(np.int32) >> 31)) + middle
-
-
-def count_cells(index: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact counts (int64 ``[size]``) of an index tensor with values in ``[0, size)``; with ``weights``, the sum of
-    the weights that land in each cell instead (float64).
+def count_cells(index, size: int, weights=None):
+    """Exact counts (int64 ``[size]``) of an index tensor (or numpy array) with values in ``[0, size)``; with
+    ``weights``, the sum of the weights that land in each cell instead (float64).
 
     ``bincount`` is the fastest exact counter on CPU, but on CUDA it reads the index maximum on the host to size
     its output (a sync), so other devices use an ``index_add_`` into a fixed-size vector.
     """
+    if not isinstance(index, torch.Tensor):
+        return np.bincount(index, weights=weights, minlength=size)
     if index.device.type == "cpu":
         counts = torch.bincount(index, weights=weights, minlength=size)
         return counts if weights is None else counts.to(torch.float64)

@@ -1,29 +1,25 @@
-"""Which per-token rows a micro-batch has (``RowPlan``), their statistics' names and device constants, and the
-per-sequence finishing of the KL family.
+"""Which per-token rows a micro-batch has (``RowPlan``), their statistics' names and constants.
 
 Rows, in this order (absent fields drop out): ``adv``, ``logp`` (the sampled tokens' log-probs), ``entropy``,
 ``importance_weight`` (log pi/pi_prox), ``behave_imp_weight`` (log pi_prox/pi_behave), ``ratio`` (log pi/pi_old)
 and ``kl_ref`` (log pi_ref/pi). The order makes every group a contiguous block: value sums (logp, entropy),
-extremes (all but kl_ref), histograms (entropy .. ratio, one cell index with per-row constants), log-ratios
-(importance_weight .. kl_ref), KL estimators (ratio, kl_ref). The formulas are ``families.py``'s.
+extremes (all but kl_ref), histograms (entropy .. ratio), log-ratios (importance_weight .. kl_ref), KL estimators
+(ratio, kl_ref). The formulas are ``families.py``'s.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import keys
-from .chunks import ChunkStats, row_layout
+from . import keys, xp
+from .chunks import row_layout
 from .on_device import device_vector, host_to_device
 from .sketch import ENTROPY, LOG_RATIO
 
-F32, F64, I32 = torch.float32, torch.float64, torch.int32
-NEG_INF_BITS = int(np.array(-np.inf, dtype=np.float32).view(np.int32))  # 0xFF800000 as a signed int32
 ROW_ORDER = ("adv", "logp", "entropy", "importance_weight", "behave_imp_weight", "ratio", "kl_ref")
 KL_ROWS = {"ratio": "kl_old", "kl_ref": "kl_ref"}  # the KL family each log-ratio row feeds
 # input/<field>/nonfinite: (field, the row valid before the field is taken into account, the row that adds it)
@@ -146,51 +142,11 @@ def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, version
 
 
 @functools.lru_cache(maxsize=64)
-def device_constant(kind: str, plan: RowPlan | None, device: torch.device):
-    """Small constants built once per device: the nonfinite matrix, the KL estimator scales (k1 = -sum log r,
-    k2 = sum (log r)^2 / 2, k3 = sum k3), the histogram rows' sketch constants."""
-    if kind == "estimators":
-        return device_vector([-1.0, 0.5, 1.0], device).view(3, 1, 1)
-    assert plan is not None  # the other constants are the plan's
+def plan_constant(kind: str, plan: RowPlan, ops, device: torch.device):
+    """A plan's constants, built once per namespace and device: ``nonfinite`` (``nonfinite_matrix``) and
+    ``zero_cells`` (each histogram row's zero cell in the joint count)."""
     if kind == "nonfinite":
-        return host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device)
-    specs, middles = plan.hist_specs, [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
-    col = lambda values, dtype: device_vector(values, device, dtype).view(-1, 1)  # noqa: E731
-    return (
-        col([spec.scale for spec in specs], F32),
-        col([spec.top for spec in specs], F32),
-        col([spec.shift for spec in specs], I32),
-        col([spec.base for spec in specs], I32),
-        col(middles, I32),
-        device_vector(middles, device, torch.int64),
-    )
-
-
-def kl_finish(acc: ChunkStats, plan: RowPlan) -> None:
-    """Per KL family: token sums of k1, k2, k3 (equal to the sums over sequences), the sequence count, and the max
-    over sequences of the per-sequence sums (float64: each sequence's sum was added chunk by chunk)."""
-    fams = plan.kl_families
-    if not fams:
-        return
-    nk = len(fams)
-    seq = acc.seq("kl", 4 * nk).view(4, nk, -1)
-    valid = seq[0] > 0
-    names = plan.names
-    acc.sum_rows(names["seqs"], valid.sum(1))
-    est = seq[1:] * device_constant("estimators", None, seq.device)  # [3, families, S]
-    total = est.sum(2).reshape(-1)
-    acc.sum_rows(names["kl_sum"], total)
-    acc.sum_rows(names["kl_seqsum"], total.clone())
-    if est.shape[2] == 0:
-        top = total.new_full((total.numel(),), -math.inf)
-    else:
-        top = est.masked_fill_(~valid, -math.inf).amax(2).reshape(-1)
-    acc.max_rows(names["kl_seqmax"], top)
-
-
-def seq_log_ratio(acc: ChunkStats, plan: RowPlan):
-    """GSPO sequence log-ratio: mean token log-ratio per sequence, NaN for sequences without a valid token;
-    returns (values [S], validity [S] as 0/1). The ratio row is the first KL row."""
-    seq = acc.seq("kl", 4 * len(plan.kl_families)).view(4, len(plan.kl_families), -1)
-    tokens = seq[0, 0]
-    return seq[1, 0] / tokens, (tokens > 0).to(F64)  # 0 / 0 = NaN marks the empty sequences
+        a = plan.nonfinite_matrix()
+        return a if ops is xp.NUMPY else host_to_device(torch.from_numpy(a), device)
+    middles = [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
+    return np.array(middles, dtype=np.int64) if ops is xp.NUMPY else device_vector(middles, device, torch.int64)

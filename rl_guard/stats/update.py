@@ -62,7 +62,8 @@ import random
 import numpy as np
 import torch
 
-from . import host_engine, keys
+from . import keys
+from .cpu_squares import dot
 from .grads import local_shards, squares
 from .on_device import device_vector
 from .partial import Partial, Scalars
@@ -185,7 +186,7 @@ class _Layout:
         return 0.0 if self.host else torch.zeros((), dtype=F64, device=self.device)
 
     def _dot(self, x, y):
-        return host_engine.dot(x, y) if self.host else torch.dot(x, y)
+        return dot(x, y) if self.host else torch.dot(x, y)
 
     def group_sq(self, a, b, part: int = 2) -> list:
         """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over the group's span: its

@@ -12,7 +12,7 @@ from sync_detector import SyncDetector
 from rl_guard import Guard, glossary
 from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.run import demo_config
-from rl_guard.stats import host_engine
+from rl_guard.stats import families, xp
 
 STEPS = 8
 TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer (rl_guard.stats.accumulate.to_host)
@@ -156,11 +156,11 @@ def test_ratio_is_not_one_with_two_iterations(healthy):
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_ratio_exactly_one_on_policy(grpo_run, tmp_path, monkeypatch, beta):
-    """TRL passes the log-probs themselves as the old ones. Without a reference model (TRL's default, beta=0) the
-    host engine takes its on-policy shortcut for every micro-batch; with one, its general path."""
-    shortcut = []
-    real = host_engine._on_policy_ratio
-    monkeypatch.setattr(host_engine, "_on_policy_ratio", lambda *a: shortcut.append(1) or real(*a))
+    """TRL passes the log-probs themselves as the old ones: the ratio reads exactly 1 and the KL to the old policy
+    0, with a reference model or without (TRL's default, beta=0); every micro-batch takes the numpy host path."""
+    host = []
+    real = families.chunk_stats
+    monkeypatch.setattr(families, "chunk_stats", lambda *a, **k: host.append(k["ops"] is xp.NUMPY) or real(*a, **k))
     run = grpo_run(
         tmp_path,
         4,
@@ -171,7 +171,7 @@ def test_ratio_exactly_one_on_policy(grpo_run, tmp_path, monkeypatch, beta):
     )
     records = run.metrics()
     microbatches = sum(r["rl_guard/tokens/microbatches"] for r in records)
-    assert len(records) == 4 and len(shortcut) == (microbatches if beta == 0 else 0) and microbatches >= 4
+    assert len(records) == 4 and host == [True] * microbatches and microbatches >= 4
     for r in records:
         ratio = {k: v for k, v in r.items() if k.startswith(("rl_guard/ratio/", "rl_guard/seq_ratio/"))}
         assert len(ratio) == 20  # mean, min, max and seven quantiles, per token and per sequence

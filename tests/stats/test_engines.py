@@ -51,10 +51,10 @@ def test_a_compiler_failure_stays_with_its_engine(monkeypatch):
     same process (another guard's) still compiles."""
     real = families.kernel
 
-    def broken(s, compiled):
+    def broken(s, compiled, ops):
         if compiled:
             raise RuntimeError("no compiler here")
-        return real(s, compiled)
+        return real(s, compiled, ops)
 
     b = TokenBatch(**make_padded(0, fields=("old", "adv")))
     want = EagerEngine(host_max_tokens=0).probe(b)

@@ -12,7 +12,7 @@ import functools
 import pytest
 from reference_stats import make_padded, packed_from
 
-from rl_guard.stats import families
+from rl_guard.stats import families, xp
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import CompiledEngine, EagerEngine
 
@@ -83,7 +83,10 @@ def test_kernel_is_the_function_or_its_compiled_copy():
     b = TokenBatch(**make_padded(5, fields=("old", "adv")))
     s = _static(b)
     plain = families.kernel(s, compiled=False)
-    assert isinstance(plain, functools.partial) and plain.func is families.chunk_stats and plain.keywords == {"s": s}
+    assert isinstance(plain, functools.partial) and plain.func is families.chunk_stats
+    assert plain.keywords == {"s": s, "ops": xp.TORCH}
+    on_host = families.kernel(s, compiled=False, ops=xp.NUMPY)
+    assert on_host.func is families.chunk_stats and on_host.keywords == {"s": s, "ops": xp.NUMPY}
 
 
 @pytest.mark.slow

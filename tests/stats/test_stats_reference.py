@@ -18,10 +18,9 @@ from reference_stats import check, make_padded, np_dict, packed_from, reference,
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
+from rl_guard.stats.eager import eager_loss
 from rl_guard.stats.engines import CompiledEngine, EagerEngine
 from rl_guard.stats.grads import param_groups_of, probe_grads
-from rl_guard.stats.kernels import loss_stats
-from rl_guard.stats.partial import Partial
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.sketch import QUANTILE_NAMES
 from rl_guard.stats.summarize import summarize
@@ -251,9 +250,7 @@ def test_grads_and_loss_against_reference():
     acc = StepAccumulator()
     acc.add(probe_grads(param_groups_of(opt), pre_clip_norm=3.0))
     for loss in (torch.tensor(0.5), torch.tensor(0.25)):
-        p = Partial()
-        loss_stats(p, loss)
-        acc.add(p)
+        acc.add(eager_loss(loss))
     got = summarize(acc.finish())[0]
     g = [p.grad.double().numpy().ravel() for p in (a, b, c)]
     # Gradients seen after clipping: grad/norm is the pre-clip norm given, the measured one is grad/norm_postclip.

@@ -19,7 +19,7 @@ from sync_detector import SyncDetector
 
 from rl_guard import Guard
 from rl_guard.control.state import TrainState
-from rl_guard.stats import accumulate, kernels, sketch
+from rl_guard.stats import accumulate, sequences, sketch
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import EagerEngine
 from rl_guard.stats.on_device import device_vector, host_to_device
@@ -132,7 +132,7 @@ def test_whole_guard_steps_sync_only_in_the_one_transfer(tmp_path):
 
 
 # -- the detector is not blind: each kind the earlier Tensor-method counter missed, inside a guard call ----------
-def _inject(monkeypatch, name, extra, module=kernels):
+def _inject(monkeypatch, name, extra, module=sequences):
     """Wrap one kernel the guard calls on every micro-batch so that it also runs ``extra(args)`` (patched in every
     rl_guard module that imported it by name)."""
     original = getattr(module, name)
@@ -147,20 +147,20 @@ def _inject(monkeypatch, name, extra, module=kernels):
 
 
 def _mask_select(args):
-    loss = args[1]
+    loss = args[2]
     loss.reshape(-1)[loss.reshape(-1) > 0]
 
 
 def _equal(args):
-    torch.equal(args[1], args[1])
+    torch.equal(args[2], args[2])
 
 
 def _copy_to_host(args):
-    torch.empty(args[1].shape).copy_(args[1])  # the loss is marked device-side (Loop.run)
+    torch.empty(args[2].shape).copy_(args[2])  # the loss is marked device-side (Loop.run)
 
 
 def _index(args):
-    list(range(args[1].reshape(-1)[:1].long().clamp(0, 2)[0]))  # range(t) goes through __index__
+    list(range(args[2].reshape(-1)[:1].long().clamp(0, 2)[0]))  # range(t) goes through __index__
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,10 @@
-"""Policy-lag buckets: the slots ``families.chunk_stats`` counts tokens in, and their mapping to the configured
-buckets once a micro-batch's chunks are done (``lag_finish``)."""
+"""Policy-lag buckets: the slots ``families.chunk_stats`` counts tokens in, the table from slots to the configured
+buckets (``lag_lut``), and the mapping once a micro-batch's chunks are done (``lag_finish``). Torch only: batches
+with policy versions never take the numpy host path."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -9,7 +12,22 @@ from . import keys
 from .chunks import ChunkStats
 from .sketch import LOG_RATIO
 
-F64 = torch.float64
+
+def lag_lut(edges, device) -> torch.Tensor:
+    """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
+    masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
+    (below ``edges[0]`` -> bucket 0). Built once per edges and device; read only."""
+    return _lag_lut(tuple(edges), torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _lag_lut(edges: tuple, device: torch.device) -> torch.Tensor:
+    lags = torch.arange(edges[0], edges[-1] + 2, device=device)  # built on the device: no host->device copy
+    lut = torch.zeros_like(lags, dtype=torch.int32)
+    for e in edges[1:]:
+        lut += lags >= e
+    lut[-1:].fill_(len(edges))  # not ``lut[-1] = n``: on a GPU that copies n from the host and waits
+    return lut
 
 
 def lag_slots(edges) -> int:
