@@ -131,7 +131,7 @@ def k3(ops, x):
     poly = x * (1.0 / math.factorial(10)) + 1.0 / math.factorial(9)
     for k in range(8, 1, -1):
         poly = poly * x + 1.0 / math.factorial(k)
-    big = ops.exp(ops.clamp(x, hi=EXP_CLAMP)) - 1.0 - x
+    big = ops.exp(ops.clamp(x, None, EXP_CLAMP)) - 1.0 - x
     return ops.where(ops.abs(x) < K3_SERIES, poly * x * x, big)
 
 

@@ -32,11 +32,11 @@ def gated(ops, x):
 
 
 def nan_max(ops, y):  # max of the non-NaN entries (-inf if none)
-    return ops.amax(ops.where(y == y, y, -INF)) if ops.size(y) else ops.full((), -INF, y.dtype, y.device)
+    return ops.max_where(y, y == y) if ops.size(y) else ops.full((), -INF, y.dtype, y.device)
 
 
 def nan_min(ops, y):  # min of the non-NaN entries (+inf if none)
-    return ops.amin(ops.where(y == y, y, INF)) if ops.size(y) else ops.full((), INF, y.dtype, y.device)
+    return ops.min_where(y, y == y) if ops.size(y) else ops.full((), INF, y.dtype, y.device)
 
 
 def value_stats(acc: ChunkStats, ops, name: str, y, v, squares: bool = False):

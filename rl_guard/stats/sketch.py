@@ -122,7 +122,7 @@ def cell_index(x, spec: SketchSpec, extra: int = 0):
 
 def cell_index_with(ops, xf, scale: float, top: float, shift: int, base: int, middle: int):
     """``cell_index`` of a float32 ``xf`` from a spec's constants, in the array namespace ``ops``."""
-    k = ops.bits(ops.clamp(ops.abs(xf) + scale, hi=top)) >> shift
+    k = ops.bits(ops.clamp(ops.abs(xf) + scale, None, top)) >> shift
     # sign >> 31 is -1 for negative x (0 otherwise) and k ^ -1 = -k - 1: the mirrored cell below 0
     return ((k - base) ^ (ops.bits(xf) >> 31)) + middle
 

@@ -1,13 +1,13 @@
 """The array operations the statistics are written in, for torch tensors (``TORCH``) and numpy arrays (``NUMPY``).
 
-The token statistics (``families.py``) and their finishing (``eager.py``) are written once against one of these
-namespaces: arithmetic, comparisons, bit operators, indexing and ``.sum``/``.reshape`` are spelled alike in both
-libraries, and the few operations spelled differently are here. Run with ``TORCH`` they are the eager engine (and,
-under ``torch.compile``, the compiled one); with ``NUMPY`` on CPU tensors read in place, the same statistics for
-small CPU micro-batches, where a torch call's dispatch (a few microseconds) costs more than the arithmetic.
+The token statistics (``families.py``) and the per-sequence ones (``sequences.py``) are written once against one of
+these namespaces: arithmetic, comparisons, bit operators, indexing, ``.sum`` and ``.reshape`` are spelled alike in
+both libraries, and the few operations spelled differently are here. Run with ``TORCH`` they are the eager engine
+(and, under ``torch.compile``, the compiled one); with ``NUMPY`` on CPU tensors read in place, the same statistics
+for small CPU micro-batches, where a torch call's dispatch (a few microseconds) costs more than the arithmetic.
 
-numpy keeps float32 float32 when a Python number joins it (NEP 50, numpy >= 2); only a result built from Python
-numbers alone would be float64, so ``where`` of two numbers gives float32, as torch does.
+numpy (>= 2: NEP 50) keeps float32 float32 when a Python number joins it; only a result made of Python numbers
+alone would be float64, so ``where`` of two numbers gives float32, as torch does.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ INF = math.inf
 
 
 class TorchOps:
-    name = "torch"
-    f32, f64, i32, i64, bool_ = torch.float32, torch.float64, torch.int32, torch.int64, torch.bool
+    f32, f64, i32, bool_ = torch.float32, torch.float64, torch.int32, torch.bool
     where, stack, cat = staticmethod(torch.where), staticmethod(torch.stack), staticmethod(torch.cat)
     exp, abs, sign, round = (
         staticmethod(torch.exp),
@@ -30,161 +29,54 @@ class TorchOps:
         staticmethod(torch.sign),
         staticmethod(torch.round),
     )
-    maximum, minimum = staticmethod(torch.maximum), staticmethod(torch.minimum)
-
-    @staticmethod
-    def cast(t, dtype):
-        return t.to(dtype)
-
-    @staticmethod
-    def clamp(t, lo=None, hi=None):
-        return torch.clamp(t, lo, hi)
-
-    @staticmethod
-    def amax(t, dim=None):
-        return t.amax() if dim is None else t.amax(dim)
-
-    @staticmethod
-    def amin(t, dim=None):
-        return t.amin() if dim is None else t.amin(dim)
-
-    @staticmethod
-    def total(t):
-        """The sum of every element, along each row first: under the compiler every reduction of a chunk then
-        fuses into one loop nest."""
-        return t.sum(-1).sum()
-
-    @staticmethod
-    def max_where(t, valid):
-        """The largest element where ``valid`` (-inf if none), along each row first."""
-        return torch.where(valid, t, -INF).amax(-1).amax()
-
-    @staticmethod
-    def min_where(t, valid):
-        return torch.where(valid, t, INF).amin(-1).amin()
-
-    @staticmethod
-    def size(t) -> int:
-        return t.numel()
-
-    @staticmethod
-    def ndim(t) -> int:
-        return t.dim()
-
-    @staticmethod
-    def full(shape, value, dtype, device):
-        return torch.full(shape, value, dtype=dtype, device=device)
-
-    @staticmethod
-    def zeros(shape, dtype, device):
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    @staticmethod
-    def copy(t):
-        return t.clone()
-
-    @staticmethod
-    def bits(t):
-        """A float32 tensor's bits as int32 (no copy)."""
-        return t.view(torch.int32)
-
-    @staticmethod
-    def expand(t, shape):
-        return t if t.shape == shape else t.expand(shape)
-
-    @staticmethod
-    def add_at(t, index, values):
-        """``t[index] += values`` in place (``index``: distinct positions)."""
-        return t.index_add_(0, index, values.to(t.dtype))
-
-    @staticmethod
-    def to_torch(t):
-        return t
+    cast = staticmethod(lambda t, dtype: t.to(dtype))
+    clamp = staticmethod(lambda t, lo=None, hi=None: torch.clamp(t, lo, hi))
+    amax = staticmethod(lambda t, dim: t.amax(dim))
+    # every reduction along each row first: under the compiler all of a chunk's reductions fuse into one loop nest
+    total = staticmethod(lambda t: t.sum(-1).sum())
+    max_where = staticmethod(lambda t, valid: torch.where(valid, t, -INF).amax(-1).amax())
+    min_where = staticmethod(lambda t, valid: torch.where(valid, t, INF).amin(-1).amin())
+    size = staticmethod(lambda t: t.numel())
+    ndim = staticmethod(lambda t: t.dim())
+    full = staticmethod(lambda shape, value, dtype, device: torch.full(shape, value, dtype=dtype, device=device))
+    zeros = staticmethod(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+    copy = staticmethod(lambda t: t.clone())
+    bits = staticmethod(lambda t: t.view(torch.int32))  # a float32 tensor's bits, no copy
+    expand = staticmethod(lambda t, shape: t if t.shape == shape else t.expand(shape))
+    add_at = staticmethod(lambda t, index, values: t.index_add_(0, index, values.to(t.dtype)))  # distinct index
 
 
-def _f32(x):
-    return np.float32(x) if isinstance(x, float) else x
+def _np_where(c, a, b):
+    if type(a) is float and type(b) is float:
+        a, b = np.float32(a), np.float32(b)
+    return np.where(c, a, b)
+
+
+def _np_add_at(t, index, values):
+    t[index] += values
+    return t
 
 
 class NumpyOps:
-    name = "numpy"
-    f32, f64, i32, i64, bool_ = np.float32, np.float64, np.int32, np.int64, np.bool_
+    f32, f64, i32, bool_ = np.float32, np.float64, np.int32, np.bool_
+    where = staticmethod(_np_where)
+    stack = staticmethod(np.array)  # of equal shapes: ``np.stack``'s result at a fraction of its Python overhead
     cat = staticmethod(np.concatenate)
     exp, abs, sign, round = staticmethod(np.exp), staticmethod(np.abs), staticmethod(np.sign), staticmethod(np.round)
-    maximum, minimum = staticmethod(np.maximum), staticmethod(np.minimum)
-
-    @staticmethod
-    def where(c, a, b):
-        return np.where(c, _f32(a), _f32(b)) if type(a) is float is type(b) else np.where(c, a, b)
-
-    @staticmethod
-    def stack(arrays):
-        return np.array(arrays)  # of equal shapes: ``np.stack``'s result at a fraction of its Python overhead
-
-    @staticmethod
-    def cast(t, dtype):
-        return np.asarray(t).astype(dtype, copy=False)
-
-    @staticmethod
-    def clamp(t, lo=None, hi=None):
-        return np.clip(t, lo, hi)
-
-    @staticmethod
-    def amax(t, dim=None):
-        return np.maximum.reduce(t, dim)
-
-    @staticmethod
-    def amin(t, dim=None):
-        return np.minimum.reduce(t, dim)
-
-    @staticmethod
-    def total(t):
-        return t.sum()
-
-    @staticmethod
-    def max_where(t, valid):
-        return np.maximum.reduce(t, None, where=valid, initial=-INF)
-
-    @staticmethod
-    def min_where(t, valid):
-        return np.minimum.reduce(t, None, where=valid, initial=INF)
-
-    @staticmethod
-    def size(t) -> int:
-        return t.size  # numpy scalars have it too
-
-    @staticmethod
-    def ndim(t) -> int:
-        return t.ndim
-
-    @staticmethod
-    def full(shape, value, dtype, device):
-        return np.full(shape, value, dtype=dtype)
-
-    @staticmethod
-    def zeros(shape, dtype, device):
-        return np.zeros(shape, dtype=dtype)
-
-    @staticmethod
-    def copy(t):
-        return np.array(t)
-
-    @staticmethod
-    def bits(t):
-        return t.view(np.int32)
-
-    @staticmethod
-    def expand(t, shape):
-        return t if t.shape == shape else np.broadcast_to(t, shape)
-
-    @staticmethod
-    def add_at(t, index, values):
-        t[index] += values
-        return t
-
-    @staticmethod
-    def to_torch(t):
-        return torch.from_numpy(np.asarray(t))
+    cast = staticmethod(lambda t, dtype: np.asarray(t).astype(dtype, copy=False))
+    clamp = staticmethod(np.clip)
+    amax = staticmethod(lambda t, dim: np.maximum.reduce(t, dim))
+    total = staticmethod(lambda t: t.sum())
+    max_where = staticmethod(lambda t, valid: np.maximum.reduce(t, None, where=valid, initial=-INF))
+    min_where = staticmethod(lambda t, valid: np.minimum.reduce(t, None, where=valid, initial=INF))
+    size = staticmethod(lambda t: t.size)  # numpy scalars have it too
+    ndim = staticmethod(lambda t: t.ndim)
+    full = staticmethod(lambda shape, value, dtype, device: np.full(shape, value, dtype=dtype))
+    zeros = staticmethod(lambda shape, dtype, device: np.zeros(shape, dtype=dtype))
+    copy = staticmethod(np.array)
+    bits = staticmethod(lambda t: t.view(np.int32))
+    expand = staticmethod(lambda t, shape: t if t.shape == shape else np.broadcast_to(t, shape))
+    add_at = staticmethod(_np_add_at)
 
 
 TORCH, NUMPY = TorchOps(), NumpyOps()
