@@ -236,17 +236,17 @@ class ChunkStats:
 
     def _joined(self, pieces: list) -> tuple[tuple, torch.Tensor]:
         groups: dict = {}
-        for layout, t in sorted(pieces, key=lambda p: self.ops.ndim(p[1]) == 0):  # stable: vectors, then 0-d
+        ndim = self.ops.ndim
+        for layout, t in sorted(pieces, key=lambda p: ndim(p[1]) == 0):  # stable: vectors, then 0-d
             groups.setdefault(t.dtype, []).append((layout, t))
         layout = tuple(e for group in groups.values() for lay, _ in group for e in lay)
-        if self.ops is xp.NUMPY:
-            out, at = np.empty(sum(k for _, k in layout)), 0
+        if self.ops is xp.NUMPY:  # per group: its vectors, then its scalars as one vector
+            parts = []
             for group in groups.values():
-                for lay, t in group:
-                    k = sum(k for _, k in lay)
-                    out[at : at + k] = t
-                    at += k
-            return layout, torch.from_numpy(out)
+                parts += [t.ravel() for _, t in group if t.ndim]
+                scalars = [t for _, t in group if not t.ndim]
+                parts += [np.array(scalars, dtype=np.float64)] if scalars else []
+            return layout, torch.from_numpy(np.concatenate(parts, dtype=np.float64) if parts else np.zeros(0))
         vectors = []
         for group in groups.values():
             parts = [t for _, t in group if t.dim()]

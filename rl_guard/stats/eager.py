@@ -112,7 +112,7 @@ def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool, ops) -> Parti
     kl_finish(acc, ops, plan)
     if b.old_logprobs is not None:
         s_lr, s_ok = seq_log_ratio(acc, ops, plan)
-        ratio_stats(acc, ops, "seq_ratio", s_lr, s_ok)
+        ratio_stats(acc, ops, "seq_ratio", s_lr, s_ok, zero=static.zero_ratio >= 0)
         if seq_clip and b.advantages is not None:
             for ch in parts:
                 families.probe_gspo_chunk(acc, b, ch, s_lr, static, lut, len(lag_edges), ops)

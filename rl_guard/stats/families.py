@@ -1,8 +1,9 @@
 """Every token family's per-chunk sufficient statistics, defined once: ``chunk_stats``, a pure function of one
-chunk's inputs returning named outputs. The eager engine runs it as it is, the compiled engine under
-``torch.compile`` (C++ loops on CPU, Triton on CUDA: a few fused loops that read each input once or twice);
-``probe_chunk`` adds its outputs to a ``ChunkStats`` by name, in one order, so either way a micro-batch has the same
-statistics layout (ranks and micro-batches of both engines merge).
+chunk's inputs returning named outputs, written in an array namespace (``xp.py``). The eager engine runs it as it
+is on torch tensors, its host path on numpy views of small CPU batches, the compiled engine under ``torch.compile``
+(C++ loops on CPU, Triton on CUDA: a few fused loops that read each input once or twice); ``probe_chunk`` adds its
+outputs to a ``ChunkStats`` by name, in one order, so any way a micro-batch has the same statistics layout (ranks and
+micro-batches of every engine merge).
 
 A token is valid for a row when its mask is 1 and every input the row is made of is finite: the mask's gate (0 or
 -inf) is added to the log-probs and every log-ratio is a difference with them, so a row is non-finite exactly where
@@ -20,7 +21,7 @@ its token is invalid. The families and their outputs:
   each row's zero cell.
 - ratio families: ``ratio_sums``, sum r = sum (log r + k3) + count (r - 1 = log r + k3: no cancellation at r ~ 1).
 - KL (kl_old on the ratio row, kl_ref): ``kl_count`` (kl_old's), ``kl_seq``, the per-sequence sums ``[4, rows, S]``
-  of (valid tokens, log r, (log r)^2, k3) from which ``token_rows.kl_finish`` takes k1 = -log r,
+  of (valid tokens, log r, (log r)^2, k3) from which ``sequences.kl_finish`` takes k1 = -log r,
   k2 = (log r)^2 / 2 and k3 = (r - 1) - log r per token and per sequence.
 - clip (PPO, token level): ``clip_count``, ``clip_low``, ``clip_high``. With s = sign(A) both regions are one
   comparison, s * (log r - b) > a, where a -+ b are the two log thresholds (a > |b|: a zero-filled log-ratio or
@@ -28,13 +29,14 @@ its token is invalid. The families and their outputs:
 - lag: ``lag_sum``, ``lag_max`` of current_version - round(versions), and per token a slot (the lag clamped into the
   buckets' range, or the last slot when invalid): ``lag_slots`` without a log-ratio, else ``lag_cells`` (the ratio
   row's cell plus bins x (slot + slots x region), region 0 valid, 1 valid and clipped, 2 invalid ratio),
-  ``lag_regions`` and ``lag_k3``, mapped to buckets by ``token_probes.lag_finish``.
+  ``lag_regions`` and ``lag_k3``, mapped to buckets by ``lags.lag_finish``.
 
-Written for the compiler, which also suits the eager run: per field on ``[r, T]`` tensors, finiteness as
-``t - t == 0`` and k3 from its series below |log r| = 0.5 (the compiler turns ``isnan`` into a scalar loop and
-``expm1`` into ``exp(x) - 1``, which cancels in float32). A compile costs ~10-30 s, once per process and combination
-of fields and dtypes (shapes are dynamic); which micro-batches are compiled, and the fallback to running the function
-as it is after a failure, are the engine object's (``engines.CompiledEngine``).
+Written for the compiler, which also suits the eager run: per field on ``[r, T]`` tensors (per-sequence fields
+``[r, 1]`` broadcast), finiteness as ``t - t == 0`` under torch (``xp.py``), and k3 from its series below |log r| =
+0.5 (the compiler turns ``expm1`` into ``exp(x) - 1``, which cancels in float32, and ``expm1(x) - x`` cancels in any
+library). A compile costs ~10-30 s, once per process and combination of fields and dtypes (shapes are dynamic);
+which micro-batches are compiled, and the fallback to running the function as it is after a failure, are the engine
+object's (``engines.CompiledEngine``).
 """
 
 from __future__ import annotations
@@ -76,14 +78,29 @@ class Static(NamedTuple):
     lag_lo: int
     lag_hi: int
     lengths: bool  # per-sequence mask counts wanted (the batch gives no lengths)
+    zero_ratio: int  # the ratio row's index when it is known to be +0 wherever valid (``same_old``), else -1
 
 
 def static_of(plan: RowPlan, b, token_clip: bool, edges) -> Static:
-    return _static(plan, token_clip, b.eps_low, b.eps_high, b.versions is not None, b.lengths is None, tuple(edges))
+    args = (b.eps_low, b.eps_high, b.versions is not None, b.lengths is None, tuple(edges), same_old(b))
+    return _static(plan, token_clip, *args)
+
+
+def same_old(b) -> bool:
+    """Whether the old log-probs are the log-probs themselves (TRL's default, one pass per rollout batch: it passes
+    the detached log-probs): then every valid log-ratio log pi - log pi_old is exactly +0, so its k3 (+0) and sketch
+    cells (the zero cell) are known, the same bits the general formulas give, without computing them."""
+    old, lp = b.old_logprobs, b.logprobs
+    return old is not None and (old.data_ptr(), old.stride(), old.shape, old.dtype) == (
+        lp.data_ptr(),
+        lp.stride(),
+        lp.shape,
+        lp.dtype,
+    )
 
 
 @functools.lru_cache(maxsize=64)
-def _static(plan: RowPlan, token_clip: bool, eps_low, eps_high, versions: bool, lengths: bool, edges) -> Static:
+def _static(plan, token_clip: bool, eps_low, eps_high, versions: bool, lengths: bool, edges, same: bool) -> Static:
     clip_row = plan.clip_row if token_clip else -1
     lo, hi = math.log1p(-eps_low), math.log1p(eps_high)
     lag = "" if not versions else ("cells" if plan.has("ratio") else "counts")
@@ -112,13 +129,8 @@ def _static(plan: RowPlan, token_clip: bool, eps_low, eps_high, versions: bool, 
         edges[0],
         edges[-1],
         lengths,
+        plan.at("ratio") if same else -1,
     )
-
-
-def _finite(t):
-    """Where ``t`` is finite: ``t - t`` is 0 there and NaN at NaN and +-inf (one vector comparison, where the
-    compiler turns ``isnan`` / ``nan_to_num`` into a scalar loop per vector)."""
-    return (t - t) == 0
 
 
 K3_SERIES = 0.5  # below this |log r| k3 comes from its Taylor series, above from exp
@@ -175,28 +187,26 @@ def chunk_stats(
     of them into one loop nest that reads each input once, and the per-sequence sums come out of the same loop. A
     stacked ``[fields, ...]`` tensor would instead be rebuilt, one branch per field, inside every loop that reads
     it."""
-    shape = lp.shape
     n = ops.size(lp)
     m, gate = _gate(ops, mask)
-    full = lambda t: ops.expand(t, shape)  # noqa: E731 - per-sequence fields broadcast
-    lpg = ops.cast(full(lp), ops.f32) + gate
+    lpg = ops.cast(lp, ops.f32) + gate
     y = {"logp": lpg}
     if ent is not None:
-        y["entropy"] = ops.cast(full(ent), ops.f32) + gate
+        y["entropy"] = ops.cast(ent, ops.f32) + gate
     if adv is not None:
-        y["adv"] = ops.cast(full(adv), ops.f32) + gate
+        y["adv"] = ops.cast(adv, ops.f32) + gate
     if prox is not None:
-        y["importance_weight"] = lpg - full(prox)
+        y["importance_weight"] = lpg - prox
     if old is not None:
-        y["ratio"] = lpg - full(old)
+        y["ratio"] = lpg - old
     if prox is not None and old is not None:  # invalid wherever pi/pi_prox or pi/pi_old is: x * 0 is NaN there
         y["behave_imp_weight"] = (
-            ops.cast(full(prox) - full(old), ops.f32) + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
+            ops.cast(prox - old, ops.f32) + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
         )
     if ref is not None:
-        y["kl_ref"] = full(ref) - lpg
+        y["kl_ref"] = ref - lpg
     ys = [y[r] for r in s.rows]
-    fin = [_finite(t) for t in ys]
+    fin = [ops.finite(t) for t in ys]
     z = [ops.where(f, t, 0.0) for f, t in zip(fin, ys)]
     v = [ops.cast(f, ops.f32) for f in fin]
     v_rows = [t.sum(-1) for t in v]
@@ -223,10 +233,15 @@ def chunk_stats(
     cells = []
     if s.cells[1]:
         h0 = s.cells[0]
-        cells = [cell_index_with(ops, z[h0 + i], *consts) for i, consts in enumerate(s.cell_consts)]
+        cells = [
+            ops.full(z[h0 + i].shape, consts[4], ops.i32, lp.device)  # the zero cell (``same_old``)
+            if h0 + i == s.zero_ratio
+            else cell_index_with(ops, z[h0 + i], *consts)
+            for i, consts in enumerate(s.cell_consts)
+        ]
         out["hist_cells"], out["hist_invalid"] = tuple(cells[: s.n_hist]), n - counts[h0 : h0 + s.n_hist]
     r0, k0 = s.log_ratios, s.kl_first
-    k3s = [k3(ops, t) for t in z[r0:]]  # r - 1 = log r + k3
+    k3s = [t if r0 + i == s.zero_ratio else k3(ops, t) for i, t in enumerate(z[r0:])]  # r - 1 = log r + k3
     if s.n_ratio:
         out["ratio_sums"] = (
             ops.stack([ops.total(t + k) for t, k in zip(z[r0 : r0 + s.n_ratio], k3s)]) + counts[r0 : r0 + s.n_ratio]
@@ -249,7 +264,7 @@ def chunk_stats(
             clipped = _clip(ops, out, z[j], sign, s)
             out["clip_count"] = ops.total(v[j] * v[i_adv])
     if s.lag:
-        zl, fl = _lag(ops, gate, full(versions), current_version)
+        zl, fl = _lag(ops, gate, versions, current_version)
         out["lag_sum"], out["lag_max"] = ops.total(zl), ops.max_where(zl, fl)
         slots, slot = _lag_slot(ops, zl, fl, s)
         if s.lag == "counts":
@@ -278,7 +293,7 @@ def _clip(ops, out: dict, z, sign, s: Static):
 def _lag(ops, gate, versions, current_version: int):
     """(zero-filled lag, its validity): current_version - round(versions), invalid where masked out."""
     lag = (gate - ops.round(ops.cast(versions, ops.f32))) + current_version
-    fl = _finite(lag)
+    fl = ops.finite(lag)
     return ops.where(fl, lag, 0.0), fl
 
 
@@ -295,15 +310,14 @@ def gspo_clip_stats(lp, mask, old, adv, versions, seq_lr, current_version: int, 
     Outputs ``clip_count``, ``clip_low``, ``clip_high`` and, with ``versions``, ``lag_clip_slots`` (each clipped
     token's lag slot, the others in an extra last slot)."""
     _, gate = _gate(ops, mask)
-    full = lambda t: ops.expand(t, lp.shape)  # noqa: E731 - per-sequence fields broadcast
-    fin_lr = _finite((ops.cast(lp, ops.f32) + gate) - full(old))
-    a = ops.cast(full(adv), ops.f32) + gate
-    fin_a = _finite(a)
+    fin_lr = ops.finite((ops.cast(lp, ops.f32) + gate) - old)
+    a = ops.cast(adv, ops.f32) + gate
+    fin_a = ops.finite(a)
     out: dict = {"clip_count": ops.total(ops.cast(fin_lr & fin_a, ops.f32))}
-    seq = ops.where(fin_lr, ops.cast(full(seq_lr), ops.f32), 0.0)
+    seq = ops.where(fin_lr, ops.cast(seq_lr, ops.f32), 0.0)
     clipped = _clip(ops, out, seq, ops.sign(ops.where(fin_a, a, 0.0)), s)
     if versions is not None:
-        zl, fl = _lag(ops, gate, full(versions), current_version)
+        zl, fl = _lag(ops, gate, versions, current_version)
         slots, slot = _lag_slot(ops, zl, fl, s)
         out["lag_clip_slots"] = ops.where(clipped > 0, ops.cast(slot, ops.i32) + (slots - 1), slots)
     return out

@@ -43,7 +43,7 @@ _FIELDS = (
     "prev_param_sq",  # update probe (stats/update.py)
     "slots",
     "cells",
-    "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/token_probes.py)
+    "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/lags.py)
 )
 
 

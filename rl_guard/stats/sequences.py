@@ -18,7 +18,7 @@ import torch
 
 from . import keys, xp
 from .chunks import ChunkStats
-from .families import INF, _finite, k3
+from .families import INF, k3
 from .on_device import device_vector
 from .partial import Partial
 from .sketch import LOG_RATIO, cell_index, count_cells
@@ -27,7 +27,7 @@ from .token_rows import RowPlan
 
 def gated(ops, x):
     """``(y, v)``: ``x`` NaN where it is non-finite, and its validity (1.0 where finite, 0.0 elsewhere)."""
-    f = _finite(x)
+    f = ops.finite(x)
     return ops.where(f, x, float("nan")), ops.cast(f, x.dtype)
 
 
@@ -54,15 +54,16 @@ def value_stats(acc: ChunkStats, ops, name: str, y, v, squares: bool = False):
     return n
 
 
-def ratio_stats(acc: ChunkStats, ops, name: str, lr, v) -> None:
+def ratio_stats(acc: ChunkStats, ops, name: str, lr, v, zero: bool = False) -> None:
     """Ratio r = exp(lr) over the valid entries of a float64 per-sequence log-ratio (the sequence ratio; the token
     rows' are ``families.chunk_stats``'s, with the same formulas): count, sum r = sum (log r + k3) + count, min/max
-    log r, log-ratio histogram (quantiles of r)."""
+    log r, log-ratio histogram (quantiles of r). ``zero``: every valid ``lr`` is known to be +0 (``families.same_old``),
+    so its k3 is too."""
     key = keys.of(name)
     z = ops.where(v > 0, lr, 0.0)
     n = v.sum()
     acc.sum(key.count, n)
-    acc.sum(key.sum, (z + k3(ops, z)).sum() + n)
+    acc.sum(key.sum, (z if zero else z + k3(ops, z)).sum() + n)
     acc.max(key.logmax, nan_max(ops, lr))
     acc.min(key.logmin, nan_min(ops, lr))
     acc.hist(key.hist, count_cells(cell_index(z, LOG_RATIO), LOG_RATIO.bins), LOG_RATIO.bins // 2, ops.size(z) - n)
@@ -121,7 +122,7 @@ def sequence_stats(acc: ChunkStats, ops, lengths, truncated, rewards) -> None:
 def loss_stats(acc: ChunkStats, ops, loss) -> None:
     """Sum of the finite micro-batch losses and the count of non-finite ones (the step loss when summed)."""
     loss = ops.cast(loss.reshape(-1), ops.f32)
-    ok = _finite(loss)
+    ok = ops.finite(loss)
     acc.sum(keys.LOSS.count, ops.full((), ops.size(loss), ops.f32, loss.device))
     acc.sum(keys.LOSS.sum, ops.where(ok, loss, 0.0).sum())
     acc.sum(keys.LOSS.nonfinite, (~ok).sum())

@@ -1,9 +1,8 @@
 """One definition of the token statistics (rl_guard/stats/families.py): every family's per-chunk outputs come from
 ``families.chunk_stats`` by name, and each torch engine runs that same function (the eager engine as it is, the
-compiled engine a copy of its code under ``torch.compile``), so a formula changed there changes every engine. The
-numpy host path for small CPU batches is a separate transcription, held to the same statistics bit for bit
-(counts, cells, extremes) by tests/stats/test_host_engine.py; the float64 reference checks all of them
-(test_stats_reference.py)."""
+compiled engine a copy of its code under ``torch.compile``, the host path for small CPU batches the function itself
+on numpy arrays), so a formula changed there changes every engine; the float64 reference checks all of them
+(test_stats_reference.py, test_numpy_path.py)."""
 
 from __future__ import annotations
 
