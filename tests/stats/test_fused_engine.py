@@ -118,6 +118,21 @@ def test_nonfinite_bf16_inputs_and_gspo():
     check(_compare(g, importance_sampling_level="sequence"), reference(np_dict(g), cv=CV, level="sequence"))
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_old_log_probs_that_are_the_log_probs_with_versions_and_packed(level):
+    """TRL's default (the old log-probs are the log-probs, ``families.same_old``): the ratio row's k3 and cells are
+    known, not computed; compiled, eager and the reference agree, padded and packed."""
+    d = make_padded(9, fields=("ref", "entropy", "adv", "versions"))
+    d["logprobs"][0, 1] = float("nan")
+    d["old_logprobs"] = d["logprobs"]
+    got = _compare(d, importance_sampling_level=level)
+    assert got["rl_guard/ratio/max"] == 1.0 and got["rl_guard/kl_old/k3_mean"] == 0.0
+    check(got, reference(np_dict(d), cv=CV, level=level))
+    p = packed_from(d)
+    p["old_logprobs"] = p["logprobs"]
+    check(_compare(p, chunk=50, importance_sampling_level=level), reference(np_dict(d), cv=CV, level=level))
+
+
 def test_k3_is_accurate_where_exp_minus_one_cancels():
     """log-ratios ~1e-4: k3 ~ 5e-9 per token, below float32's resolution of exp(x) - 1."""
     d = make_padded(8, fields=("old", "ref"))
