@@ -236,9 +236,10 @@ class ChunkStats:
 
     def _joined(self, pieces: list) -> tuple[tuple, torch.Tensor]:
         groups: dict = {}
-        ndim = self.ops.ndim
-        for layout, t in sorted(pieces, key=lambda p: ndim(p[1]) == 0):  # stable: vectors, then 0-d
-            groups.setdefault(t.dtype, []).append((layout, t))
+        for vectors in (True, False):  # vectors, then 0-d pieces
+            for layout, t in pieces:
+                if bool(t.ndim) is vectors:
+                    groups.setdefault(t.dtype, []).append((layout, t))
         layout = tuple(e for group in groups.values() for lay, _ in group for e in lay)
         if self.ops is xp.NUMPY:  # per group: its vectors, then its scalars as one vector
             parts = []
