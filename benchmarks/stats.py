@@ -75,9 +75,9 @@ SMALL = {"64": (8, 8), "1K": (16, 64), "8K": (64, 128)}  # (rows, columns) of a 
 
 def small_batches(repeats: int, calls: int = 100) -> dict:
     """ms per probe of small TRL-shaped micro-batches: the eager engine with and without its host path."""
-    from rl_guard.stats.engines import EagerEngine
+    from rl_guard.stats.engines import Engine
 
-    engines = {True: EagerEngine(), False: EagerEngine(host_max_tokens=0)}
+    engines = {True: Engine("eager"), False: Engine("eager", host_max_tokens=0)}
 
     def probe(b, host: bool):
         engine = engines[host]

@@ -9,7 +9,6 @@ token found from ``cu_seqlens`` on the device.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import xp
@@ -236,27 +235,20 @@ class ChunkStats:
 
     def _joined(self, pieces: list) -> tuple[tuple, torch.Tensor]:
         groups: dict = {}
-        for vectors in (True, False):  # vectors, then 0-d pieces
+        for vector_pass in (True, False):  # vectors, then 0-d pieces
             for layout, t in pieces:
-                if bool(t.ndim) is vectors:
+                if bool(t.ndim) is vector_pass:
                     groups.setdefault(t.dtype, []).append((layout, t))
         layout = tuple(e for group in groups.values() for lay, _ in group for e in lay)
-        if self.ops is xp.NUMPY:  # per group: its vectors, then its scalars as one vector
-            parts = []
-            for group in groups.values():
-                parts += [t.ravel() for _, t in group if t.ndim]
-                scalars = [t for _, t in group if not t.ndim]
-                parts += [np.array(scalars, dtype=np.float64)] if scalars else []
-            return layout, torch.from_numpy(np.concatenate(parts, dtype=np.float64) if parts else np.zeros(0))
-        vectors = []
-        for group in groups.values():
-            parts = [t for _, t in group if t.dim()]
-            scalars = [t for _, t in group if not t.dim()]
-            parts += [torch.stack(scalars)] if scalars else []
-            vectors.append((torch.cat(parts) if len(parts) > 1 else parts[0].clone()).to(F64))
+        ops, vectors = self.ops, []
+        for group in groups.values():  # its vectors, then its 0-d pieces stacked; cast once per group
+            parts = [t for _, t in group if t.ndim]
+            scalars = [t for _, t in group if not t.ndim]
+            parts += [ops.stack(scalars)] if scalars else []
+            vectors.append(ops.cast(ops.cat(parts) if len(parts) > 1 else ops.copy(parts[0]), ops.f64))
         if not vectors:
             return (), torch.zeros(0, dtype=F64, device=self.device)
-        return layout, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
+        return layout, ops.to_torch(ops.cat(vectors) if len(vectors) > 1 else vectors[0])
 
 
 def row_layout(names) -> tuple:

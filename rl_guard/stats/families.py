@@ -36,7 +36,7 @@ Written for the compiler, which also suits the eager run: per field on ``[r, T]`
 0.5 (the compiler turns ``expm1`` into ``exp(x) - 1``, which cancels in float32, and ``expm1(x) - x`` cancels in any
 library). A compile costs ~10-30 s, once per process and combination of fields and dtypes (shapes are dynamic);
 which micro-batches are compiled, and the fallback to running the function as it is after a failure, are the engine
-object's (``engines.CompiledEngine``).
+object's (``engines.Engine``).
 """
 
 from __future__ import annotations
@@ -200,9 +200,7 @@ def chunk_stats(
     if old is not None:
         y["ratio"] = lpg - old
     if prox is not None and old is not None:  # invalid wherever pi/pi_prox or pi/pi_old is: x * 0 is NaN there
-        y["behave_imp_weight"] = (
-            ops.cast(prox - old, ops.f32) + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
-        )
+        y["behave_imp_weight"] = ops.cast(prox - old, ops.f32) + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
     if ref is not None:
         y["kl_ref"] = ref - lpg
     ys = [y[r] for r in s.rows]

@@ -46,6 +46,7 @@ class TorchOps:
     # ``isfinite`` into a scalar loop per vector)
     finite = staticmethod(lambda t: (t - t) == 0)
     add_at = staticmethod(lambda t, index, values: t.index_add_(0, index, values.to(t.dtype)))  # distinct index
+    to_torch = staticmethod(lambda t: t)
 
 
 def _np_where(c, a, b):
@@ -80,6 +81,7 @@ class NumpyOps:
     bits = staticmethod(lambda t: t.view(np.int32))
     finite = staticmethod(np.isfinite)
     add_at = staticmethod(_np_add_at)
+    to_torch = staticmethod(torch.from_numpy)
 
 
 TORCH, NUMPY = TorchOps(), NumpyOps()

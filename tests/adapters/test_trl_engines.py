@@ -17,7 +17,7 @@ from rl_guard.adapters.trl import RLGuardCallback
 from rl_guard.demo.run import demo_config
 from rl_guard.glossary import comparable
 from rl_guard.stats import engines, families, xp
-from rl_guard.stats.engines import CompiledEngine, EagerEngine
+from rl_guard.stats.engines import Engine
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -43,9 +43,9 @@ class _Arm:
     def callback(self, config: str, tmp) -> RLGuardCallback:
         guard = Guard.from_yaml(config, run_dir=str(tmp / "guard"), open_run_dir=False)
         if self.name == "compiled":
-            guard.engine = CompiledEngine(host_max_tokens=0, cpu_min_tokens=1)
+            guard.engine = Engine("compiled", host_max_tokens=0, cpu_min_tokens=1)
         elif self.name == "eager":
-            guard.engine = EagerEngine(host_max_tokens=0)
+            guard.engine = Engine("eager", host_max_tokens=0)
         self.engine = guard.engine
         return RLGuardCallback(guard)
 

@@ -25,7 +25,7 @@ from rl_guard import Guard
 from rl_guard.glossary import comparable
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
-from rl_guard.stats.engines import CompiledEngine, EagerEngine
+from rl_guard.stats.engines import Engine
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
@@ -41,7 +41,7 @@ def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, *
     b = TokenBatch(**on, current_version=CV if "versions" in d else None, **kw)
     acc = StepAccumulator()
     before = compiled_calls()
-    used = CompiledEngine(host_max_tokens=0) if engine == "compiled" else EagerEngine(host_max_tokens=0)
+    used = Engine("compiled", host_max_tokens=0) if engine == "compiled" else Engine("eager", host_max_tokens=0)
     acc.add(probe_batch(b, chunk_tokens=chunk, engine=used))
     if engine == "compiled" and device == "cuda":  # it compiled and ran: no fallback hides behind the comparison
         assert getattr(used, "failure", None) is None and compiled_calls() > before

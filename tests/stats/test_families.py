@@ -13,7 +13,7 @@ from reference_stats import make_padded, packed_from
 
 from rl_guard.stats import families, xp
 from rl_guard.stats.batch import TokenBatch
-from rl_guard.stats.engines import CompiledEngine, EagerEngine
+from rl_guard.stats.engines import Engine
 
 # family -> the named outputs of ``families.chunk_stats`` that carry its per-chunk sufficient statistics
 FAMILIES = {
@@ -47,7 +47,7 @@ def _outputs(d: dict, **kw) -> set[str]:
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(families, "chunk_stats", spy)
-        EagerEngine(host_max_tokens=0).probe(TokenBatch(**d, current_version=CV if "versions" in d else None, **kw))
+        Engine("eager", host_max_tokens=0).probe(TokenBatch(**d, current_version=CV if "versions" in d else None, **kw))
     return seen
 
 
@@ -66,9 +66,9 @@ def test_the_eager_engine_runs_the_definition_itself():
     with pytest.MonkeyPatch.context() as m:
         m.setattr(families, "chunk_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
         d = make_padded(3, B=6, T=40, fields=("old", "ref", "entropy", "adv"))
-        EagerEngine(host_max_tokens=0).probe(TokenBatch(**d), chunk_tokens=80)  # three chunks of two rows
+        Engine("eager", host_max_tokens=0).probe(TokenBatch(**d), chunk_tokens=80)  # three chunks of two rows
         packed = packed_from(d)
-        EagerEngine(host_max_tokens=0).probe(TokenBatch(**packed), chunk_tokens=50)
+        Engine("eager", host_max_tokens=0).probe(TokenBatch(**packed), chunk_tokens=50)
     assert len(calls) == 3 + -(-packed["logprobs"].numel() // 50)
 
 
@@ -93,7 +93,7 @@ def test_the_compiled_engine_compiles_a_copy_of_the_definition():
     """Each combination of fields gets its own code object (the compiler's per-code cache), with the bytecode,
     constants and names of ``chunk_stats``: the same source, nothing else."""
     b = TokenBatch(**make_padded(4, fields=("old", "ref", "entropy", "adv", "versions")), current_version=CV)
-    engine = CompiledEngine(host_max_tokens=0, cpu_min_tokens=1)
+    engine = Engine("compiled", host_max_tokens=0, cpu_min_tokens=1)
     engine.probe(b)
     assert engine.failure is None
     compiled = families.kernel(_static(b), compiled=True)  # the one the engine ran (cached)

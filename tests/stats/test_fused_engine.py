@@ -37,7 +37,7 @@ from rl_guard.glossary import comparable
 from rl_guard.stats import families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
-from rl_guard.stats.engines import CompiledEngine, EagerEngine
+from rl_guard.stats.engines import Engine
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
@@ -47,13 +47,13 @@ pytestmark = pytest.mark.slow
 CV = 12
 
 
-def small_compiled() -> CompiledEngine:
+def small_compiled() -> Engine:
     """The test batches are small; on CPU those normally go to the host path (``host_max_tokens``) or stay eager
     (``cpu_min_tokens``): this engine compiles them all."""
-    return CompiledEngine(host_max_tokens=0, cpu_min_tokens=1)
+    return Engine("compiled", host_max_tokens=0, cpu_min_tokens=1)
 
 
-ENGINES = {"compiled": small_compiled(), "eager": EagerEngine(host_max_tokens=0)}
+ENGINES = {"compiled": small_compiled(), "eager": Engine("eager", host_max_tokens=0)}
 
 
 def _run(d: dict, engine, chunk=None, **kw):
@@ -183,15 +183,15 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         import numpy as np
         from reference_stats import make_padded
         from rl_guard.stats.batch import BatchError, TokenBatch
-        from rl_guard.stats.engines import CompiledEngine
+        from rl_guard.stats.engines import Engine
         from rl_guard.stats.probe_batch import probe_batch
-        engine, other = CompiledEngine(cpu_min_tokens=1), CompiledEngine(cpu_min_tokens=1)
+        engine, other = Engine("compiled", cpu_min_tokens=1), Engine("compiled", cpu_min_tokens=1)
         d = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = [probe_batch(TokenBatch(**d, current_version=12), engine=engine) for _ in range(2)]
         want = probe_batch(TokenBatch(**d, current_version=12), engine="eager")
-        messages = [str(w.message) for w in caught if "stats_engine 'compiled' is unavailable" in str(w.message)]
+        messages = [str(w.message) for w in caught if "stats_engine 'compiled' cannot compile here" in str(w.message)]
         assert len(messages) == 1, messages
         assert engine.failure and other.failure is None  # per engine: another guard's engine is not turned off
         for p in got:
@@ -220,7 +220,7 @@ def test_an_input_error_is_raised_and_does_not_turn_the_engine_off(monkeypatch):
 
 
 def test_small_cpu_micro_batches_stay_eager():
-    engine = CompiledEngine(host_max_tokens=0)
+    engine = Engine("compiled", host_max_tokens=0)
     small = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))  # 240 tokens
     calls = compiled_calls()
     _run(small, engine)

@@ -32,12 +32,12 @@ from rl_guard.stats import eager as eager_path
 from rl_guard.stats import families, xp
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
-from rl_guard.stats.engines import HOST_MAX_TOKENS, EagerEngine
+from rl_guard.stats.engines import HOST_MAX_TOKENS, Engine
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "seq_ratio.")  # summed in another order by numpy
-TORCH = EagerEngine(host_max_tokens=0)  # the eager engine without its host path: what a GPU's batches get
+TORCH = Engine("eager", host_max_tokens=0)  # the eager engine without its host path: what a GPU's batches get
 
 
 def _count_calls(m, module, name: str) -> list:
@@ -70,7 +70,7 @@ def _compare(d: dict, host_calls, monkeypatch, **kw) -> dict:
     """Host vs eager on one micro-batch; returns the host engine's metrics."""
     b = TokenBatch(**d, **kw)
     before = len(host_calls)
-    engine = EagerEngine()
+    engine = Engine("eager")
     host = probe_batch(b, engine=engine)
     assert len(host_calls) == before + 1 and engine.host_failure is None
     eager = probe_batch(b, engine=TORCH)
@@ -174,7 +174,7 @@ def test_a_failure_inside_turns_it_off_with_one_warning_and_the_eager_statistics
         raise FloatingPointError("injected")
 
     monkeypatch.setattr(xp.NumpyOps, "where", staticmethod(broken))
-    engine, other = EagerEngine(), EagerEngine()
+    engine, other = Engine("eager"), Engine("eager")
     with pytest.warns(RuntimeWarning, match="host path .* failed .*injected") as caught:
         got = _finish(probe_batch(b, engine=engine))
         again = _finish(probe_batch(b, engine=engine))
@@ -223,7 +223,7 @@ def test_sequence_statistics_on_the_host_equal_eager(fields):
         calls = _count_calls(m, eager_path, "sequence_stats")
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            engine = EagerEngine()
+            engine = Engine("eager")
             host = sequence_stats(**fields, engine=engine)
         assert calls == [1] and engine.host_failure is None
         eager = sequence_stats(**fields, engine=TORCH)
@@ -242,7 +242,7 @@ def test_old_log_probs_that_are_the_log_probs_give_the_bits_of_a_copy(batch):
     lp = d["logprobs"].clone().requires_grad_()  # as TRL's: the loss's log-probs, detached for the old ones
     shared = TokenBatch(**{**d, "logprobs": lp, "old_logprobs": lp.detach()}, **kw)
     copied = TokenBatch(**{**d, "logprobs": lp, "old_logprobs": lp.detach().clone()}, **kw)
-    engine = EagerEngine()
+    engine = Engine("eager")
     fast, general = probe_batch(shared, engine=engine), probe_batch(copied, engine=engine)
     assert engine.host_failure is None
     (layout, sums, maxes), (layout2, sums2, maxes2) = fast.packed, general.packed

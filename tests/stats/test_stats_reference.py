@@ -19,7 +19,7 @@ from reference_stats import check, make_padded, np_dict, packed_from, reference,
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.eager import eager_loss
-from rl_guard.stats.engines import CompiledEngine, EagerEngine
+from rl_guard.stats.engines import Engine
 from rl_guard.stats.grads import param_groups_of, probe_grads
 from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.sketch import QUANTILE_NAMES
@@ -28,9 +28,11 @@ from rl_guard.stats.summarize import summarize
 # The reference against every engine explicitly: the eager engine with its host path (small CPU batches without
 # versions take it), the eager engine's torch path alone, and the compiled engine (``slow``: it compiles).
 ENGINES = [
-    pytest.param(EagerEngine, id="eager-host"),
-    pytest.param(lambda: EagerEngine(host_max_tokens=0), id="eager"),
-    pytest.param(lambda: CompiledEngine(host_max_tokens=0, cpu_min_tokens=1), id="compiled", marks=pytest.mark.slow),
+    pytest.param(lambda: Engine("eager"), id="eager-host"),
+    pytest.param(lambda: Engine("eager", host_max_tokens=0), id="eager"),
+    pytest.param(
+        lambda: Engine("compiled", host_max_tokens=0, cpu_min_tokens=1), id="compiled", marks=pytest.mark.slow
+    ),
 ]
 
 

@@ -21,7 +21,7 @@ from rl_guard import Guard
 from rl_guard.control.state import TrainState
 from rl_guard.stats import accumulate, sequences, sketch
 from rl_guard.stats.batch import TokenBatch
-from rl_guard.stats.engines import EagerEngine
+from rl_guard.stats.engines import Engine
 from rl_guard.stats.on_device import device_vector, host_to_device
 from rl_guard.stats.probe_batch import probe_batch
 
@@ -33,7 +33,7 @@ SNAPSHOT_STEP = 2  # snapshots: {healthy_steps: 3, every: 10} in the async prese
 
 # The CPU tensors here stand for a GPU's: small CPU micro-batches, losses, gradients and weights would otherwise be
 # read by numpy where they already are (host memory), which never happens on a GPU.
-AS_ON_A_GPU = EagerEngine(host_max_tokens=0)
+AS_ON_A_GPU = Engine("eager", host_max_tokens=0)
 
 
 def micro_batch(seed: int, packed: bool = False, device="cpu") -> TokenBatch:
