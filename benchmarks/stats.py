@@ -25,8 +25,9 @@ reported separately). ``--device cuda`` runs the GPU path instead (``stats_cuda.
 synchronisations of a whole guard step).
 
 Small micro-batches (``small_batch_ms``: 64, 1K and 8K tokens in TRL's form, per-sequence advantages and no
-versions): the probe alone, by the host engine (numpy, the default for such CPU batches) and by the eager
-engine, 100 calls per timed run.
+versions): the probe alone, by the host path (the same functions on numpy, the default for such CPU batches) and
+by the eager engine's torch path, 100 calls per timed run. ``torch_ops_per_microbatch`` (with the compiled engine):
+the torch operations a micro-batch dispatches outside compiled code (``stats_ops.py``: on a GPU, its launches).
 
 Usage: ``python benchmarks/stats.py [--quick] [--sizes 1M,4M,16M] [--repeats N] [--threads 1,2] [--json [FILE]]
 [--device cuda]``.
@@ -318,9 +319,15 @@ def main(argv=None, sizes: dict | None = None) -> dict:
     result["small_batch_ms"] = small_batches(repeats)
     for label, row in result["small_batch_ms"].items():
         print(
-            f"{label:>4} tokens, probe only: host engine {row['host']:.3f} ms, eager {row['eager']:.3f} ms "
+            f"{label:>4} tokens, probe only: host path {row['host']:.3f} ms, eager {row['eager']:.3f} ms "
             f"({row['eager_over_host']:.1f}x)"
         )
+    if "compiled" in engines:
+        from stats_ops import ops_per_microbatch  # benchmarks/ is on sys.path (top of this file)
+
+        result["torch_ops_per_microbatch"] = ops_per_microbatch()
+        for setup, row in result["torch_ops_per_microbatch"].items():
+            print(f"{setup}: torch operations outside compiled code per micro-batch: {row}")
     if len(thread_counts) > 1:
         result["by_threads"] = {str(n): r for n, r in results.items()}
     emit_json(args.json, result)
