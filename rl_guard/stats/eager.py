@@ -96,12 +96,13 @@ def eager_probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, 
 
 def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool, ops) -> Partial:
     acc = ChunkStats(b.num_seqs, b.device, ops)
-    parts = [WholeBatch(b)] if ops is xp.NUMPY else list(chunks(b, chunk_tokens))
+    # walked afresh for each pass: a chunk holds its packed sequence ids (8 bytes a token) until it is dropped
+    walk = (lambda: [WholeBatch(b)]) if ops is xp.NUMPY else (lambda: chunks(b, chunk_tokens))
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
     seq_clip, token_clip = _clip_modes(b)
     plan = _plan_of(b)
     static = families.static_of(plan, b, token_clip, lag_edges)
-    for ch in parts:
+    for ch in walk():
         acc.next_chunk()
         families.probe_chunk(acc, b, ch, plan, static, lag_edges, compiled, ops)
     acc.chunks_done()
@@ -114,9 +115,9 @@ def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool, ops) -> Parti
         s_lr, s_ok = seq_log_ratio(acc, ops, plan)
         ratio_stats(acc, ops, "seq_ratio", s_lr, s_ok, zero=static.zero_ratio >= 0)
         if seq_clip and b.advantages is not None:
-            for ch in parts:
+            for ch in walk():
                 families.probe_gspo_chunk(acc, b, ch, s_lr, static, lut, len(lag_edges), ops)
-    view = parts[0].block if ops is xp.NUMPY else (lambda t, per_seq=None: t)
+    view = WholeBatch(b).block if ops is xp.NUMPY else (lambda t, per_seq=None: t)
     lengths = view(b.lengths, False) if b.lengths is not None else acc.seq("length")
     sequence_stats(acc, ops, lengths, view(b.truncated, False), view(b.rewards, False))
     if not b.allow_empty_mask:
