@@ -37,7 +37,6 @@ class TorchOps:
     max_where = staticmethod(lambda t, valid: torch.where(valid, t, -INF).amax(-1).amax())
     min_where = staticmethod(lambda t, valid: torch.where(valid, t, INF).amin(-1).amin())
     size = staticmethod(lambda t: t.numel())
-    ndim = staticmethod(lambda t: t.dim())
     full = staticmethod(lambda shape, value, dtype, device: torch.full(shape, value, dtype=dtype, device=device))
     zeros = staticmethod(lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
     copy = staticmethod(lambda t: t.clone())
@@ -74,7 +73,6 @@ class NumpyOps:
     max_where = staticmethod(lambda t, valid: np.maximum.reduce(np.where(valid, t, -INF), None))
     min_where = staticmethod(lambda t, valid: np.minimum.reduce(np.where(valid, t, INF), None))
     size = staticmethod(lambda t: t.size)  # numpy scalars have it too
-    ndim = staticmethod(lambda t: t.ndim)
     full = staticmethod(lambda shape, value, dtype, device: np.full(shape, value, dtype=dtype))
     zeros = staticmethod(lambda shape, dtype, device: np.zeros(shape, dtype=dtype))
     copy = staticmethod(np.array)
