@@ -57,9 +57,6 @@ class Partial:
         p._packed = (layout, sums, maxes)
         return p
 
-    def add_sum(self, name: str, t: torch.Tensor) -> None:
-        self.sum[name] = t.reshape(-1).to(F64)
-
     def add_max(self, name: str, t: torch.Tensor) -> None:
         self.max[name] = t.reshape(-1).to(F64)
 
