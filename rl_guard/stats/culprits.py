@@ -1,7 +1,7 @@
 """The few most extreme sequences of a micro-batch per token family, for naming culprits.
 
 Per sequence of a padded ``[B, T]`` batch: the largest |log pi_theta - log pi_old| over its tokens (``logratio``), its
-mean k3 KL to the reference (``kl_ref``: exp(d) - 1 - d with d = ref - logprobs), its mean entropy (``entropy``,
+mean k3 KL to the reference (``kl_ref``: ``families.k3`` of d = ref - logprobs), its mean entropy (``entropy``,
 lowest first) and its count of non-finite log-probs (``nonfinite_logprobs``); of each, the ``k`` most extreme
 (``torch.topk``). Nothing is computed on a healthy step: the guard keeps the step's (detached) batches until its
 check, and only when a rule on a token family acts are they reduced here and read on the host (``host_candidates``).
@@ -11,6 +11,9 @@ Packed batches (``cu_seqlens``) are not covered.
 from __future__ import annotations
 
 import torch
+
+from . import xp
+from .families import k3
 
 # family -> the metric prefixes whose rules it explains
 FAMILY_METRICS = {
@@ -53,8 +56,8 @@ def sequence_extremes(batch, k: int) -> dict[str, tuple[torch.Tensor, torch.Tens
         out["logratio"] = _top(d.amax(1), k)
     if batch.ref_logprobs is not None:
         d = (batch.ref_logprobs - logp).masked_fill(~mask, 0.0)
-        k3 = (torch.expm1(d) - d).sum(1) / tokens
-        out["kl_ref"] = _top(k3.nan_to_num(nan=float("inf")), k)
+        mean_k3 = k3(xp.TORCH, d).sum(1) / tokens
+        out["kl_ref"] = _top(mean_k3.nan_to_num(nan=float("inf")), k)
     if batch.entropy is not None:
         mean = batch.entropy.masked_fill(~mask, 0.0).sum(1) / tokens
         values, rows = _top(-mean.nan_to_num(nan=float("-inf")), k)
