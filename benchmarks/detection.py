@@ -50,6 +50,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 from json_output import add_json_argument, emit_json
 
+from rl_guard.demo.tiny import TINY_GRPO
+
 PRESET = Path(__file__).resolve().parents[1] / "rl_guard" / "presets" / "grpo.yaml"
 CONFIGS = {
     "trl_defaults": {},
@@ -114,11 +116,7 @@ COLLAPSE_ENTROPY = 0.05  # nats per token: a policy this sure of every token (ln
 # TRL's defaults except what a CPU run needs: a tiny batch, short completions, and a learning rate that moves a
 # tiny model (TRL's 1e-6 would leave it untouched for hundreds of steps).
 BASE = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=8,
-    use_cpu=True,
-    bf16=False,
+    **TINY_GRPO,
     report_to=[],
     save_strategy="no",
     logging_steps=1,

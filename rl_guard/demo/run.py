@@ -70,7 +70,14 @@ def run_demo(
     from ..adapters.trl import RLGuardCallback
     from ..sinks.jsonl import read_jsonl
     from .faults import FaultInjector
-    from .tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
+    from .tiny import (
+        DEMO_LOSS,
+        TINY_GRPO,
+        build_tiny_model,
+        length_penalty_reward,
+        prompt_dataset,
+        repeat_last_digit_reward,
+    )
 
     run_dir = Path(run_dir)
     for name in ("metrics.jsonl", "incidents.jsonl", "quarantine.jsonl"):  # each demo run starts its own record
@@ -80,23 +87,16 @@ def run_demo(
     model_path = build_tiny_model(work / "model", seed=seed)
     injector = FaultInjector(fault, at_step=fault_step)
     settings: dict[str, Any] = dict(
+        **TINY_GRPO,
+        **DEMO_LOSS,
         output_dir=str(work / "trainer"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
         max_steps=steps,
         logging_steps=5,
-        use_cpu=True,
-        bf16=False,
         report_to=[],
         learning_rate=3e-3,
         save_strategy="no",
         seed=seed,
-        beta=0.04,
-        num_iterations=2,
-        steps_per_generation=2,
         disable_tqdm=quiet,
-        max_grad_norm=1.0,
     )
     settings.update(grpo_overrides)
     args = GRPOConfig(**settings)

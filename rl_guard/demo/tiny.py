@@ -9,6 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# ``GRPOConfig`` settings of a GRPO run of this model on CPU: 8 completions per step, 4 per prompt, 8 tokens each,
+# float32. And the demo's loss: a reference KL (beta > 0), two passes over each rollout batch, clipped gradients.
+TINY_GRPO = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, use_cpu=True, bf16=False)
+DEMO_LOSS = dict(beta=0.04, num_iterations=2, steps_per_generation=2, max_grad_norm=1.0)
+
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 

@@ -18,6 +18,8 @@ from bitwise import assert_same
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
+from rl_guard.demo.tiny import DEMO_LOSS, TINY_GRPO
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 
@@ -75,21 +77,14 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 # Settings that run on CPU in well under a second per step; beta > 0 so the reference KL exists.
 GRPO_BASE = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=8,
-    use_cpu=True,
-    bf16=False,
+    **TINY_GRPO,
+    **DEMO_LOSS,
     report_to=[],
     save_strategy="no",
     logging_steps=1,
     disable_tqdm=True,
     seed=0,
     learning_rate=3e-3,
-    beta=0.04,
-    max_grad_norm=1.0,
-    num_iterations=2,
-    steps_per_generation=2,
 )
 
 

@@ -43,17 +43,14 @@ def _run(tmp: Path, tiny_model, bad: set[str], quarantine: bool):
 
     from rl_guard.adapters.trl import RLGuardCallback
     from rl_guard.control.yaml_nodes import PRESETS
+    from rl_guard.demo.tiny import TINY_GRPO
 
     yaml = (PRESETS / "grpo.yaml").read_text() + ("\nquarantine: {enabled: true}\n" if quarantine else "")
     callback = RLGuardCallback(yaml, run_dir=str(tmp / "guard"))
     args = GRPOConfig(
         output_dir=str(tmp / "out"),
         max_steps=STEPS,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        use_cpu=True,
-        bf16=False,
+        **TINY_GRPO,
         report_to=[],
         save_strategy="no",
         logging_steps=1,

@@ -95,16 +95,12 @@ def test_missing_transformers_is_reported(monkeypatch):
 def grpo_trainer(tiny_model, tmp_path_factory):
     from trl import GRPOConfig, GRPOTrainer
 
-    from rl_guard.demo.tiny import prompt_dataset, repeat_last_digit_reward
+    from rl_guard.demo.tiny import TINY_GRPO, prompt_dataset, repeat_last_digit_reward
 
     args = GRPOConfig(
         output_dir=str(tmp_path_factory.mktemp("seams")),
         max_steps=1,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        use_cpu=True,
-        bf16=False,
+        **TINY_GRPO,
         report_to=[],
     )
     return GRPOTrainer(

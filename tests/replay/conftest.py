@@ -42,7 +42,14 @@ def trl_run(tmp_path_factory):
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rl_guard.demo.tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
+    from rl_guard.demo.tiny import (
+        DEMO_LOSS,
+        TINY_GRPO,
+        build_tiny_model,
+        length_penalty_reward,
+        prompt_dataset,
+        repeat_last_digit_reward,
+    )
 
     root = tmp_path_factory.mktemp("trl")
     model = build_tiny_model(root / "model", seed=0)
@@ -50,21 +57,14 @@ def trl_run(tmp_path_factory):
     args = GRPOConfig(
         output_dir=str(root / "out"),
         report_to=["tensorboard", "wandb"],  # events: out/runs/<date>/
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        use_cpu=True,
-        bf16=False,
+        **TINY_GRPO,
+        **DEMO_LOSS,
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
         max_steps=6,
         learning_rate=3e-3,
-        beta=0.04,
-        max_grad_norm=1.0,
-        num_iterations=2,
-        steps_per_generation=2,
     )
     trainer = GRPOTrainer(
         model=str(model),
@@ -94,7 +94,14 @@ def grpo_pair(tmp_path_factory):
 
     from rl_guard.adapters.trl import RLGuardCallback
     from rl_guard.demo.faults import FaultInjector
-    from rl_guard.demo.tiny import build_tiny_model, length_penalty_reward, prompt_dataset, repeat_last_digit_reward
+    from rl_guard.demo.tiny import (
+        DEMO_LOSS,
+        TINY_GRPO,
+        build_tiny_model,
+        length_penalty_reward,
+        prompt_dataset,
+        repeat_last_digit_reward,
+    )
 
     root = tmp_path_factory.mktemp("pair")
     model = build_tiny_model(root / "model", seed=0)
@@ -106,21 +113,14 @@ def grpo_pair(tmp_path_factory):
         args = GRPOConfig(
             output_dir=str(root / name / "out"),
             report_to=[],
-            per_device_train_batch_size=8,
-            num_generations=4,
-            max_completion_length=8,
-            use_cpu=True,
-            bf16=False,
+            **TINY_GRPO,
+            **DEMO_LOSS,
             save_strategy="no",
             logging_steps=1,
             disable_tqdm=True,
             seed=0,
             max_steps=steps,
             learning_rate=3e-3,
-            beta=0.04,
-            max_grad_norm=1.0,
-            num_iterations=2,
-            steps_per_generation=2,
         )
         trainer = GRPOTrainer(
             model=str(model),
