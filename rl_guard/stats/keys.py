@@ -9,49 +9,11 @@ from __future__ import annotations
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
-# The fields a family may carry (not every family carries every field).
-_FIELDS = (
-    "count",
-    "sum",
-    "sumsq",
-    "min",
-    "max",
-    "logmin",
-    "logmax",
-    "hist",
-    "zero",
-    "truncated",  # value / ratio
-    "seqs",
-    "tokens",
-    "lr",
-    "lr2",
-    "k3",  # KL: sequence count and per-sequence accumulators
-    "low",
-    "high",
-    "clip",  # clip regions, per-lag clip counts
-    "microbatches",
-    "empty_microbatches",
-    "ranks",
-    "nonfinite",  # tokens / loss bookkeeping
-    "sq",
-    "max_abs",
-    "preclip_sq",  # gradients
-    "base_sq",
-    "param_sq",
-    "drift_sq",
-    "changed",
-    "prev_param_sq",  # update probe (stats/update.py)
-    "slots",
-    "cells",
-    "cells_k3",  # per-lag-slot counts before they are mapped to buckets (stats/lags.py)
-)
-
 
 class Family:
-    """The keys of one statistics family: ``Family("ratio").count == "ratio.count"``."""
+    """The keys of one statistics family: ``Family("ratio").count == "ratio.count"``. Its fields are declared once,
+    here (not every family carries every field)."""
 
-    __slots__ = ("name", *_FIELDS)
-    # One annotation per field of _FIELDS (checked below), so that a type checker knows the attributes set in __init__.
     name: str
     count: str
     sum: str
@@ -62,34 +24,32 @@ class Family:
     logmax: str
     hist: str
     zero: str
-    truncated: str
+    truncated: str  # value / ratio
     seqs: str
     tokens: str
-    lr: str
-    lr2: str
-    k3: str
+    k3: str  # KL: sequence count and per-sequence accumulators
     low: str
     high: str
-    clip: str
+    clip: str  # clip regions, per-lag clip counts
     microbatches: str
     empty_microbatches: str
     ranks: str
-    nonfinite: str
+    nonfinite: str  # tokens / loss bookkeeping
     sq: str
     max_abs: str
-    preclip_sq: str
+    preclip_sq: str  # gradients
     base_sq: str
     param_sq: str
     drift_sq: str
     changed: str
-    prev_param_sq: str
+    prev_param_sq: str  # update probe (stats/update.py)
     slots: str
     cells: str
-    cells_k3: str
+    cells_k3: str  # per-lag-slot counts before they are mapped to buckets (stats/lags.py)
 
     def __init__(self, name: str) -> None:
         self.name = name
-        for f in _FIELDS:
+        for f in FIELDS:
             setattr(self, f, f"{name}.{f}")
 
     def estimator(self, k: str, what: str) -> str:
@@ -99,8 +59,7 @@ class Family:
         return f"{self.name}.{k}.{what}"
 
 
-if set(Family.__annotations__) != {"name", *_FIELDS}:
-    raise AssertionError("Family's annotations and _FIELDS list different fields")
+FIELDS = tuple(f for f in Family.__annotations__ if f != "name")
 
 
 RATIO_FAMILIES = ("ratio", "seq_ratio", "importance_weight", "behave_imp_weight")

@@ -11,17 +11,7 @@ group, or with a group of one process):
    read the merged header and seen that all sizes agree. Otherwise every rank raises ``RankMismatch`` (or
    ``RankFailed``) and none enters it.
 
-Payload, counted from a real step of the GRPO recipe (``integrations/pytorch_grpo``: old/ref log-probs, entropy,
-advantages, rewards, truncation flags, one optimizer parameter group): MAX 8 + 512 float64 = 4160 bytes (24 of
-the slots used), SUM about 12010 float64 = 96 KB, 11962 of them histogram cells (log-ratio and sequence log-ratio
-2338 each, entropy 7286; lag buckets add 2338 per bucket when versions are given). A layout with more than
-``MAX_SLOTS`` maxima (hundreds of optimizer parameter groups) adds a third all-reduce for the rest, on every rank alike.
-
-Cost (``benchmarks/collectives.py``: 2 gloo processes on one host, 16 x 512 tokens per rank, medians of 50
-steps, four runs on a shared 2-core machine under load, so noisy): the merge takes 2.8-4.4 ms per step (the two
-bare all-reduces 1.1-3.4 ms) against 13-36 ms for the rest of the guard's step, a ratio of 0.10-0.33. The merge is
-also a synchronisation point: a rank that arrives late makes the others wait there (in DDP training the
-gradient all-reduce has already lined the ranks up).
+Payload and cost: ``docs/distributed.md`` ("What the merge costs").
 
 A checkpoint save adds one MAX all-reduce of a failure flag (4 bytes), so a rank that fails to save fails all
 ranks. On NCCL the header is read on the host between the two collectives: one small extra synchronisation.

@@ -15,18 +15,8 @@ Reading a quantile: the cell holding the order statistic of rank ``ceil(q * n)``
 midpoint for a cell of one value). A quantile then moves continuously with the data rather than jumping between
 cell midpoints, and on smooth data its error is a small fraction of a cell.
 
-Error bound: for ``|x| <= max_abs`` the value reported for a rank lies in the same cell as the exact order
-statistic of that rank, so ``|x_hat - x| <= eps * (|x| + c)`` with ``eps = exp(w) - 1 = 2^-mantissa_bits``
-(relative accuracy ``eps`` for ``|x| >> c``, absolute accuracy ``eps * c`` near 0), the bound for data that pile up
-at one edge of a cell. ``|x| + c`` is rounded to float32 first (relative error 2^-24, i.e. at most
-2^(mantissa_bits - 24) of a cell), so a value that close to a cell edge may be counted in the neighbouring cell;
-the bound then holds with ``w * (1 + 2e-3)`` in place of ``w``. The reported value is clamped to the exact
-[min, max] of the data. Values beyond ``max_abs`` land in the edge cells; a quantile that falls in an edge cell
-holding such values is reported as the exact max (or min), a bound on the true quantile.
-
-Per family (``eps``, worst case; typical errors on smooth data are a few percent of it): log-ratios 2^-6 = 1.6 %
-of ``|log r| + 1e-4`` (a ratio quantile within ~1.6 % of its distance from 1, plus 1e-4); entropy 2^-8 = 0.39 % of
-``H + 1e-3`` nats (0.010 nats at H = 2.6).
+Error bound (derived in ``docs/statistics.md``, "Quantiles"): the value reported for a rank lies in the cell of the
+exact order statistic of that rank, so ``|x_hat - x| <= eps * (|x| + c)`` with ``eps = 2^-mantissa_bits``.
 """
 
 from __future__ import annotations

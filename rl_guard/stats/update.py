@@ -1,55 +1,18 @@
 """Update-size probe: how far each optimizer step moved the weights, in every trainer configuration.
 
-Unlike the ratio and KL (which need an old or reference policy), the update itself always exists. Per optimizer
-step it reports ``update/rel`` = ||dtheta|| / ||theta|| (global and per parameter group), the parameter norm, the
-learning rate per group, and ``update/external_rel``: how far the weights moved *between* two optimizer steps
-(nothing but the optimizer, or a rollback, should move them; a changed weight there is a bug or a fault).
+Per optimizer step: ``update/rel`` = ||dtheta|| / ||theta|| (global and per parameter group), the parameter norm,
+the learning rate per group, ``update/rms_per_lr`` (the step's root mean square per element in units of the
+learning rate), ``update/param_norm_change`` and ``update/external_rel`` / ``update/external_changed``: how far, and
+in how many tensors, the weights moved *between* two optimizer steps (only the optimizer or a rollback should move
+them). No copy of the weights is kept: tensors of up to ``WHOLE x sample`` elements are taken whole, a larger one
+contributes a strided sample (``stride_for``) and an exact integer ``fingerprint`` of its memory. The sampling's
+error, the fingerprint and Adam's bound on ``rms_per_lr`` are derived in ``docs/statistics.md`` ("The update
+probe").
 
-No full copy of the weights is kept. Tensors of up to ``WHOLE x sample`` elements are taken whole (exact); a larger
-tensor of ``n`` elements contributes a systematic sample: every ``s``-th element from a random offset ``r`` in ``[0,
-s)`` (drawn once per tensor from a fixed seed), where ``s`` is the largest prime <= ``n / sample`` that does not
-divide ``n``, so ``m`` >= ``sample`` elements (up to ~1.7 x near the whole limit, ~1 x for large tensors; a tensor
-below ~13 x sample elements whose every such prime divides ``n`` is taken whole). Each element is in the sample with
-probability exactly ``1 / s``, so ``s x sum over the sample of dtheta^2`` is an unbiased estimate of
-``||dtheta_p||^2``. Because ``s`` is a prime that does not divide ``n``, it shares no factor with any row length or
-other period of the tensor's shape (those divide ``n``): the sample visits every column (and every row band) evenly
-rather than a few columns, so structure along rows or columns does not inflate the error, and a ZeRO flat
-partition's rows are spread over the same way unless a row length is a multiple of ``s``. For values whose order is
-unrelated to their position the error is that of simple random sampling: the relative standard error of one tensor's
-squared-norm estimate is ``sqrt((kurt - 1) / m x (1 - m / n))`` with ``m`` >= ``sample`` the sample size and ``kurt
-= E[d^4] / E[d^2]^2`` of the update entries. Adam-style updates have ``kurt`` ~ 1.5-3, so with the default ``sample
-= 1024`` one tensor's *norm* is within ~2-3 % (one standard error), and the global norm, a sum over many tensors,
-closer still. A fault that changes only a handful of elements of a large tensor can fall outside the sample: the
-sample is for update *size*. ``||theta||`` is exact: the whole tensors from their copy, the larger ones from one
-fused multi-tensor norm.
-
-Integrity of every element (``update/external_changed``): beside that norm, every larger tensor gets a
-``fingerprint``, the sum modulo 2^64 of its memory read as 64-bit integers: exact integer arithmetic, the same for
-the same bits in any reduction order, and changed by any change of any one element (a sign flip that keeps the
-norm, a flipped bit, a value written over it). It is taken right after ``optimizer.step()`` and again right before
-the next one; the whole tensors are compared element by element in the sample. The count of tensors (shards) whose
-bits changed in between, by anything but the optimizer or a rollback, is 0 in a healthy run. Its cost is one
-integer sum per large tensor at each of the two points, each a read of the tensor as the norm makes (no copy, no
-host transfer). On a sharded run each rank fingerprints its shard and the counts add up like the norm's squares.
-
-Limits that need no history: ``update/rms_per_lr`` = ``||dtheta|| / sqrt(n) / lr`` (``n`` elements), the root mean
-square of the step per element in units of the learning rate. Adam moves an element by ``lr |m_hat| / (sqrt(v_hat)
-+ eps)``; with ``beta1^2 < beta2``, Cauchy-Schwarz over the moments' sums bounds that by ``lr (1 - beta1) / sqrt((1 -
-beta2)(1 - beta1^2 / beta2))`` whatever the gradients: 7.3 lr at the default betas (0.9, 0.999), 2.3 lr at beta2 =
-0.99 (Kingma & Ba 2015, section 2.1, give 3.16 lr for a lone gradient and ~lr as the common case). Far above it, the
-step was not Adam's: its state is broken. ``update/param_norm_change`` =
-``| ||theta_t|| - ||theta_{t-1}|| | / ||theta_{t-1}||`` between two consecutive steps, exact (every element): at most
-``update/rel`` plus any change from outside the optimizer (triangle inequality).
-
-The samples are strided views of the live weights, built once per parameter layout (made again when a tensor
-gets new storage, e.g. ``p.data = ...``, or the parameter set changes), so taking them is one ``torch.cat`` (and
-one conversion to float64) per call; the per-group sums are one dot product per group. Weights in host memory
-(CPU, a dtype numpy has) are read by numpy in place: the same arithmetic at a fraction of the per-call cost of
-torch's CPU operations on small tensors.
-
-All figures stay on the device and travel in the step's one device-to-host transfer: the update of step t is
-measured right after ``optimizer.step()`` and reported with step t+1's statistics (where a rule on it rolls back
-to a state from before step t). The learning rates are host floats read from the optimizer (no transfer).
+The samples are strided views of the live weights, made again only when a tensor gets new storage or the parameter
+set changes; CPU weights are read in place by numpy. Every figure stays on the device and travels in the step's one
+transfer: the update of step t is measured right after ``optimizer.step()`` and reported with step t+1's statistics
+(where a rule on it rolls back to a state from before step t).
 """
 
 from __future__ import annotations
