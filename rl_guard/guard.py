@@ -126,7 +126,6 @@ class Guard:
         # How far each optimizer step moves the weights (every configuration has an update; stats/update.py).
         self.update_probe = UpdateProbe(sharded=config.sharded_grads)
         self.engine = make_engine(config.stats_engine)  # the token statistics' engine: this guard's own
-        self.host_reads = True  # CPU tensors read in place by numpy (``use_host_reads``)
         self._engine_said = False
         self._probed_lrs: list[float] | None = None  # the step's learning rates, when the probe ran before it
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
@@ -181,11 +180,9 @@ class Guard:
         return self
 
     def use_host_reads(self, on: bool) -> Guard:
-        """Whether CPU tensors are read in place by numpy (small micro-batches' token statistics, losses, gradients,
-        weights: the default) or take the path a GPU's tensors take (``False``)."""
-        self.host_reads = on
+        """Whether small CPU micro-batches' token statistics and losses are computed by numpy on their memory (the
+        default) or take the path a GPU's tensors take (``False``)."""
         self.engine = make_engine(self.config.stats_engine, HOST_MAX_TOKENS if on else 0)
-        self.update_probe.host = on
         return self
 
     def attach_state(self, state) -> Guard:
@@ -303,9 +300,7 @@ class Guard:
                     raise RuntimeError("this rank's statistics for the step are incomplete (an observe call failed)")
                 if params is not None:
                     sharded = self.config.sharded_grads
-                    self._acc.add(
-                        probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded, host=self.host_reads)
-                    )
+                    self._acc.add(probe_grads(param_groups_of(params), pre_clip_norm, sharded=sharded))
                 if self._saw_loss:
                     self._acc.add(rank_count(keys.LOSS.ranks, self._acc.device))
                 raw = self._acc.finish(reduce)

@@ -58,11 +58,3 @@ def square_sums(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         norms = torch._foreach_norm([tensors[i].detach() for i in exact], 2.0, dtype=torch.float64)
         out[exact] = torch.stack(norms).numpy() ** 2
     return torch.from_numpy(out)
-
-
-def dot(x: np.ndarray, y: np.ndarray) -> float:
-    """``np.dot`` of two 1-D vectors, on the calling thread. numpy's BLAS (OpenBLAS) splits a dot product of more
-    than 10,000 elements over threads of its own, which must wait for the cores that a multi-threaded torch has just
-    used (its OpenMP workers spin for a while after each parallel operation): right after one, such a ``np.dot`` took
-    about 4 ms here instead of 10 us, on every call. ``einsum`` sums in its own loop and never hands off the work."""
-    return float(np.einsum("i,i->", x, y))

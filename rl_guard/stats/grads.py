@@ -18,17 +18,15 @@ Where gradients live, and how ranks merge them (detected; ``sharded_grads`` in t
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from . import keys
-from .cpu_squares import dot, square_sums
+from .cpu_squares import square_sums
 from .on_device import device_vector
-from .partial import Partial, Scalars
+from .partial import Partial
 from .ranks import rank_and_world
 
 if TYPE_CHECKING:
@@ -167,19 +165,16 @@ def segments_for(weights: list[float], lengths: list[int], device) -> Segments:
 
 
 @torch.no_grad()
-def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None, host: bool = True) -> Partial:
+def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -> Partial:
     """Sufficient statistics of the gradients, grouped as the optimizer groups them.
 
     ``param_groups``: lists of parameters (``param_groups_of``) or a ``GradientSource``. ``sharded``: None to
-    detect (see the module docstring), True / False to force sum / max merging across ranks. ``host``: CPU
-    gradients read in place by numpy where they allow it (False: the torch path a GPU's gradients take).
+    detect (see the module docstring), True / False to force sum / max merging across ranks.
     """
     pairs, merge_sum = local_grads(param_groups, sharded)
     scale = float(getattr(param_groups, "scale", 1.0))
     tensors, weights, spans = flatten(pairs)
     device = tensors[0].device if tensors else None
-    if host and _on_host(device, weights, pre_clip_norm):
-        return _host_partial(tensors, spans, merge_sum, scale, _host_number(pre_clip_norm))
     p = Partial()
     # Entries are written as 1-element float64 vectors, the form ``Partial.add_*`` gives them.
     entries = p.sum if merge_sum else p.max
@@ -211,90 +206,11 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None, h
     return p
 
 
-def _on_host(device, weights: list[float], pre_clip_norm) -> bool:
-    """Whether numpy computes the figures in place (``_host_partial``): CPU gradients with unit merge weights and
-    a pre-clip norm that is a number or one value in host memory."""
-    if torch.is_tensor(pre_clip_norm) and (pre_clip_norm.device.type != "cpu" or pre_clip_norm.numel() != 1):
-        return False
-    return device is not None and device.type == "cpu" and all(w == 1.0 for w in weights)
-
-
-def _host_number(x) -> float | None:
-    """A pre-clip norm (a number, or one value in host memory) as a float, read in place."""
-    if x is None or not torch.is_tensor(x):
-        return None if x is None else float(x)
-    x = x.detach()
-    return float((x.float() if x.dtype == torch.bfloat16 else x).numpy().reshape(-1)[0])  # numpy lacks bfloat16
-
-
-def _host_partial(tensors: list[torch.Tensor], spans, merge_sum: bool, scale: float, preclip) -> Partial:
-    """``probe_grads`` of CPU gradients with unit weights: the figures from ``_cpu_figures`` (numpy), entered in the
-    order the multi-tensor path writes them (ranks and micro-batches merge packed vectors by that layout)."""
-    per_group, linf = _cpu_figures(tensors, spans)
-    sq_scale = scale * scale
-    figures = Scalars()
-    entries = figures.sum if merge_sum else figures.max
-    entries.extend((keys.grad_group(i), sq * sq_scale) for i, sq in enumerate(per_group))
-    entries.append((keys.GRAD.sq, per_group.sum() * sq_scale))
-    figures.max.append((keys.GRAD.max_abs, linf.max() * scale))  # NaN-propagating, as the multi-tensor path
-    entries.append((keys.GRAD.nonfinite, linf.size - np.count_nonzero(np.isfinite(linf))))  # NaN / inf tensors
-    if preclip is not None:
-        figures.max.append((keys.GRAD.preclip_sq, preclip * preclip))
-    return figures.partial(host=True)
-
-
 def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
     """``(per-group sums of squares, their total, per-tensor largest |value|)`` from multi-tensor kernels (fused
     on CUDA), merge weights applied to the squares; the per-tensor figures keep the tensors' order."""
     per_group, total = seg.sums(squares(tensors))
     return (per_group.split(1) if seg.groups > 1 else (per_group,)), total, abs_max(tensors)
-
-
-def _cpu_figures(tensors: list[torch.Tensor], spans) -> tuple[np.ndarray, np.ndarray]:
-    """CPU, unit weights: per group the sum of squares in float64 accuracy (fp32 squares overflow above ~1e19),
-    and every tensor's largest |value| (NaN where it holds one), in an order of its own; numpy float64 arrays.
-
-    On CPU each torch call costs microseconds whatever the size, and the multi-tensor norm is a loop of them. So the
-    tensors of up to ``PACK_LIMIT`` elements are copied into one vector (one kernel) that numpy reads in place: one
-    ``|max|`` per tensor from one ``reduceat``, one float64 dot product per group. Larger tensors get a multi-tensor
-    norm and one min/max each."""
-    fits, offsets, ranges = _cpu_plan(tuple((t.shape, t.dtype) for t in tensors), tuple(spans))
-    packed = [t for t, ok in zip(tensors, fits) if ok]
-    rest = [t for t, ok in zip(tensors, fits) if not ok]
-    linf, per_group = [], np.zeros(len(ranges))
-    if packed:
-        t = _pack(packed)
-        flat = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # bfloat16 -> float32 is exact
-        linf.append(np.maximum.reduceat(np.abs(flat), offsets))  # NaN-propagating, |+-inf| = inf
-        flat = flat.astype(np.float64)
-    if rest:
-        linf.append(abs_max(rest).to(torch.float64).numpy())
-        rest_sq = squares(rest).numpy()
-    for g, (lo, hi, r_lo, r_hi) in enumerate(ranges):  # per group: a range of ``flat``, one of ``rest_sq``
-        if hi > lo:
-            x = flat[lo:hi]
-            per_group[g] = dot(x, x)
-        if r_hi > r_lo:
-            per_group[g] += rest_sq[r_lo:r_hi].sum()
-    return per_group, (linf[0] if len(linf) == 1 else np.concatenate(linf))
-
-
-@functools.lru_cache(maxsize=16)
-def _cpu_plan(layout: tuple, spans: tuple) -> tuple:
-    """For ``_cpu_figures``, per layout (shapes and dtypes, group spans): which tensors are packed, where each
-    starts in the packed vector, and per group its range of packed elements and of other tensors."""
-    dtype = layout[0][1]
-    sizes = [math.prod(shape) for shape, _ in layout]
-    fits = tuple(n <= PACK_LIMIT and d == dtype and len(shape) > 0 for n, (shape, d) in zip(sizes, layout))
-    packed_sizes = [n for n, ok in zip(sizes, fits) if ok]
-    offsets = np.cumsum([0, *packed_sizes[:-1]]).astype(np.int64)
-    ranges, lo, r_lo = [], 0, 0
-    for a, b in spans:
-        n = sum(size for size, ok in zip(sizes[a:b], fits[a:b]) if ok)
-        r = sum(1 for ok in fits[a:b] if not ok)
-        ranges.append((lo, lo + n, r_lo, r_lo + r))
-        lo, r_lo = lo + n, r_lo + r
-    return fits, offsets, tuple(ranges)
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -305,18 +221,6 @@ def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         return host
     l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
     return l2.mul_(l2)
-
-
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' elements in one flat copy (one kernel where ``torch._chunk_cat`` applies)."""
-    dtype = tensors[0].dtype
-    if _CHUNK_CAT is not None and all(t.dim() and t.dtype == dtype for t in tensors):
-        return _CHUNK_CAT(tensors, 0, 1).view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-_CHUNK_CAT = getattr(torch, "_chunk_cat", None)
-PACK_LIMIT = 1 << 13  # elements: above, a tensor's own kernels cost less than copying it (one CPU thread)
 
 
 def extremes(tensors: list[torch.Tensor]) -> torch.Tensor:

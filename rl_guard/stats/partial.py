@@ -8,7 +8,6 @@ built only when someone reads ``sum`` / ``max`` (after which the ``Partial`` is 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .on_device import host_to_device
@@ -62,25 +61,19 @@ class Partial:
 
 
 class Scalars:
-    """Scalar figures by reduction, ``(name, value)`` in the order they were measured: host floats, or 0-d tensors
-    on the device; packed into one ``Partial`` at the end (one vector per reduction, no dict of tensors)."""
+    """Scalar figures by reduction, ``(name, 0-d tensor)`` in the order they were measured; packed into one
+    ``Partial`` at the end (one vector per reduction, no dict of tensors)."""
 
     def __init__(self) -> None:
-        self.sum: list[tuple[str, object]] = []
-        self.max: list[tuple[str, object]] = []
+        self.sum: list[tuple[str, torch.Tensor]] = []
+        self.max: list[tuple[str, torch.Tensor]] = []
 
-    def partial(self, host: bool, device=None) -> Partial:
-        """The packed ``Partial``: built in numpy when ``host`` (a value measured on the device, e.g. before the
-        weights moved, is read once), else stacked on ``device``."""
+    def partial(self, device) -> Partial:
         layout = (tuple((name, 1) for name, _ in self.sum), tuple((name, 1) for name, _ in self.max))
-        return Partial.of_packed(layout, _scalar_vector(self.sum, host, device), _scalar_vector(self.max, host, device))
+        return Partial.of_packed(layout, _scalar_vector(self.sum, device), _scalar_vector(self.max, device))
 
 
-def _scalar_vector(entries: list, host: bool, device) -> torch.Tensor:
-    values = [value for _, value in entries]
-    if host:
-        return torch.from_numpy(np.array([float(v) for v in values], dtype=np.float64))
-    if not values:
+def _scalar_vector(entries: list, device) -> torch.Tensor:
+    if not entries:
         return torch.zeros(0, dtype=F64, device=device)
-    values = [v if torch.is_tensor(v) else torch.tensor(v, dtype=F64) for v in values]
-    return host_to_device(torch.stack(values), device, F64)
+    return host_to_device(torch.stack([value for _, value in entries]), device, F64)

@@ -10,7 +10,7 @@ error, the fingerprint and Adam's bound on ``rms_per_lr`` are derived in ``docs/
 probe").
 
 The samples are strided views of the live weights, made again only when a tensor gets new storage or the parameter
-set changes; CPU weights are read in place by numpy. Every figure stays on the device and travels in the step's one
+set changes. Every figure stays on the device and travels in the step's one
 transfer: the update of step t is measured right after ``optimizer.step()`` and reported with step t+1's statistics
 (where a rule on it rolls back to a state from before step t).
 """
@@ -22,11 +22,9 @@ import math
 import operator
 import random
 
-import numpy as np
 import torch
 
 from . import keys
-from .cpu_squares import dot
 from .grads import local_shards, squares
 from .on_device import device_vector
 from .partial import Partial, Scalars
@@ -35,8 +33,6 @@ DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note
 WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole: exact, for a copy of a few sample sizes
 GROWTH_STEPS = 3  # optim/lr_growth compares with the smallest of this many last applied rates
 F64 = torch.float64
-HOST_DTYPES = (torch.float32, torch.float64, torch.float16)  # what numpy reads in place
-Sampled = torch.Tensor | np.ndarray  # the sampled weights: a numpy array on the host (``_Layout.host``)
 
 
 def stride_for(n: int, sample: int) -> int | None:
@@ -59,7 +55,7 @@ class _Layout:
     ``[lo, hi)`` of the vector and its whole tensors the span ``[lo, mid)``. ``weights``: per sampled element,
     ``s`` (1 for a whole tensor) times the merge weight; None when all are 1."""
 
-    def __init__(self, pairs, structure: tuple, sample: int, seed: int, device, host: bool = True):
+    def __init__(self, pairs, structure: tuple, sample: int, seed: int, device):
         self.structure, self.device = structure, device
         self.storage: tuple | None = None
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
@@ -92,31 +88,19 @@ class _Layout:
             big_counts.append(len(sampled))
             self.spans.append((lo, mid, pos))
         self.size = pos
-        # host: numpy reads the weights where they are (CPU, a dtype numpy has, ``UpdateProbe.host``: off, CPU
-        # tensors are handled as a GPU's); the figures are then host floats
-        self.host = (
-            host
-            and device is not None
-            and device.type == "cpu"
-            and all(dtype in HOST_DTYPES for group in structure for _, dtype, _ in group)
-        )
-        self.weights: torch.Tensor | np.ndarray | None = None
+        self.weights: torch.Tensor | None = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
-            if self.host:
-                self.weights = self.weights.numpy()
         self.big_weights = None if all(w == 1.0 for w in big_w) else device_vector(big_w, device)
         self.big_spans, start = [], 0
         for n in big_counts:
             self.big_spans.append((start, start + n))
             start += n
         self.views: list[torch.Tensor] = []
-        self.host_views: list[np.ndarray] = []  # with ``host``: numpy views of the same memory
         self.big: list[torch.Tensor] = []
-        # The element count and the whole tensors' lengths where the figures are computed (device or host).
-        self.count_value = self.count if self.host else torch.full((), self.count, dtype=F64, device=device)
+        self.count_value = torch.full((), self.count, dtype=F64, device=device)
         self._whole_segments = [
-            None if self.host or len(n) < 2 else device_vector(n, device, torch.int64) for n in self.whole_lengths
+            None if len(n) < 2 else device_vector(n, device, torch.int64) for n in self.whole_lengths
         ]
 
     def bind(self, pairs, storage: tuple | None) -> None:
@@ -131,29 +115,21 @@ class _Layout:
             self.views.append(flat if s == 1 else flat[offset::s])
             if s > 1:
                 self.big.append(tensors[i])
-        if self.host:  # numpy views of the same memory (detached: parameters require grad)
-            self.host_views, self.views = [v.detach().numpy() for v in self.views], []
         self.storage = storage
 
-    def take(self):
-        """The current sampled values, float64 (exact for every floating dtype up to float64): a numpy array on the
-        host, else a device tensor concatenated in the weights' dtype, then converted (on CPU a ``cat`` that
-        converts as it copies is several times slower)."""
-        if self.host:
-            return np.concatenate(self.host_views, dtype=np.float64) if self.host_views else np.zeros(0)
+    def take(self) -> torch.Tensor:
+        """The current sampled values, float64 (exact for every floating dtype up to float64): concatenated in the
+        weights' dtype, then converted (on CPU a ``cat`` that converts as it copies is several times slower)."""
         if not self.views:
             return torch.zeros(0, dtype=F64, device=self.device)
         return torch.cat(self.views).to(F64)
 
     def _zero(self):
-        return 0.0 if self.host else torch.zeros((), dtype=F64, device=self.device)
-
-    def _dot(self, x, y):
-        return dot(x, y) if self.host else torch.dot(x, y)
+        return torch.zeros((), dtype=F64, device=self.device)
 
     def group_sq(self, a, b, part: int = 2) -> list:
         """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over the group's span: its
-        whole tensors only (``part`` 1) or all its samples (``part`` 2); host floats or 0-d device tensors. One
+        whole tensors only (``part`` 1) or all its samples (``part`` 2); 0-d tensors. One
         dot product per group: a NaN in one group leaves the others finite."""
         d = a if b is None else a - b
         dw = d if self.weights is None else d * self.weights
@@ -163,16 +139,16 @@ class _Layout:
             if hi == lo:
                 out.append(self._zero())
             elif lo == 0 and hi == self.size:
-                out.append(self._dot(dw, d))
+                out.append(torch.dot(dw, d))
             else:
                 x = d[lo:hi]
-                out.append(self._dot(x if dw is d else dw[lo:hi], x))
+                out.append(torch.dot(x if dw is d else dw[lo:hi], x))
         return out
 
     def total_sq(self, a, b):
         """The weighted sum of ``(a - b)^2`` over every sample."""
         d = a - b
-        return self._dot(d if self.weights is None else d * self.weights, d)
+        return torch.dot(d if self.weights is None else d * self.weights, d)
 
     def big_sq(self) -> list | None:
         """Per group, the exact merge-weighted squared norm of its sampled (large) tensors; None when there are
@@ -182,36 +158,22 @@ class _Layout:
         sq = squares(self.big)
         if self.big_weights is not None:
             sq = sq * self.big_weights
-        if self.host:
-            host_sq = sq.numpy()
-            return [float(host_sq[a:b].sum()) for a, b in self.big_spans]
         if len(self.big_spans) == 1:
             return [sq.sum()]
         return [sq[a:b].sum() if b > a else self._zero() for a, b in self.big_spans]
 
     def fingerprints(self):
-        """Every sampled (large) tensor's ``fingerprint``: an int64 numpy array on the host, else an int64 device
-        vector; None when there is no such tensor. Reads every element once, as the exact norm does."""
+        """Every sampled (large) tensor's ``fingerprint`` (an int64 vector); None when there is no such tensor. Reads
+        every element once, as the exact norm does."""
         if not self.big:
             return None
-        if self.host:
-            return np.array([host_fingerprint(t) for t in self.big], dtype=np.int64)
         return torch.stack([fingerprint(t) for t in self.big])
 
     def changed(self, now, after, fp_now, fp_after):
         """How many tensors changed between the samples ``after`` and ``now`` (same layout): a whole tensor when any
         of its elements differs (every element is in the sample), a large one when its fingerprint differs (every
-        element is in the fingerprint). A NaN counts as a change. A host float or a 0-d float64 device tensor."""
+        element is in the fingerprint). A NaN counts as a change. A 0-d float64 tensor."""
         d = now != after
-        if self.host:
-            count = 0
-            for (lo, mid, _), lengths in zip(self.spans, self.whole_lengths):
-                if lengths:
-                    starts = np.cumsum([0, *lengths[:-1]])
-                    count += int(np.count_nonzero(np.add.reduceat(d[lo:mid], starts)))
-            if fp_now is not None and fp_after is not None:
-                count += int(np.count_nonzero(fp_now != fp_after))
-            return float(count)
         parts = []
         for (lo, mid, _), lengths, seg in zip(self.spans, self.whole_lengths, self._whole_segments):
             if not lengths:
@@ -253,18 +215,6 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=torch.int64, device=t.device)
 
 
-def host_fingerprint(t: torch.Tensor) -> int:
-    """``fingerprint`` of a tensor in host memory, read in place by numpy (an int; the same value)."""
-    x = t.detach().numpy().reshape(-1)
-    size = x.itemsize
-    per = 8 // size if size in (1, 2, 4) else 1
-    cut = x.size - x.size % per
-    total = int(x[:cut].view(np.int64).sum()) if cut else 0
-    if cut < x.size:
-        total += int(x[cut:].view(f"<i{size}").astype(np.int64).sum())
-    return (total + 2**63) % 2**64 - 2**63  # the int64 the device sum wraps to
-
-
 def _keys(pairs) -> tuple[tuple, tuple | None]:
     """``(structure, storage)`` of the tensors: what the sample positions depend on (shapes, dtypes, weights,
     grouping), and what the cached views depend on (addresses and strides; None when a tensor is not contiguous:
@@ -280,13 +230,12 @@ class UpdateProbe:
     """Call ``pre_step`` right before ``optimizer.step()`` (it returns the ``Partial`` to add to that step's
     statistics), ``post_step`` right after it, and ``resync`` after the weights were restored (a rollback)."""
 
-    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None, host: bool = True):
+    def __init__(self, sample: int = DEFAULT_SAMPLE, seed: int = 0, sharded: bool | None = None):
         self.sample, self.seed, self.sharded = sample, seed, sharded
-        self.host = host  # CPU weights read in place by numpy (False: the torch path a GPU's weights take)
         self._layout: _Layout | None = None
         self._seen: tuple | None = None  # the tensors (and addresses) the layout's views were made from
-        self._before: Sampled | None = None  # sampled weights (float64) right before the last optimizer step
-        self._after: Sampled | None = None  # sampled weights right after it
+        self._before: torch.Tensor | None = None  # sampled weights (float64) right before the last optimizer step
+        self._after: torch.Tensor | None = None  # sampled weights right after it
         self._after_layout: _Layout | None = None  # the layout ``_after`` was taken with
         self._after_fp = None  # the large tensors' fingerprints right after it (``_Layout.fingerprints``)
         self._prev_sq = None  # exact ||theta||^2 at the last pre_step, with the layout it was measured with
@@ -305,7 +254,7 @@ class UpdateProbe:
         # Empty groups get their zeros on the parameters' device: stacking a CPU zero with device tensors would fail.
         return next((p.device for group in groups for p in group), None)
 
-    def _take(self, groups) -> Sampled:
+    def _take(self, groups) -> torch.Tensor:
         """The sampled weights of every group in one float64 vector (``self._layout`` made current)."""
         # This rank's part of every parameter with its merge weight (``grads.local_shards``: DTensor shards,
         # replicas counted once); callers run under no_grad, so no detach is needed.
@@ -322,7 +271,7 @@ class UpdateProbe:
         ):
             structure, storage = _keys(pairs)
             if self._layout is None or self._layout.structure != structure:
-                self._layout = _Layout(pairs, structure, self.sample, self.seed, self._device(groups), self.host)
+                self._layout = _Layout(pairs, structure, self.sample, self.seed, self._device(groups))
             self._layout.bind(pairs, storage)
             self._seen = (
                 None if storage is None else (tensors, [t.data_ptr() for t in tensors], [len(g) for g in pairs])
@@ -356,7 +305,7 @@ class UpdateProbe:
             entries.append((keys.UPDATE.drift_sq, layout.total_sq(now, self._after)))
             entries.append((keys.UPDATE.changed, layout.changed(now, self._after, fp, self._after_fp)))
         base = self._param_sq(now)
-        base.append(functools.reduce(operator.add, base))  # host floats or 0-d tensors: one add per further group
+        base.append(functools.reduce(operator.add, base))  # one add per further group
         entries.extend((keys.update_group(i, "param_sq"), sq) for i, sq in enumerate(base[:-1]))
         entries.append((keys.UPDATE.param_sq, base[-1]))
         if self._prev_sq is not None and self._prev_layout is layout:
@@ -364,7 +313,7 @@ class UpdateProbe:
         self._prev_sq, self._prev_layout = base[-1], layout
         self._base_sq, self._before = base, now
         self._last_lrs = list(lrs)
-        return report.partial(layout.host, layout.device)
+        return report.partial(layout.device)
 
     @torch.no_grad()
     def post_step(self, groups: list[list[torch.Tensor]]) -> None:
@@ -382,12 +331,7 @@ class UpdateProbe:
                 entries.append((keys.update_group(i, "sq"), s))
                 entries.append((keys.update_group(i, "base_sq"), b))
                 lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
-                report.max.append(
-                    (
-                        keys.update_group(i, "lr"),
-                        lr if layout.host else torch.full((), lr, dtype=F64, device=layout.device),
-                    )
-                )
+                report.max.append((keys.update_group(i, "lr"), torch.full((), lr, dtype=F64, device=layout.device)))
             entries.append((keys.UPDATE.sq, functools.reduce(operator.add, sq)))
             entries.append((keys.UPDATE.base_sq, self._base_sq[-1]))
             entries.append((keys.UPDATE.count, layout.count_value))
@@ -443,10 +387,10 @@ class UpdateProbe:
         the weights it loaded are the ones the saving run left (``update/external_rel`` at the first resumed step)."""
         state: dict = {"lr_max": list(self._lr_max), "lr_recent": [list(r) for r in self._lr_recent]}
         if self._after is not None and self._after_layout is not None:
-            state["after"] = torch.as_tensor(self._after).detach().to("cpu", copy=True)
+            state["after"] = self._after.detach().to("cpu", copy=True)
             state["after_structure"] = repr(self._after_layout.structure)
             if self._after_fp is not None:
-                state["after_fingerprints"] = torch.as_tensor(self._after_fp).detach().to("cpu", copy=True)
+                state["after_fingerprints"] = self._after_fp.detach().to("cpu", copy=True)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -463,10 +407,10 @@ class UpdateProbe:
         structure, after, fp = self._restored
         self._restored = None
         if self._after is None and repr(layout.structure) == structure:
-            self._after = after.numpy() if layout.host else after.to(layout.device)
+            self._after = after.to(layout.device)
             self._after_layout = layout
             if fp is not None:
-                self._after_fp = fp.numpy() if layout.host else fp.to(layout.device)
+                self._after_fp = fp.to(layout.device)
 
 
 def learning_rates(optimizer) -> list[float]:

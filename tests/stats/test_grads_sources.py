@@ -15,13 +15,10 @@ from hypothesis import strategies as st
 from rl_guard.stats import keys
 from rl_guard.stats.grads import (
     GradientSource,
-    _cpu_figures,
-    _multi_tensor_figures,
     abs_max,
     drop_grads,
     param_groups_of,
     probe_grads,
-    segments_for,
 )
 
 
@@ -145,44 +142,3 @@ def test_grad_figures_match_float64_reference_on_every_layout(shapes, specials, 
     want_max = math.nan if any(np.isnan(v).any() for v in x) else want_max
     assert same(float(p.max[keys.GRAD.max_abs]), want_max)
     assert float(p.max[keys.GRAD.nonfinite]) == sum(not np.isfinite(v).all() for v in x)
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    st.lists(st.sampled_from([(64,), (5, 7), (8192,), (8193,), (2, 48)]), min_size=1, max_size=6), st.integers(0, 2**16)
-)
-def test_packed_cpu_figures_equal_the_multi_tensor_ones(shapes, seed):
-    # The CUDA (and merge-weighted) path and the packed CPU path give the same figures, NaN and inf included.
-    rng = np.random.default_rng(seed)
-    tensors = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in shapes]
-    tensors[int(rng.integers(len(tensors)))].view(-1)[0] = [math.nan, math.inf, -math.inf, 2.0][seed % 4]
-    cut = int(rng.integers(len(tensors) + 1))
-    spans = [(0, cut), (cut, len(tensors))]
-    per_group, linf = _cpu_figures(tensors, spans)
-    multi = _multi_tensor_figures(tensors, segments_for([1.0] * len(tensors), [cut, len(tensors) - cut], None))
-    np.testing.assert_allclose(per_group, torch.cat(list(multi[0])).numpy(), rtol=1e-12)
-    np.testing.assert_allclose(per_group.sum(), multi[1].numpy(), rtol=1e-12)
-    np.testing.assert_array_equal(np.sort(linf), np.sort(multi[2].double().numpy()))  # NaN sorts last
-
-
-@pytest.mark.parametrize("sharded", [None, True])
-@pytest.mark.parametrize("preclip", [None, 2.5, torch.tensor(2.5)])
-def test_host_figures_have_the_multi_tensor_layout_and_values(monkeypatch, sharded, preclip):
-    # Ranks (and engines) merge packed vectors by layout: the numpy path on CPU must lay out and compute exactly
-    # what the multi-tensor path (CUDA, merge weights) does, NaN tensors counted alike.
-    from rl_guard.stats import grads
-    from rl_guard.stats.accumulate import _layout
-
-    rng = np.random.default_rng(3)
-    g = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in [(64,), (5, 7), (8193,), (3,)]]
-    g[1].view(-1)[2] = math.nan
-    groups = [_params(*g[:2]), _params(*g[2:])]
-    host = probe_grads(groups, preclip, sharded=sharded)
-    assert host.packed is not None
-    monkeypatch.setattr(grads, "_on_host", lambda *a: False)
-    multi = probe_grads(groups, preclip, sharded=sharded)
-    assert host.packed[0] == _layout(multi)
-    for got, want in ((host.sum, multi.sum), (host.max, multi.max)):
-        for name in want:
-            np.testing.assert_allclose(got[name].numpy(), want[name].numpy(), rtol=1e-12, equal_nan=True)
-    assert float(host.max[keys.GRAD.max_abs]) != float(host.max[keys.GRAD.max_abs])  # the NaN reaches max |g|

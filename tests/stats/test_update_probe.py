@@ -14,20 +14,6 @@ from rl_guard.stats.cpu_squares import REL_ERROR
 from rl_guard.stats.summarize import summarize
 from rl_guard.stats.update import WHOLE, UpdateProbe, stride_for
 
-PATH = {"host": True}  # the path the current parametrization's probes take (``engine`` below)
-
-
-@pytest.fixture(autouse=True, params=["host", "device"])
-def engine(request):
-    """Every test runs both ways: CPU weights read by numpy in place (``host``), and the torch path a GPU's weights
-    take (``device``: ``UpdateProbe(host=False)``, so CPU tensors are handled as a GPU's)."""
-    PATH["host"] = request.param == "host"
-    return request.param
-
-
-def _probe(*args, **kwargs) -> UpdateProbe:
-    return UpdateProbe(*args, host=PATH["host"], **kwargs)
-
 
 def _metrics(partial) -> dict:
     acc = StepAccumulator()
@@ -50,7 +36,7 @@ def _np(groups):
 def test_exact_when_every_element_is_sampled():
     groups = _model()
     opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1)
-    probe = _probe(sample=10**6)
+    probe = UpdateProbe(sample=10**6)
     before = _np(groups)
     probe.pre_step(groups, [0.1, 0.1])
     for g in groups:
@@ -74,7 +60,7 @@ def test_exact_when_every_element_is_sampled():
 @pytest.mark.parametrize("big", [200_000, WHOLE * 1024 + 1])  # a fine stride, and the coarsest one
 def test_sampled_estimate_is_within_its_documented_error(big):
     groups = _model(big=big)
-    probe = _probe(sample=1024)
+    probe = UpdateProbe(sample=1024)
     probe.pre_step(groups, [1.0, 1.0])
     rng = np.random.default_rng(0)
     deltas = []
@@ -101,7 +87,7 @@ def test_sample_covers_a_periodic_column_pattern_evenly():
     rows, cols = 512, 1024
     w = torch.nn.Parameter(torch.zeros(rows, cols))
     groups = [[w]]
-    probe = _probe(sample=1024)
+    probe = UpdateProbe(sample=1024)
     probe.pre_step(groups, [1.0])
     d = np.zeros((rows, cols))
     d[:, ::64] = np.where(np.random.default_rng(1).random((rows, cols // 64)) < 0.5, -1.0, 1.0)
@@ -115,7 +101,7 @@ def test_sample_covers_a_periodic_column_pattern_evenly():
 
 def test_views_follow_a_parameter_given_new_storage():
     groups = _model(big=50_000)
-    probe = _probe(sample=256)
+    probe = UpdateProbe(sample=256)
     probe.pre_step(groups, [0.1, 0.1])
     with torch.no_grad():
         groups[0][0].data = groups[0][0].data * 2  # new storage: views of the old one would see no change
@@ -129,7 +115,7 @@ def test_views_follow_a_parameter_given_new_storage():
 
 def test_a_change_outside_the_optimizer_is_seen_and_a_restore_is_not():
     groups = _model()
-    probe = _probe(sample=64)
+    probe = UpdateProbe(sample=64)
     probe.pre_step(groups, [0.1, 0.1])
     probe.post_step(groups)
     with torch.no_grad():
@@ -145,7 +131,7 @@ def test_a_change_outside_the_optimizer_is_seen_and_a_restore_is_not():
 
 
 def _growth(lrs, accept=lambda i: True):
-    probe, out = _probe(), []
+    probe, out = UpdateProbe(), []
     for i, lr in enumerate(lrs):
         out.append(probe.lr_metrics([lr]).get("rl_guard/optim/lr_growth"))
         if accept(i):
@@ -171,7 +157,7 @@ def test_a_parameter_with_no_local_elements_is_left_out():
     groups = _model()
     groups[1].append(torch.nn.Parameter(torch.empty(0)))  # e.g. partitioned away from this rank
     groups.append([])  # and an optimizer group holding nothing on this rank
-    probe = _probe()
+    probe = UpdateProbe()
     probe.pre_step(groups, [0.1, 0.1, 0.1])
     with torch.no_grad():
         groups[1][0].add_(1.0)
@@ -181,42 +167,19 @@ def test_a_parameter_with_no_local_elements_is_left_out():
     assert got["rl_guard/update/group2/param_norm"] == 0.0
 
 
-def test_host_and_device_paths_lay_out_and_compute_the_same():
-    # Ranks merge packed vectors by layout: whichever path a rank's weights take, the same names in the same order,
-    # and the same figures (each path is chosen here, whatever the module's fixture chose).
-    reports = {}
-    for path in ("host", "device"):
-        groups = _model(big=50_000)
-        probe = UpdateProbe(sample=256, host=path == "host")
-        probe.pre_step(groups, [0.1, 0.2])
-        with torch.no_grad():
-            groups[0][1].add_(0.5)
-            groups[1][0].mul_(0.9)
-        probe.post_step(groups)
-        reports[path] = probe.pre_step(groups, [0.1, 0.2])
-        assert probe._layout.host == (path == "host")
-    host, device = reports["host"], reports["device"]
-    assert host.packed[0] == device.packed[0]
-    np.testing.assert_allclose(host.packed[1].numpy(), device.packed[1].numpy(), rtol=1e-12)
-    np.testing.assert_allclose(host.packed[2].numpy(), device.packed[2].numpy(), rtol=1e-12)
-
-
-@pytest.mark.parametrize("first", ["host", "device"])
-def test_a_report_survives_the_weights_changing_path_between_steps(first):
-    # The last step's update is reported at the next pre_step; if the layout changed path meanwhile (a new
-    # parameter, weights moved), its figures are converted, not lost.
+def test_a_report_survives_the_layout_changing_between_steps():
+    # The last step's update is reported at the next pre_step; if the layout changed meanwhile (a new parameter),
+    # its figures are not lost.
     groups = _model()
-    probe = UpdateProbe(sample=10**6, host=first == "host")
+    probe = UpdateProbe(sample=10**6)
     probe.pre_step(groups, [0.1, 0.1])
     before = _np(groups)
     with torch.no_grad():
         groups[1][0].add_(2.0)
     probe.post_step(groups)
     moved = math.sqrt(sum(((y - x) ** 2).sum() for g, h in zip(before, _np(groups)) for x, y in zip(g, h)))
-    probe.host = first != "host"
-    groups[1].append(torch.nn.Parameter(torch.ones(3)))  # a new layout, on the other path
+    groups[1].append(torch.nn.Parameter(torch.ones(3)))  # a new layout
     got = _metrics(probe.pre_step(groups, [0.1, 0.1]))
-    assert probe._layout.host == (first == "device")
     assert moved == pytest.approx(math.sqrt(20.0), rel=1e-6)
     assert got["rl_guard/update/norm"] == pytest.approx(moved, rel=1e-12)
 
@@ -240,7 +203,7 @@ def test_every_element_is_covered_by_the_integrity_count(corrupt, where):
     whole: counted, whatever the change, including a sign flip that keeps the norm."""
     groups = _model(big=200_000)
     opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1)
-    probe = _probe(sample=1024)
+    probe = UpdateProbe(sample=1024)
     _adam_steps(groups, opt, probe, [0.1, 0.1])
     target = groups[0][0] if where == "large" else groups[0][1]
     flat = target.detach().view(-1)
@@ -268,7 +231,7 @@ def test_every_element_is_covered_by_the_integrity_count(corrupt, where):
 def test_integrity_count_is_zero_across_healthy_steps_and_a_restore():
     groups = _model(big=200_000)
     opt = torch.optim.Adam([{"params": groups[0]}, {"params": groups[1]}], lr=1e-3)
-    probe = _probe(sample=1024)
+    probe = UpdateProbe(sample=1024)
     saved = [[p.detach().clone() for p in g] for g in groups]
     for step in range(4):
         got = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))
@@ -292,13 +255,13 @@ def test_integrity_count_is_zero_across_healthy_steps_and_a_restore():
 def test_integrity_fingerprints_survive_a_checkpoint():
     groups = _model(big=200_000)
     opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1]}], lr=0.1)
-    probe = _probe(sample=1024)
+    probe = UpdateProbe(sample=1024)
     _adam_steps(groups, opt, probe, [0.1, 0.1])
     state = probe.state_dict()
-    resumed = _probe(sample=1024)
+    resumed = UpdateProbe(sample=1024)
     resumed.load_state_dict(state)
     assert _metrics(resumed.pre_step(groups, [0.1, 0.1]))["rl_guard/update/external_changed"] == 0.0
-    other = _probe(sample=1024)
+    other = UpdateProbe(sample=1024)
     other.load_state_dict(state)
     with torch.no_grad():
         groups[0][0].view(-1)[7] *= -1  # loaded weights that are not the ones the saving run left
@@ -308,7 +271,7 @@ def test_integrity_fingerprints_survive_a_checkpoint():
 def test_rms_per_lr_stays_within_adams_bound_and_flags_a_broken_state():
     groups = _model(big=200_000)
     opt = torch.optim.Adam([{"params": groups[0]}, {"params": groups[1]}], lr=1e-3)
-    probe = _probe(sample=1024)
+    probe = UpdateProbe(sample=1024)
     _adam_steps(groups, opt, probe, [1e-3, 1e-3])
     first = _metrics(probe.pre_step(groups, [1e-3, 1e-3]))
     # Adam's first step moves every element by lr (m / sqrt(v) = g / |g|), the sampled estimate within a few %
