@@ -23,10 +23,6 @@ class RankMismatch(RuntimeError):
     """Ranks fed different statistics layouts (e.g. one rank passed ref_logprobs, another did not)."""
 
 
-def _layout(p: Partial) -> Layout:
-    return (tuple((k, v.numel()) for k, v in p.sum.items()), tuple((k, v.numel()) for k, v in p.max.items()))
-
-
 def _cat(tensors, device) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0, dtype=torch.float64, device=device)
@@ -73,25 +69,15 @@ class StepAccumulator:
         self.device: torch.device | None = None
 
     def add(self, partial: Partial) -> None:
-        packed = partial.packed
-        if packed is not None:
-            layout, s, m = packed
-            if not s.numel() and not m.numel():
-                return
-            device = s.device
-        else:
-            if not partial.sum and not partial.max:
-                return
-            device = next(iter(partial.sum.values() or partial.max.values())).device
-            layout = _layout(partial)
-            s = _cat(list(partial.sum.values()), self.device or device)
-            m = _cat(list(partial.max.values()), self.device or device)
+        layout, s, m = partial
+        if not s.numel() and not m.numel():
+            return
         if self.device is None:
-            self.device = device
+            self.device = s.device
         seg = self._segments.get(layout)
         if seg is None:  # kept as given (most layouts come once a step): never written, so never the caller's
-            self._segments[layout] = [s, m, packed is not None]
-        elif seg[2]:  # the first vectors may be the caller's (a packed Partial's entries are views of them)
+            self._segments[layout] = [s, m, True]
+        elif seg[2]:  # the first vectors are the caller's
             seg[:] = [seg[0] + s, torch.maximum(seg[1], m), False]
         else:
             seg[0].add_(s)

@@ -231,7 +231,7 @@ class ChunkStats:
         if n_lay:
             m_lay += tuple(("-" + name, k) for name, k in n_lay)
             m = torch.cat([m, n.neg_()])
-        return Partial.of_packed((s_lay, m_lay), s, m)
+        return Partial((s_lay, m_lay), s, m)
 
     def _joined(self, pieces: list) -> tuple[tuple, torch.Tensor]:
         groups: dict = {}

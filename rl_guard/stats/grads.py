@@ -26,7 +26,7 @@ import torch
 from . import keys
 from .cpu_squares import square_sums
 from .on_device import device_vector
-from .partial import Partial
+from .partial import Partial, Scalars
 from .ranks import rank_and_world
 
 if TYPE_CHECKING:
@@ -174,10 +174,12 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     pairs, merge_sum = local_grads(param_groups, sharded)
     scale = float(getattr(param_groups, "scale", 1.0))
     tensors, weights, spans = flatten(pairs)
-    device = tensors[0].device if tensors else None
-    p = Partial()
-    # Entries are written as 1-element float64 vectors, the form ``Partial.add_*`` gives them.
-    entries = p.sum if merge_sum else p.max
+    if tensors:
+        device = tensors[0].device
+    else:  # a rank without gradients: its zeros where the pre-clip norm is, if given
+        device = pre_clip_norm.device if torch.is_tensor(pre_clip_norm) else torch.device("cpu")
+    figures = Scalars()
+    entries = figures.sum if merge_sum else figures.max
     if tensors:
         seg = segments_for(weights, [b - a for a, b in spans], device)
         per_group, total, linf = _multi_tensor_figures(tensors, seg)
@@ -188,22 +190,22 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
         if scale != 1.0:
             per_group = [sq * (scale * scale) for sq in per_group]
             total, linf = total * (scale * scale), linf * scale
-        for i, group_sq in enumerate(per_group):
-            entries[keys.grad_group(i)] = group_sq
-        entries[keys.GRAD.sq] = total
-        p.max[keys.GRAD.max_abs] = linf
-        entries[keys.GRAD.nonfinite] = bad
+        entries.extend((keys.grad_group(i), group_sq) for i, group_sq in enumerate(per_group))
+        entries.append((keys.GRAD.sq, total))
+        figures.max.append((keys.GRAD.max_abs, linf))
+        entries.append((keys.GRAD.nonfinite, bad))
     else:
-        for i in range(len(spans)):
-            entries[keys.grad_group(i)] = torch.zeros(1, dtype=torch.float64)
+        entries.extend(
+            (keys.grad_group(i), torch.zeros((), dtype=torch.float64, device=device)) for i in range(len(spans))
+        )
     if pre_clip_norm is not None:  # a number is filled in on the device, not copied there
         norm = (
             pre_clip_norm.to(torch.float64)
             if torch.is_tensor(pre_clip_norm)
             else torch.full((), float(pre_clip_norm), dtype=torch.float64, device=device)
         )
-        p.add_max(keys.GRAD.preclip_sq, norm * norm)
-    return p
+        figures.max.append((keys.GRAD.preclip_sq, norm * norm))
+    return figures.partial(device)
 
 
 def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):

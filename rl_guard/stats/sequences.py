@@ -132,7 +132,7 @@ def rank_count(name: str, device) -> Partial:
     """A count of 1 per rank per step (summed across ranks: the number of ranks that contributed): a packed
     ``Partial`` of constant vectors made once per device (the accumulator copies what it adds, never writes it)."""
     ones, empty = _constant_count(torch.device(device if device is not None else "cpu"))
-    return Partial.of_packed((((name, 1),), ()), ones, empty)
+    return Partial((((name, 1),), ()), ones, empty)
 
 
 @functools.lru_cache(maxsize=8)

@@ -59,7 +59,7 @@ ENGINES = {"compiled": small_compiled(), "eager": Engine("eager", host_max_token
 def _run(d: dict, engine, chunk=None, **kw):
     b = TokenBatch(**d, current_version=CV if "versions" in d else None, **kw)
     p = probe_batch(b, chunk_tokens=chunk, engine=ENGINES.get(engine, engine) if isinstance(engine, str) else engine)
-    layout = p.packed[0]
+    layout = p.layout
     acc = StepAccumulator()
     acc.add(p)
     return layout, acc.finish()
@@ -195,8 +195,8 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tmp_path):
         assert len(messages) == 1, messages
         assert engine.failure and other.failure is None  # per engine: another guard's engine is not turned off
         for p in got:
-            assert p.packed[0] == want.packed[0]
-            assert np.array_equal(p.packed[1].numpy(), want.packed[1].numpy())
+            assert p.layout == want.layout
+            assert np.array_equal(p.sums.numpy(), want.sums.numpy())
         print("FELL BACK:", messages[0])
     """)
     env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
