@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from . import keys
-from .cpu_squares import square_sums
 from .on_device import device_vector
 from .partial import Partial, Scalars
 from .ranks import rank_and_world
@@ -216,11 +215,7 @@ def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The squared L2 norm of every tensor, float64: from one multi-tensor norm, or, where large float32 tensors sit
-    in host memory, from ``cpu_squares`` (within 2e-6 of it, and faster on a CPU thread)."""
-    host = square_sums(tensors)
-    if host is not None:
-        return host
+    """The squared L2 norm of every tensor, float64, from one multi-tensor norm."""
     l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
     return l2.mul_(l2)
 

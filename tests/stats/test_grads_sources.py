@@ -49,7 +49,9 @@ class Partitions:
 def test_plain_gradients_merge_by_max_unless_declared_sharded():
     groups = param_groups_of(_params(torch.tensor([3.0, 4.0])))
     detected = probe_grads(groups)
-    assert keys.GRAD.sq in detected.entries()[1] and keys.GRAD.sq not in detected.entries()[0]  # replicas: identical on every rank
+    assert (
+        keys.GRAD.sq in detected.entries()[1] and keys.GRAD.sq not in detected.entries()[0]
+    )  # replicas: identical on every rank
     forced = probe_grads(groups, sharded=True)  # the YAML override: each rank's p.grad is a distinct shard
     assert keys.GRAD.sq in forced.entries()[0] and float(forced.entries()[0][keys.GRAD.sq]) == 25.0
 
