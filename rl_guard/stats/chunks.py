@@ -172,24 +172,16 @@ class ChunkStats:
         else:
             piece[1] = (torch.maximum if op == "max" else torch.minimum)(cur, t)
 
-    def sum(self, name: str, t) -> None:
-        self._add("sum", ((name, self.ops.size(t)),), t)
+    def sum(self, name, t) -> None:
+        """Adds ``t`` under ``name``, or, for a row vector, under ``((name, 1), ...)``: one name per element
+        (``row_layout``)."""
+        self._add("sum", name if isinstance(name, tuple) else ((name, self.ops.size(t)),), t)
 
-    def max(self, name: str, t: torch.Tensor) -> None:
-        self._add("max", ((name, 1),), t)
+    def max(self, name, t) -> None:
+        self._add("max", name if isinstance(name, tuple) else ((name, 1),), t)
 
-    def min(self, name: str, t: torch.Tensor) -> None:
-        self._add("min", ((name, 1),), t)
-
-    def sum_rows(self, layout: tuple, t: torch.Tensor) -> None:
-        """A row vector: ``layout`` is ``((name, 1), ...)``, one entry per element (``row_layout``)."""
-        self._add("sum", layout, t)
-
-    def max_rows(self, layout: tuple, t: torch.Tensor) -> None:
-        self._add("max", layout, t)
-
-    def min_rows(self, layout: tuple, t: torch.Tensor) -> None:
-        self._add("min", layout, t)
+    def min(self, name, t) -> None:
+        self._add("min", name if isinstance(name, tuple) else ((name, 1),), t)
 
     def pop_sum(self, name: str) -> torch.Tensor:
         """Removes and returns the summed vector ``name`` (a working total that is not itself a statistic)."""

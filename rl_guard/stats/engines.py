@@ -1,22 +1,11 @@
-"""The token-statistics engine of one guard, chosen by ``stats_engine: auto | eager | compiled``.
+"""The token-statistics engine of one guard, chosen by ``stats_engine: auto | eager | compiled`` (what each does and
+why ``auto`` picks it: ``docs/statistics.md``, "Engines"; ``describe`` says it at attach).
 
-- ``eager``: the one definition (``families.chunk_stats`` and ``sequences``) run chunk by chunk as plain torch
-  operations (``eager.py``).
-- ``compiled``: the same function under ``torch.compile`` (C++ loops on CPU, Triton on CUDA). CPU micro-batches
-  under ``COMPILED_CPU_MIN_TOKENS`` tokens stay eager (a compiled call's fixed cost exceeds its gain).
-- ``auto``: ``compiled`` on a CUDA device where Triton is importable (there every eager operation is a kernel
-  launch, ~300-500 per micro-batch, whatever its size), ``eager`` elsewhere (on CPU a first compile costs 10-30 s
-  and needs a C++ compiler, and a typical CPU run's micro-batches are small enough to stay eager or on the host
-  anyway). ``describe`` says which, and why; the guard says it once when it is attached.
-
-Whatever the name, small CPU micro-batches (up to ``HOST_MAX_TOKENS`` tokens, float32 fields, padded, no policy
-versions) run the same functions on numpy views of their tensors (``xp.NUMPY``): the same statistics in the same
-layout, without ~200 torch calls' dispatch cost.
-
-Each engine keeps its own failure state: a fault of the host path or of the compiler costs speed, never the
-statistics. The engine warns once, computes that micro-batch eagerly and keeps the faulty path off for the rest of
-its life (one guard); another guard's engine is not touched. A caller's bad batch (``InputError``) is raised as the
-eager path raises it and turns nothing off.
+``eager`` runs the one definition (``families.chunk_stats``, ``sequences``) as torch operations (``eager.py``),
+``compiled`` the same function under ``torch.compile``; small CPU micro-batches run it on numpy views of their
+tensors (``xp.NUMPY``) whatever the name. Each engine keeps its own failure state: a fault of the host path or of
+the compiler costs speed, never the statistics (one warning, then torch eagerly for the rest of that guard's life).
+A caller's bad batch (``InputError``) is raised as the eager path raises it and turns nothing off.
 """
 
 from __future__ import annotations

@@ -383,10 +383,10 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, ops
     acc.sum(keys.TOKENS.count, out["tokens"])
     if "lengths" in out:
         ch.add_seq_sums(acc.seq("length"), out["lengths"])
-    acc.sum_rows(names["count"], out["counts"])
-    acc.sum_rows(names["sum"], out["sums"])
-    acc.max_rows(names["max"], out["maxes"])
-    acc.min_rows(names["min"], out["mins"])
+    acc.sum(names["count"], out["counts"])
+    acc.sum(names["sum"], out["sums"])
+    acc.max(names["max"], out["maxes"])
+    acc.min(names["min"], out["mins"])
     if "adv_sum" in out:
         acc.sum(keys.ADV.sum, out["adv_sum"])
         acc.sum(keys.ADV.sumsq, out["adv_sumsq"])
@@ -398,13 +398,13 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, ops
             names["hist"], cells, plan_constant("zero_cells", plan, ops, b.device)[: s.n_hist], out["hist_invalid"]
         )
     if "ratio_sums" in out:
-        acc.sum_rows(names["ratio_sum"], out["ratio_sums"])
+        acc.sum(names["ratio_sum"], out["ratio_sums"])
     if "kl_count" in out:
-        acc.sum_rows(names["kl_count"], out["kl_count"])
+        acc.sum(names["kl_count"], out["kl_count"])
     if "kl_seq" in out:
         nk = len(s.rows) - s.kl_first
         ch.add_seq_sums(acc.seq("kl", 4 * nk).reshape(4, nk, -1), out["kl_seq"])
-    acc.sum_rows(names["nonfinite"], out["nonfinite"])
+    acc.sum(names["nonfinite"], out["nonfinite"])
     if "adv_zero" in out:
         acc.sum(keys.ADV.zero, out["adv_zero"])
     if "clip_count" in out:

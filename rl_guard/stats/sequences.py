@@ -85,17 +85,17 @@ def kl_finish(acc: ChunkStats, ops, plan: RowPlan) -> None:
     seq = acc.seq("kl", 4 * nk).reshape(4, nk, -1)
     valid = seq[0] > 0
     names = plan.names
-    acc.sum_rows(names["seqs"], valid.sum(1))
+    acc.sum(names["seqs"], valid.sum(1))
     est = seq[1:] * _kl_scales(ops, acc.device)  # [3, families, S]
     total = est.sum(2).reshape(-1)
-    acc.sum_rows(names["kl_sum"], total)
-    acc.sum_rows(names["kl_seqsum"], ops.copy(total))
+    acc.sum(names["kl_sum"], total)
+    acc.sum(names["kl_seqsum"], ops.copy(total))
     top = (
         ops.amax(ops.where(valid, est, -INF), 2).reshape(-1)
         if seq.shape[2]
         else ops.full((3 * nk,), -INF, ops.f64, seq.device)
     )
-    acc.max_rows(names["kl_seqmax"], top)
+    acc.max(names["kl_seqmax"], top)
 
 
 def seq_log_ratio(acc: ChunkStats, ops, plan: RowPlan):
