@@ -2,9 +2,9 @@
 
 Probing a micro-batch chunk by chunk bounds the temporaries to a few chunk-sized tensors (instead of a dozen
 full-size ones) and keeps them cache-resident on CPU. Chunk boundaries come from shapes only (never from device
-values), so iterating never synchronises. Padded ``[B, T]`` batches are cut into whole rows (or, for rows longer
-than a chunk, column blocks of one row); packed ``[N]`` batches into token ranges, with the sequence id of every
-token found from ``cu_seqlens`` on the device.
+values), so iterating never synchronises. Padded ``[B, T]`` batches are cut into whole rows (at least one per
+chunk); packed ``[N]`` batches into token ranges, with the sequence id of every token found from ``cu_seqlens`` on
+the device.
 """
 
 from __future__ import annotations
@@ -37,22 +37,12 @@ def chunk_size(b: TokenBatch, size: int | None = None) -> int:
 
 
 class Chunk:
-    """Tokens ``[start, stop)`` of the flattened batch, with per-sequence helpers for that range."""
+    """Tokens ``[start, stop)`` of the flattened batch: whole padded ``rows`` ``(r0, r1)``, or a range of a packed
+    batch (``rows`` None), with per-sequence helpers for that range."""
 
     def __init__(self, b: TokenBatch, start: int, stop: int, rows: tuple[int, int] | None) -> None:
         self.b, self.start, self.stop, self.rows = b, start, stop, rows
-        self.n = stop - start
         self._ids: torch.Tensor | None = None
-
-    def _slice(self, t: torch.Tensor) -> torch.Tensor:
-        if self.b.packed:
-            return t[self.start : self.stop]
-        T = self.b.logprobs.shape[1]
-        if self.rows is not None:
-            r0, r1 = self.rows
-            return t.reshape(-1) if r0 == 0 and r1 == t.shape[0] else t[r0:r1].reshape(-1)
-        row = self.start // T
-        return t[row, self.start - row * T : self.stop - row * T]
 
     def seq_ids(self) -> torch.Tensor:
         """Sequence id of every token of the chunk (packed batches)."""
@@ -64,53 +54,34 @@ class Chunk:
             self._ids = torch.searchsorted(ends, pos, right=True).clamp_(max=b.num_seqs - 1)
         return self._ids
 
-    def seq_gather(self, per_seq: torch.Tensor) -> torch.Tensor:
-        """Per-sequence ``[S]`` values broadcast to the chunk's tokens ``[n]``."""
-        if self.b.packed:
-            return per_seq[self.seq_ids()]
-        T = self.b.logprobs.shape[1]
-        if self.rows is not None:
-            r0, r1 = self.rows
-            return per_seq[r0:r1, None].expand(r1 - r0, T).reshape(-1)
-        row = self.start // T
-        return per_seq[row : row + 1].expand(self.n)
-
     def add_seq_sums(self, acc: torch.Tensor, sums: torch.Tensor) -> None:
-        """Adds this chunk's per-sequence ``sums`` into ``acc``: ``[..., r]`` for its padded rows (one row for a
-        column block), ``[..., S]`` for a packed batch."""
-        if self.b.packed:
+        """Adds this chunk's per-sequence ``sums`` into ``acc``: ``[..., r]`` for its padded rows, ``[..., S]`` for a
+        packed batch."""
+        if self.rows is None:
             acc.add_(sums)
             return
-        if self.rows is not None:
-            r0, r1 = self.rows
-        else:  # a column block of one row
-            r0 = self.start // self.b.logprobs.shape[1]
-            r1 = r0 + 1
+        r0, r1 = self.rows
         (acc if (r0, r1) == (0, acc.shape[-1]) else acc[..., r0:r1]).add_(sums)
 
     def block(self, t: torch.Tensor | None, per_seq: bool | None = None) -> torch.Tensor | None:
-        """This chunk of a per-token field as 2-D, in its own dtype: ``[r, T]`` for whole padded rows, ``[1, n]``
-        for a column block or a packed range; a per-sequence field as ``[r, 1]`` / ``[1, 1]`` (to broadcast), or
-        gathered per token ``[1, n]`` in a packed batch (``per_seq``: which one ``t`` is, if its shape may not
-        tell)."""
+        """This chunk of a per-token field as 2-D, in its own dtype: ``[r, T]`` for padded rows, ``[1, n]`` for a
+        packed range; a per-sequence field as ``[r, 1]`` (to broadcast), or gathered per token ``[1, n]`` in a packed
+        batch (``per_seq``: which one ``t`` is, if its shape may not tell)."""
         if t is None:
             return None
         b = self.b
         if per_seq is None:
             per_seq = t.dim() == 1 and tuple(t.shape) != tuple(b.logprobs.shape)
-        if b.packed:
-            return (self.seq_gather(t) if per_seq else self._slice(t)).view(1, -1)
-        if self.rows is not None:
-            r0, r1 = self.rows
-            return t[r0:r1, None] if per_seq else t[r0:r1]
-        T = b.logprobs.shape[1]
-        row = self.start // T
-        return t[row : row + 1, None] if per_seq else self._slice(t).view(1, -1)
+        if self.rows is None:
+            return (t[self.seq_ids()] if per_seq else t[self.start : self.stop]).view(1, -1)
+        r0, r1 = self.rows
+        return t[r0:r1, None] if per_seq else t[r0:r1]
 
 
 def chunks(b: TokenBatch, size: int | None = None):
     """Yields the chunks of a batch in order; every token belongs to exactly one chunk (an empty batch: one
-    empty chunk, so every statistic still exists)."""
+    empty chunk, so every statistic still exists). A padded chunk is whole rows, at least one: a row longer than
+    ``size`` is one chunk (its temporaries, a dozen values a token, stay small beside its logits)."""
     size = chunk_size(b, size)
     if b.logprobs.numel() == 0:
         yield Chunk(b, 0, 0, None if b.packed else (0, 0))
@@ -121,15 +92,10 @@ def chunks(b: TokenBatch, size: int | None = None):
             yield Chunk(b, s, min(s + size, n), None)
         return
     B, T = b.logprobs.shape
-    if size >= T:
-        step = max(1, size // max(T, 1))
-        for r0 in range(0, B, step):
-            r1 = min(B, r0 + step)
-            yield Chunk(b, r0 * T, r1 * T, (r0, r1))
-        return
-    for row in range(B):
-        for c0 in range(0, T, size):
-            yield Chunk(b, row * T + c0, row * T + min(T, c0 + size), None)
+    step = max(1, size // max(T, 1))
+    for r0 in range(0, B, step):
+        r1 = min(B, r0 + step)
+        yield Chunk(b, r0 * T, r1 * T, (r0, r1))
 
 
 class ChunkStats:

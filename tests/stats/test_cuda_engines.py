@@ -66,7 +66,7 @@ def test_cuda_statistics_match_cpu_and_the_float64_reference(engine, fields):
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
 def test_cuda_chunks_packed_rows_sequence_level_and_nonfinite_inputs(engine):
     d = make_padded(3, B=6, T=40, fields=ALL_FIELDS)
-    _cuda_against_cpu_and_reference(d, engine, chunk=17)  # column blocks of one row
+    _cuda_against_cpu_and_reference(d, engine, chunk=17)  # rows longer than a chunk: one row per chunk
     _cuda_against_cpu_and_reference(packed_from(d), engine, chunk=50, padded=d)
     _cuda_against_cpu_and_reference(with_per_sequence_fields(4), engine)
     g = make_padded(7, B=8, T=30, spread=0.6, fields=ALL_FIELDS)

@@ -86,11 +86,11 @@ def test_compiled_equals_eager_and_the_float64_reference(fields):
         check(_compare(d), reference(np_dict(d), cv=CV))
 
 
-def test_every_chunk_shape_padded_rows_column_blocks_and_packed():
+def test_every_chunk_shape_padded_rows_one_long_row_and_packed():
     d = make_padded(3, B=6, T=40, fields=("old", "ref", "entropy", "adv", "versions"))
     want = reference(np_dict(d), cv=CV)
     check(_compare(d, chunk=80), want)  # two whole rows per chunk
-    check(_compare(d, chunk=17), want)  # column blocks of one row
+    check(_compare(d, chunk=17), want)  # rows longer than a chunk: one row per chunk
     p = packed_from(d)
     check(_compare(p, chunk=50), want)
 

@@ -94,9 +94,9 @@ def test_padded_equals_packed_and_chunking_is_invisible():
     packed = step([packed_from(d)])
     tiny_chunks = StepAccumulator()
     tiny_chunks.add(probe_batch(TokenBatch(**packed_from(d), current_version=12), chunk_tokens=17))
-    column_blocks = StepAccumulator()  # rows longer than a chunk: column blocks of one row
-    column_blocks.add(probe_batch(TokenBatch(**d, current_version=12), chunk_tokens=10))
-    for other in (packed, summarize(tiny_chunks.finish())[0], summarize(column_blocks.finish())[0]):
+    one_row = StepAccumulator()  # rows longer than a chunk: one row per chunk
+    one_row.add(probe_batch(TokenBatch(**d, current_version=12), chunk_tokens=10))
+    for other in (packed, summarize(tiny_chunks.finish())[0], summarize(one_row.finish())[0]):
         assert other.keys() == padded.keys()
         for k in padded:
             assert other[k] == pytest.approx(padded[k], rel=1e-5, abs=1e-7), k
