@@ -12,7 +12,7 @@ written against ``xp`` (the few array operations torch and numpy spell different
 small CPU micro-batches, on numpy views of the tensors; ``token_rows`` says which rows a batch has and their names,
 ``lags`` maps policy-lag slots to buckets.
 
-``sketch`` holds the quantile histogram, ``grads`` and ``update`` the gradient and update probes (each choosing its
-own host or device path), ``culprits`` the per-sequence extremes, ``keys`` every internal key and ``constants``
+``sketch`` holds the quantile histogram, ``grads`` and ``update`` the gradient and update probes (multi-tensor torch
+operations on every device), ``culprits`` the per-sequence extremes, ``keys`` every internal key and ``constants``
 every numeric default.
 """
