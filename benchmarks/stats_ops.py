@@ -15,7 +15,7 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from rl_guard.stats import families
+from rl_guard.stats import eager, families
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES
 from rl_guard.stats.eager import eager_probe
@@ -56,21 +56,22 @@ def ops_per_microbatch() -> dict:
     """``{setup: {"eager": ops, "compiled": ops, "generated_kernels": n}}`` for a 32 x 512-token micro-batch."""
     from torch._inductor import metrics
 
-    real = families.kernel
+    real, real_whole = families.kernel, eager.whole_kernel
 
-    def kernel(s, compiled, ops=families.xp.TORCH):
-        fn = real(s, compiled, ops)
-        if not compiled:
-            return fn
-
-        def uncounted(*args, **kwargs):
+    def uncounted(fn):
+        def call(*args, **kwargs):
             with _disable_current_modes():
                 return fn(*args, **kwargs)
 
-        return uncounted
+        return call
+
+    def kernel(s, compiled, ops=families.xp.TORCH):
+        fn = real(s, compiled, ops)
+        return uncounted(fn) if compiled else fn
 
     out = {}
     families.kernel = kernel
+    eager.whole_kernel = lambda **fixed: uncounted(real_whole(**fixed))
     try:
         for setup, fields in SETUPS.items():
             b, row = _batch(fields), {}
@@ -85,5 +86,5 @@ def ops_per_microbatch() -> dict:
             row["generated_kernels"] = generated
             out[setup] = row
     finally:
-        families.kernel = real
+        families.kernel, eager.whole_kernel = real, real_whole
     return out

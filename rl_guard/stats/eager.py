@@ -11,17 +11,20 @@ as one chunk: a torch call's dispatch costs more than such a batch's arithmetic.
 from __future__ import annotations
 
 import functools
+import itertools
+import types
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
 from . import families, keys, xp
 from .batch import BatchError, TokenBatch
-from .chunks import ChunkStats, chunks
+from .chunks import Chunk, ChunkStats, chunk_size, chunks
 from .lags import lag_finish, lag_lut
 from .partial import Partial
 from .sequences import kl_finish, loss_stats, ratio_stats, seq_log_ratio, sequence_stats
-from .token_rows import row_plan
+from .token_rows import constants_of, row_plan
 
 FLOAT_FIELDS = ("logprobs", "entropy", "advantages", "prox_logprobs", "old_logprobs", "ref_logprobs")
 
@@ -89,46 +92,92 @@ def _plan_of(b: TokenBatch):
 @torch.no_grad()
 def eager_probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, ops=xp.TORCH) -> Partial:
     """Every token statistic of micro-batch ``b``: each chunk's ``families.chunk_stats``, run as it is (in
-    ``ops``) or ``compiled``."""
-    with np.errstate(all="ignore"):  # numpy: NaN and inf are data here (counted as non-finite), not faults
-        return _probe(b, lag_edges, chunk_tokens, compiled, ops)
-
-
-def _probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool, ops) -> Partial:
-    acc = ChunkStats(b.num_seqs, b.device, ops)
-    # walked afresh for each pass: a chunk holds its packed sequence ids (8 bytes a token) until it is dropped
-    walk = (lambda: [WholeBatch(b)]) if ops is xp.NUMPY else (lambda: chunks(b, chunk_tokens))
-    lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
+    ``ops``) or ``compiled``. A compiled micro-batch that is one chunk (``whole_compiles``) is compiled whole,
+    finishing and packing included."""
     seq_clip, token_clip = _clip_modes(b)
     plan = _plan_of(b)
-    static = families.static_of(plan, b, token_clip, lag_edges)
+    fixed = {
+        "plan": plan,
+        "static": families.static_of(plan, b, token_clip, lag_edges),
+        "edges": tuple(lag_edges),
+        "seq_clip": seq_clip,
+        "token_clip": token_clip,
+    }
+    consts = constants_of(plan, ops, b.device)
+    lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
+    if compiled and whole_compiles(b, chunk_tokens):
+        return whole_kernel(**fixed)(b, consts, lut)
+    with np.errstate(all="ignore"):  # numpy: NaN and inf are data here (counted as non-finite), not faults
+        return _probe(b, consts, lut, chunk_tokens, compiled, ops, **fixed)
+
+
+def whole_compiles(b: TokenBatch, chunk_tokens) -> bool:
+    """Whether the compiled engine compiles micro-batch ``b`` whole: when it is one chunk (every GPU micro-batch up
+    to ``chunks.GPU_CHUNK`` tokens) and, packed, has its ``cu_seqlens`` on its own device (a copy from host memory
+    stays outside compiled code)."""
+    n = b.logprobs.numel()
+    seqs_here = b.cu_seqlens is None or b.cu_seqlens.device == b.device
+    return seqs_here and 0 < n <= chunk_size(b, chunk_tokens)
+
+
+_WHOLE_IDS = itertools.count()
+
+
+@functools.lru_cache(maxsize=32)
+def whole_kernel(**fixed):
+    """``_probe`` compiled for one micro-batch's constants: chunk statistics, finishing and packing in one graph, the
+    batch itself its only input besides the plan's constants. Each gets its own copy of ``_probe``'s code object
+    (see ``families._compiled``)."""
+    code = _probe.__code__.replace(co_name=f"microbatch_stats_{next(_WHOLE_IDS)}")
+    fn = types.FunctionType(code, _probe.__globals__, code.co_name, _probe.__defaults__)
+    fn.__kwdefaults__ = {**fixed, "one_chunk": True}
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _probe(
+    b: TokenBatch,
+    consts,
+    lut=None,
+    chunk_tokens=None,
+    compiled: bool = False,
+    ops=xp.TORCH,
+    *,
+    plan,
+    static,
+    edges: tuple,
+    seq_clip: bool,
+    token_clip: bool,
+    one_chunk: bool = False,
+) -> Partial:
+    acc = ChunkStats(b.num_seqs, b.device, ops)
+    # walked afresh for each pass: a chunk holds its packed sequence ids (8 bytes a token) until it is dropped
+    walk: Callable[[], Iterable] = lambda: chunks(b, chunk_tokens)  # noqa: E731
+    if ops is xp.NUMPY:
+        walk = lambda: [WholeBatch(b)]  # noqa: E731
+    elif one_chunk:  # the chunk itself, not the walk's loop (its bounds would be constants to the compiler)
+        walk = lambda: [Chunk(b, 0, b.logprobs.numel(), (0, b.logprobs.shape[0]))]  # noqa: E731
     for ch in walk():
         acc.next_chunk()
-        families.probe_chunk(acc, b, ch, plan, static, lag_edges, compiled, ops)
+        families.probe_chunk(acc, b, ch, plan, static, edges, compiled, consts, ops)
     acc.chunks_done()
     if lut is not None:  # versions given
         lag_finish(
-            acc, lut, len(lag_edges), ratio=b.old_logprobs is not None, clipped=token_clip and b.advantages is not None
+            acc, lut, len(edges), ratio=b.old_logprobs is not None, clipped=token_clip and b.advantages is not None
         )
-    kl_finish(acc, ops, plan)
+    kl_finish(acc, ops, plan, consts.kl_scales)
     if b.old_logprobs is not None:
         s_lr, s_ok = seq_log_ratio(acc, ops, plan)
         ratio_stats(acc, ops, "seq_ratio", s_lr, s_ok, zero=static.zero_ratio >= 0)
         if seq_clip and b.advantages is not None:
             for ch in walk():
-                families.probe_gspo_chunk(acc, b, ch, s_lr, static, lut, len(lag_edges), ops)
+                families.probe_gspo_chunk(acc, b, ch, s_lr, static, lut, len(edges), ops)
     view = WholeBatch(b).block if ops is xp.NUMPY else (lambda t, per_seq=None: t)
     lengths = view(b.lengths, False) if b.lengths is not None else acc.seq("length")
     sequence_stats(acc, ops, lengths, view(b.truncated, False), view(b.rewards, False))
     if not b.allow_empty_mask:
         acc.sum(keys.TOKENS.empty_microbatches, acc.total(keys.TOKENS.count) == 0)
-    acc.sum(keys.TOKENS.microbatches, _one(b.device, ops))
+    acc.sum(keys.TOKENS.microbatches, consts.one)
     return acc.partial()
-
-
-@functools.lru_cache(maxsize=16)
-def _one(device: torch.device, ops) -> torch.Tensor:
-    return ops.full((), 1.0, ops.f32, device)
 
 
 def sequence_fields(lengths=None, truncated=None, rewards=None) -> dict:

@@ -2,10 +2,11 @@
 why ``auto`` picks it: ``docs/statistics.md``, "Engines"; ``describe`` says it at attach).
 
 ``eager`` runs the one definition (``families.chunk_stats``, ``sequences``) as torch operations (``eager.py``),
-``compiled`` the same function under ``torch.compile``; small CPU micro-batches run it on numpy views of their
-tensors (``xp.NUMPY``) whatever the name. Each engine keeps its own failure state: a fault of the host path or of
-the compiler costs speed, never the statistics (one warning, then torch eagerly for the rest of that guard's life).
-A caller's bad batch (``InputError``) is raised as the eager path raises it and turns nothing off.
+``compiled`` the same code under ``torch.compile`` (a one-chunk micro-batch whole, a larger one chunk by chunk);
+small CPU micro-batches run it on numpy views of their tensors (``xp.NUMPY``) whatever the name. Each engine keeps
+its own failure state: a fault of the host path or of the compiler costs speed, never the statistics (one warning,
+then torch eagerly for the rest of that guard's life). A caller's bad batch (``InputError``) is raised as the eager
+path raises it and turns nothing off.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Engine:
             except InputError:  # the caller's batch is wrong, not the compiler: raised as the eager path would
                 raise
             except Exception as e:  # noqa: BLE001 - a compiler problem must cost speed, never the statistics
+                # Eagerly first: a batch at fault raises the caller's own error there (inside a compiled graph it
+                # surfaces as the compiler's) and turns nothing off.
+                p = eager_probe(b, lag_edges, chunk_tokens)
                 self.failure = _short(e)
                 warnings.warn(
                     f"rl_guard: stats_engine '{self.name}' cannot compile here ({self.failure}); computing eagerly "
@@ -74,6 +78,7 @@ class Engine:
                     RuntimeWarning,
                     stacklevel=2,
                 )
+                return p
         return eager_probe(b, lag_edges, chunk_tokens)
 
     def _compiles(self, b) -> bool:
@@ -114,7 +119,7 @@ class Engine:
                 else f"C++ loops, CPU micro-batches from {self.cpu_min_tokens} tokens"
             )
             off = f"; off after a failure: {self.failure}" if self.failure else ""
-            what = f"compiled (torch.compile fuses each chunk's statistics: {where}; the first step compiles{off})"
+            what = f"compiled (torch.compile fuses each micro-batch's statistics: {where}; the first step compiles{off})"
         elif dev.type == "cpu" and self._host_on():
             what = f"eager (plain torch operations; micro-batches of up to {self.host_max_tokens} tokens by numpy)"
         else:

@@ -52,7 +52,7 @@ from . import keys, xp
 from .constants import EXP_CLAMP
 from .lags import by_bucket, lag_slot_offset, lag_slots
 from .sketch import LOG_RATIO, cell_index_with, count_cells
-from .token_rows import RowPlan, plan_constant
+from .token_rows import RowPlan
 
 INF = math.inf
 
@@ -361,9 +361,10 @@ def _compiled(s: Static):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, ops=xp.TORCH) -> None:
+def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, consts, ops=xp.TORCH) -> None:
     """One chunk's statistics (``chunk_stats``, run as it is or compiled) added to ``acc`` by name, in a fixed
-    order: the layout of a micro-batch's ``Partial`` is the same whichever way it ran."""
+    order: the layout of a micro-batch's ``Partial`` is the same whichever way it ran. ``consts``: the plan's
+    constant tensors (``token_rows.Constants``)."""
     view = ch.block
     out = kernel(s, compiled, ops)(
         view(b.logprobs),
@@ -376,8 +377,8 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, ops
         view(b.versions),
         ch.seq_ids() if b.packed else None,
         b.num_seqs,
-        int(b.current_version or 0),
-        plan_constant("nonfinite", plan, ops, b.device),
+        int(b.current_version or 0) if b.versions is not None else 0,
+        consts.nonfinite,
     )
     names = plan.names
     acc.sum(keys.TOKENS.count, out["tokens"])
@@ -394,9 +395,7 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, ops
         idx = out["hist_cells"]
         idx = idx[0].reshape(-1) if len(idx) == 1 else ops.cat([t.reshape(-1) for t in idx])
         cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[: s.n_hist]))
-        acc.hist(
-            names["hist"], cells, plan_constant("zero_cells", plan, ops, b.device)[: s.n_hist], out["hist_invalid"]
-        )
+        acc.hist(names["hist"], cells, consts.zero_cells[: s.n_hist], out["hist_invalid"])
     if "ratio_sums" in out:
         acc.sum(names["ratio_sum"], out["ratio_sums"])
     if "kl_count" in out:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
-from . import keys, xp
+from . import keys
 from .chunks import ChunkStats
 from .families import INF, k3
-from .on_device import device_vector
 from .partial import Partial
 from .sketch import LOG_RATIO, cell_index, count_cells
 from .token_rows import RowPlan
@@ -69,14 +67,7 @@ def ratio_stats(acc: ChunkStats, ops, name: str, lr, v, zero: bool = False) -> N
     acc.hist(key.hist, count_cells(cell_index(z, LOG_RATIO), LOG_RATIO.bins), LOG_RATIO.bins // 2, ops.size(z) - n)
 
 
-@functools.lru_cache(maxsize=8)
-def _kl_scales(ops, device):
-    """k1 = -sum log r, k2 = sum (log r)^2 / 2, k3 = sum k3: the scales of the per-sequence sums, ``[3, 1, 1]``."""
-    scales = [-1.0, 0.5, 1.0]
-    return np.array(scales).reshape(3, 1, 1) if ops is xp.NUMPY else device_vector(scales, device).view(3, 1, 1)
-
-
-def kl_finish(acc: ChunkStats, ops, plan: RowPlan) -> None:
+def kl_finish(acc: ChunkStats, ops, plan: RowPlan, scales) -> None:
     """Per KL family: token sums of k1, k2, k3 (equal to the sums over sequences), the sequence count, and the max
     over sequences of the per-sequence sums (float64: each sequence's sum was added chunk by chunk)."""
     nk = len(plan.kl_families)
@@ -86,7 +77,7 @@ def kl_finish(acc: ChunkStats, ops, plan: RowPlan) -> None:
     valid = seq[0] > 0
     names = plan.names
     acc.sum(names["seqs"], valid.sum(1))
-    est = seq[1:] * _kl_scales(ops, acc.device)  # [3, families, S]
+    est = seq[1:] * scales  # k1, k2, k3 (``token_rows.Constants.kl_scales``): [3, families, S]
     total = est.sum(2).reshape(-1)
     acc.sum(names["kl_sum"], total)
     acc.sum(names["kl_seqsum"], ops.copy(total))

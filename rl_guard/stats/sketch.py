@@ -96,8 +96,17 @@ class SketchSpec:
 
 # Log-ratios live near 0 (|log r| ~ 1e-3 matters); entropies in nats up to log(vocab) (12.5 for a 256K vocabulary;
 # 20 nats is log of a 485M-token vocabulary), and a healthy run's entropy quantiles move by ~0.01 nats a step.
-LOG_RATIO = SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=6)  # 2338 cells, eps 1.6%: a small payload
-ENTROPY = SketchSpec(scale=1e-3, max_abs=20.0, mantissa_bits=8)  # 7286 cells, eps 0.39%
+def warmed(obj):
+    """``obj`` with every ``functools.cached_property`` computed: compiled code reads them, and before Python 3.12 a
+    first read takes a lock that ``torch.compile`` cannot trace."""
+    for name, attr in vars(type(obj)).items():
+        if isinstance(attr, functools.cached_property):
+            getattr(obj, name)
+    return obj
+
+
+LOG_RATIO = warmed(SketchSpec(scale=1e-4, max_abs=30.0, mantissa_bits=6))  # 2338 cells, eps 1.6%: a small payload
+ENTROPY = warmed(SketchSpec(scale=1e-3, max_abs=20.0, mantissa_bits=8))  # 7286 cells, eps 0.39%
 
 
 def cell_index(x, spec: SketchSpec, extra: int = 0):

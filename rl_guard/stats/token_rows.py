@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ import torch
 from . import keys, xp
 from .chunks import row_layout
 from .on_device import device_vector, host_to_device
-from .sketch import ENTROPY, LOG_RATIO
+from .sketch import ENTROPY, LOG_RATIO, warmed
 
 ROW_ORDER = ("adv", "logp", "entropy", "importance_weight", "behave_imp_weight", "ratio", "kl_ref")
 KL_ROWS = {"ratio": "kl_old", "kl_ref": "kl_ref"}  # the KL family each log-ratio row feeds
@@ -138,15 +139,33 @@ def row_plan(entropy: bool, adv: bool, prox: bool, old: bool, ref: bool, version
         "ratio": old,
         "kl_ref": ref,
     }
-    return RowPlan(tuple(r for r in ROW_ORDER if present[r]), lag_cells=versions and old)
+    plan = RowPlan(tuple(r for r in ROW_ORDER if present[r]), lag_cells=versions and old)
+    return warmed(plan)
+
+
+class Constants(NamedTuple):
+    """A plan's constant tensors, made once per namespace and device (``constants_of``), handed to the probes: a
+    compiled micro-batch takes them as inputs instead of building them on every call."""
+
+    nonfinite: object  # ``nonfinite_matrix``
+    zero_cells: object  # each histogram row's zero cell in the joint count
+    kl_scales: object  # k1 = -sum log r, k2 = sum (log r)^2 / 2, k3 = sum k3: the per-sequence sums' scales
+    one: object  # a micro-batch's count
 
 
 @functools.lru_cache(maxsize=64)
-def plan_constant(kind: str, plan: RowPlan, ops, device: torch.device):
-    """A plan's constants, built once per namespace and device: ``nonfinite`` (``nonfinite_matrix``) and
-    ``zero_cells`` (each histogram row's zero cell in the joint count)."""
-    if kind == "nonfinite":
-        a = plan.nonfinite_matrix()
-        return a if ops is xp.NUMPY else host_to_device(torch.from_numpy(a), device)
+def constants_of(plan: RowPlan, ops, device: torch.device) -> Constants:
     middles = [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
-    return np.array(middles, dtype=np.int64) if ops is xp.NUMPY else device_vector(middles, device, torch.int64)
+    if ops is xp.NUMPY:
+        return Constants(
+            plan.nonfinite_matrix(),
+            np.array(middles, dtype=np.int64),
+            np.array([-1.0, 0.5, 1.0]).reshape(3, 1, 1),
+            np.float32(1.0),
+        )
+    return Constants(
+        host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device),
+        device_vector(middles, device, torch.int64),
+        device_vector([-1.0, 0.5, 1.0], device).view(3, 1, 1),
+        torch.ones((), device=device),
+    )

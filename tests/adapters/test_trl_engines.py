@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_calls import compiled_calls
 
 from rl_guard import Guard
 from rl_guard.adapters.trl import RLGuardCallback
@@ -37,7 +38,7 @@ class _Arm:
         monkeypatch.setattr(engines, "eager_probe", counted)
 
     def __enter__(self) -> str:
-        self.calls = families._compiled.cache_info()
+        self.calls = compiled_calls()
         return "compiled" if self.name == "compiled" else "eager"
 
     def callback(self, config: str, tmp) -> RLGuardCallback:
@@ -52,7 +53,7 @@ class _Arm:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             assert getattr(self.engine, "failure", None) is None and self.engine.host_failure is None
-            compiled = families._compiled.cache_info().hits > self.calls.hits
+            compiled = compiled_calls() > self.calls
             assert compiled == (self.name == "compiled")  # no silent fallback passes for the arm's own result
             assert (self.host_batches > 0) == (self.name == "host")
 

@@ -40,9 +40,9 @@ def test_main_on_a_tiny_batch_writes_the_json_keys(bench, tmp_path, capsys):
     assert set(data["small_batch_ms"]) == {"64", "1K", "8K"}  # small micro-batches: host engine vs eager
     assert all(row["host"] > 0 and row["eager"] > 0 for row in data["small_batch_ms"].values())
     assert result["rows"][0]["tokens"] == 1 << 12
-    ops = data["torch_ops_per_microbatch"]  # outside compiled code: the compiled path dispatches fewer
+    ops = data["torch_ops_per_microbatch"]  # outside compiled code: a one-chunk micro-batch compiles whole
     for row in ops.values():
-        assert 0 < row["compiled"] < row["eager"] and row["generated_kernels"] > 0
+        assert row["compiled"] == 0 < row["eager"] and row["generated_kernels"] > 0
     assert ops["every_field"]["eager"] > ops["trl_defaults"]["eager"]
     assert "speedup_vs_naive" in capsys.readouterr().out
 

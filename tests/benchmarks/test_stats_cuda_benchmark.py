@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_calls import compiled_calls
 from file_modules import load_module
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -43,10 +44,8 @@ def test_guard_cycle_runs_every_family_without_internal_failure():
 
 @pytest.mark.slow
 def test_guard_cycle_with_the_compiled_engine_runs_without_internal_failure():
-    from rl_guard.stats import families
-
     _, cuda = _modules()
-    calls = families._compiled.cache_info()
+    calls = compiled_calls()
     out = cuda.guard_cycle_syncs(1 << 15, steps=2, device="cpu", stats_engine="compiled")  # 8K-token micro-batches
     assert out["internal_failures"] == 0 and len(out["per_step"]) == 2
-    assert out["engine_failure"] is None and families._compiled.cache_info().hits > calls.hits
+    assert out["engine_failure"] is None and compiled_calls() > calls

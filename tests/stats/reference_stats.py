@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from rl_guard.stats import families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES
@@ -21,12 +20,6 @@ FLOAT32_SLACK = 2e-3  # cells: fp32 rounding of the cell coordinate near an edge
 # Keys of the float sums, and of the sequence ratio made of them, that the compiled engine or another device adds in
 # another order than the eager engine on CPU (``assert_engines_agree``'s ``float_sums``).
 FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "cells_k3", "seq_ratio.")
-
-
-def compiled_calls() -> int:
-    """Calls of the compiled engine's kernel so far: it grows only when the compiled engine really ran."""
-    info = families._compiled.cache_info()
-    return info.hits + info.misses
 
 
 def order_stat(x: np.ndarray, q: float) -> float:

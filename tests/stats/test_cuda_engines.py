@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_calls import compiled_calls
 from reference_stats import (
     FLOAT_SUMS,
     assert_engines_agree,
     check,
-    compiled_calls,
     make_padded,
     np_dict,
     packed_from,

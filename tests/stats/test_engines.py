@@ -10,7 +10,7 @@ import torch
 from reference_stats import make_padded
 
 from rl_guard import Guard
-from rl_guard.stats import families
+from rl_guard.stats import eager, families
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import Engine, make_engine
 
@@ -57,6 +57,9 @@ def test_a_compiler_failure_stays_with_its_engine(monkeypatch):
             raise RuntimeError("no compiler here")
         return real(s, compiled, ops)
 
+    def no_whole(**fixed):
+        raise RuntimeError("no compiler here")
+
     b = TokenBatch(**make_padded(0, fields=("old", "adv")))
     want = Engine("eager", host_max_tokens=0).probe(b)
     first, second = (
@@ -64,7 +67,8 @@ def test_a_compiler_failure_stays_with_its_engine(monkeypatch):
         Engine("compiled", host_max_tokens=0, cpu_min_tokens=1),
     )
     with monkeypatch.context() as m:
-        m.setattr(families, "kernel", broken)
+        m.setattr(families, "kernel", broken)  # a micro-batch of several chunks compiles chunk by chunk
+        m.setattr(eager, "whole_kernel", no_whole)  # one of one chunk, whole
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = [first.probe(b) for _ in range(3)]

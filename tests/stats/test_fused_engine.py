@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_calls import compiled_calls
 from reference_stats import (
     FLOAT_SUMS,
     assert_engines_agree,
     check,
-    compiled_calls,
     make_padded,
     np_dict,
     packed_from,
@@ -34,7 +34,7 @@ from rl_guard import Guard
 from rl_guard.control.config import load_config
 from rl_guard.errors import ConfigError
 from rl_guard.glossary import comparable
-from rl_guard.stats import families
+from rl_guard.stats import eager, families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
 from rl_guard.stats.engines import Engine
@@ -57,7 +57,8 @@ ENGINES = {"compiled": small_compiled(), "eager": Engine("eager", host_max_token
 
 
 def _run(d: dict, engine, chunk=None, **kw):
-    b = TokenBatch(**d, current_version=CV if "versions" in d else None, **kw)
+    kw.setdefault("current_version", CV if "versions" in d else None)
+    b = TokenBatch(**d, **kw)
     p = probe_batch(b, chunk_tokens=chunk, engine=ENGINES.get(engine, engine) if isinstance(engine, str) else engine)
     layout = p.layout
     acc = StepAccumulator()
@@ -166,9 +167,9 @@ def test_a_guard_with_the_compiled_engine_reports_what_the_eager_one_does(tmp_pa
         guard.close()
         return out
 
-    calls = families._compiled.cache_info()
+    calls = compiled_calls()
     compiled = run("compiled")
-    assert families._compiled.cache_info().hits > calls.hits  # the compiled engine really ran
+    assert compiled_calls() > calls  # the compiled engine really ran
     for c, e in zip(compiled, run("eager")):
         assert c.keys() == e.keys()
         for key in e:
@@ -237,3 +238,25 @@ def test_a_bad_stats_engine_names_the_key_line_and_allowed_values(tmp_path):
         load_config(yaml)
     text = str(err.value)
     assert "stats_engine" in text and "line 3" in text and "auto, eager, compiled" in text
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_one_chunk_micro_batch_compiles_whole_and_a_larger_one_chunk_by_chunk(packed):
+    """One chunk: one compiled graph for the whole micro-batch (chunk statistics, finishing, packing), the same
+    layout and values as eager and the float64 reference, policy versions included (their current version changes
+    from step to step without a new compile); several chunks: chunk by chunk."""
+    padded = make_padded(6, fields=("old", "ref", "entropy", "adv", "versions"))
+    d = packed_from(padded) if packed else padded
+    whole, chunked = eager.whole_kernel.cache_info(), families._compiled.cache_info()
+    for cv in (CV, CV + 1, CV + 5):
+        check(_compare(d, current_version=cv), reference(np_dict(padded), cv=cv))
+    now = eager.whole_kernel.cache_info()
+    assert now.hits + now.misses >= whole.hits + whole.misses + 3
+    assert families._compiled.cache_info() == chunked  # the chunk kernel did not run
+    assert eager.whole_compiles(TokenBatch(**d, current_version=CV), None)
+    assert not eager.whole_compiles(TokenBatch(**d, current_version=CV), 17)  # several chunks
+    chunks_before = families._compiled.cache_info()
+    check(_compare(d, chunk=17, current_version=CV), reference(np_dict(padded), cv=CV))
+    assert families._compiled.cache_info().hits + families._compiled.cache_info().misses > (
+        chunks_before.hits + chunks_before.misses
+    )
