@@ -119,7 +119,7 @@ class Engine:
                 else f"C++ loops, CPU micro-batches from {self.cpu_min_tokens} tokens"
             )
             off = f"; off after a failure: {self.failure}" if self.failure else ""
-            what = f"compiled (torch.compile fuses each micro-batch's statistics: {where}; the first step compiles{off})"
+            what = f"compiled (torch.compile fuses a micro-batch's statistics: {where}; the first step compiles{off})"
         elif dev.type == "cpu" and self._host_on():
             what = f"eager (plain torch operations; micro-batches of up to {self.host_max_tokens} tokens by numpy)"
         else:
