@@ -175,7 +175,7 @@ def guard_cycle_syncs(
     return {
         "per_step": per_step,
         "internal_failures": guard.internal_failures,
-        "engine_failure": getattr(guard.engine, "failure", None),
+        "engine_failure": getattr(guard.engine, "failure", None) or getattr(guard.engine, "whole_failure", None),
     }
 
 

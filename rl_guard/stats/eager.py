@@ -90,10 +90,12 @@ def _plan_of(b: TokenBatch):
 
 
 @torch.no_grad()
-def eager_probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, ops=xp.TORCH) -> Partial:
+def eager_probe(
+    b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, ops=xp.TORCH, whole: bool = True
+) -> Partial:
     """Every token statistic of micro-batch ``b``: each chunk's ``families.chunk_stats``, run as it is (in
-    ``ops``) or ``compiled``. A compiled micro-batch that is one chunk (``whole_compiles``) is compiled whole,
-    finishing and packing included."""
+    ``ops``) or ``compiled``. With ``whole``, a compiled micro-batch that is one chunk (``whole_compiles``) is
+    compiled whole, finishing and packing included."""
     seq_clip, token_clip = _clip_modes(b)
     plan = _plan_of(b)
     fixed = {
@@ -105,7 +107,7 @@ def eager_probe(b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, 
     }
     consts = constants_of(plan, ops, b.device)
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
-    if compiled and whole_compiles(b, chunk_tokens):
+    if compiled and whole and whole_compiles(b, chunk_tokens):
         return whole_kernel(**fixed)(b, consts, lut)
     with np.errstate(all="ignore"):  # numpy: NaN and inf are data here (counted as non-finite), not faults
         return _probe(b, consts, lut, chunk_tokens, compiled, ops, **fixed)

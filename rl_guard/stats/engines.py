@@ -19,7 +19,7 @@ import torch
 from ..errors import InputError
 from . import xp
 from .constants import DEFAULT_LAG_EDGES, STATS_ENGINES
-from .eager import eager_loss, eager_probe, eager_sequence_stats, sequence_fields, takes_on_host
+from .eager import eager_loss, eager_probe, eager_sequence_stats, sequence_fields, takes_on_host, whole_compiles
 from .partial import Partial
 
 # Measured against the eager path (benchmarks/stats.py small_batch_ms): 2.5x faster at 64 tokens, 3.5x at 8K.
@@ -48,6 +48,7 @@ class Engine:
         self.name, self.host_max_tokens, self.cpu_min_tokens = name, host_max_tokens, cpu_min_tokens
         self.host_failure: str | None = None  # why the host path is off for this engine (None: usable)
         self.failure: str | None = None  # why the compiled path is off for this engine (None: usable)
+        self.whole_failure: str | None = None  # why compiling a micro-batch whole is off (chunk by chunk still on)
         self.triton = triton_available()  # this engine's view of the installation, as it found it when made
 
     def compiles_on(self, device) -> bool:
@@ -63,18 +64,23 @@ class Engine:
             if p is not None:
                 return p
         if self._compiles(b):
+            whole = self.whole_failure is None and whole_compiles(b, chunk_tokens)
             try:
-                return eager_probe(b, lag_edges, chunk_tokens, compiled=True)
+                return eager_probe(b, lag_edges, chunk_tokens, compiled=True, whole=whole)
             except InputError:  # the caller's batch is wrong, not the compiler: raised as the eager path would
                 raise
             except Exception as e:  # noqa: BLE001 - a compiler problem must cost speed, never the statistics
                 # Eagerly first: a batch at fault raises the caller's own error there (inside a compiled graph it
                 # surfaces as the compiler's) and turns nothing off.
                 p = eager_probe(b, lag_edges, chunk_tokens)
-                self.failure = _short(e)
+                if whole:  # the chunk-by-chunk compiled path stays on
+                    self.whole_failure = _short(e)
+                    what = f"cannot compile a whole micro-batch here ({self.whole_failure}); compiling chunk by chunk"
+                else:
+                    self.failure = _short(e)
+                    what = f"cannot compile here ({self.failure}); computing eagerly"
                 warnings.warn(
-                    f"rl_guard: stats_engine '{self.name}' cannot compile here ({self.failure}); computing eagerly "
-                    "(same statistics, slower)",
+                    f"rl_guard: stats_engine '{self.name}' {what} (same statistics, slower)",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -53,6 +53,7 @@ class _Arm:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             assert getattr(self.engine, "failure", None) is None and self.engine.host_failure is None
+            assert self.engine.whole_failure is None
             compiled = compiled_calls() > self.calls
             assert compiled == (self.name == "compiled")  # no silent fallback passes for the arm's own result
             assert (self.host_batches > 0) == (self.name == "host")

@@ -44,7 +44,8 @@ def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, *
     used = Engine("compiled", host_max_tokens=0) if engine == "compiled" else Engine("eager", host_max_tokens=0)
     acc.add(probe_batch(b, chunk_tokens=chunk, engine=used))
     if engine == "compiled" and device == "cuda":  # it compiled and ran: no fallback hides behind the comparison
-        assert getattr(used, "failure", None) is None and compiled_calls() > before
+        assert getattr(used, "failure", None) is None and getattr(used, "whole_failure", None) is None
+        assert compiled_calls() > before
     return acc.finish()
 
 
@@ -108,6 +109,7 @@ def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[lis
         actions.append(decision.action)
         metrics.append(comparable(guard.last_metrics))
     assert guard.internal_failures == 0 and getattr(guard.engine, "failure", None) is None
+    assert getattr(guard.engine, "whole_failure", None) is None
     guard.close()
     return actions, metrics, model
 

@@ -72,8 +72,34 @@ def test_a_compiler_failure_stays_with_its_engine(monkeypatch):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = [first.probe(b) for _ in range(3)]
-    assert len([w for w in caught if "no compiler here" in str(w.message)]) == 1
-    assert first.failure and "no compiler here" in first.failure and second.failure is None
+    said = [str(w.message) for w in caught if "no compiler here" in str(w.message)]
+    assert len(said) == 2 and "whole micro-batch" in said[0] and "computing eagerly" in said[1]  # each path once
+    assert first.failure and "no compiler here" in first.failure and first.whole_failure
+    assert second.failure is None and second.whole_failure is None
     assert not first._compiles(b) and second._compiles(b)
     for p in got:
         assert p.layout == want.layout and torch.equal(p.sums, want.sums)
+
+
+def test_a_failure_to_compile_a_whole_micro_batch_keeps_compiling_chunk_by_chunk(monkeypatch):
+    """Only the whole-micro-batch path fails: one warning, and the engine goes on compiling chunk by chunk."""
+
+    def no_whole(**fixed):
+        raise RuntimeError("graph too large")
+
+    b = TokenBatch(**make_padded(1, fields=("old", "adv", "entropy")))
+    want = Engine("eager", host_max_tokens=0).probe(b)
+    engine = Engine("compiled", host_max_tokens=0, cpu_min_tokens=1)
+    monkeypatch.setattr(eager, "whole_kernel", no_whole)
+    chunked = families._compiled.cache_info()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [engine.probe(b) for _ in range(3)]
+    said = [str(w.message) for w in caught if "graph too large" in str(w.message)]
+    assert len(said) == 1 and "compiling chunk by chunk" in said[0]
+    assert engine.whole_failure and engine.failure is None and engine._compiles(b)
+    now = families._compiled.cache_info()
+    assert now.hits + now.misses >= chunked.hits + chunked.misses + 2  # the two probes after the failure compiled
+    for p in got:
+        assert p.layout == want.layout
+        torch.testing.assert_close(p.sums, want.sums, rtol=2e-6, atol=1e-6)
