@@ -5,7 +5,8 @@ The batch is walked in fixed-size chunks (``chunks.py``) and each chunk's statis
 reduced after the last chunk (``sequences.kl_finish``, ``lags.lag_finish``). GSPO's sequence-level clipping needs
 the whole sequence's log-ratio first, so it takes a second, lighter pass. With ``ops=xp.NUMPY`` (small padded CPU
 micro-batches without policy versions: ``takes_on_host``) the same functions run on numpy views of the tensors,
-as one chunk: a torch call's dispatch costs more than such a batch's arithmetic.
+as one chunk: a torch call's dispatch costs more than such a batch's arithmetic. The compiled engine compiles a
+one-chunk micro-batch whole (``whole_kernel``: this same path, one graph), a larger one chunk by chunk.
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ _WHOLE_IDS = itertools.count()
 
 @functools.lru_cache(maxsize=32)
 def whole_kernel(**fixed):
-    """``_probe`` compiled for one micro-batch's constants: chunk statistics, finishing and packing in one graph, the
-    batch itself its only input besides the plan's constants. Each gets its own copy of ``_probe``'s code object
-    (see ``families._compiled``)."""
+    """``_probe`` compiled for one micro-batch's constants: chunk statistics, finishing and packing in one graph, whose
+    inputs are the batch, the plan's constant tensors and the lag table. Each gets its own copy of ``_probe``'s code
+    object (see ``families._compiled``)."""
     code = _probe.__code__.replace(co_name=f"microbatch_stats_{next(_WHOLE_IDS)}")
     fn = types.FunctionType(code, _probe.__globals__, code.co_name, _probe.__defaults__)
     fn.__kwdefaults__ = {**fixed, "one_chunk": True}
