@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -92,11 +92,11 @@ def _plan_of(b: TokenBatch):
 
 @torch.no_grad()
 def eager_probe(
-    b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, ops=xp.TORCH, whole: bool = True
+    b: TokenBatch, lag_edges, chunk_tokens, compiled: bool = False, ops=xp.TORCH, whole: bool | None = None
 ) -> Partial:
     """Every token statistic of micro-batch ``b``: each chunk's ``families.chunk_stats``, run as it is (in
-    ``ops``) or ``compiled``. With ``whole``, a compiled micro-batch that is one chunk (``whole_compiles``) is
-    compiled whole, finishing and packing included."""
+    ``ops``) or ``compiled``. ``whole``: compile the micro-batch whole, finishing and packing included (None:
+    wherever ``whole_compiles``; the engine decides it itself)."""
     seq_clip, token_clip = _clip_modes(b)
     plan = _plan_of(b)
     fixed = {
@@ -108,7 +108,7 @@ def eager_probe(
     }
     consts = constants_of(plan, ops, b.device)
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
-    if compiled and whole and whole_compiles(b, chunk_tokens):
+    if compiled and (whole_compiles(b, chunk_tokens) if whole is None else whole):
         return whole_kernel(**fixed)(b, consts, lut)
     with np.errstate(all="ignore"):  # numpy: NaN and inf are data here (counted as non-finite), not faults
         return _probe(b, consts, lut, chunk_tokens, compiled, ops, **fixed)
@@ -137,6 +137,17 @@ def whole_kernel(**fixed):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+def _walk(b: TokenBatch, chunk_tokens, ops, one_chunk: bool) -> Iterable:
+    """The chunks of ``b``, made afresh for each pass (a chunk holds its packed sequence ids, 8 bytes a token, until it
+    is dropped): numpy's one view, the one chunk itself (not the walk's loop, whose bounds would be constants to the
+    compiler), or ``chunks``."""
+    if ops is xp.NUMPY:
+        return [WholeBatch(b)]
+    if one_chunk:
+        return [Chunk(b, 0, b.logprobs.numel(), (0, b.logprobs.shape[0]))]
+    return chunks(b, chunk_tokens)
+
+
 def _probe(
     b: TokenBatch,
     consts,
@@ -153,13 +164,7 @@ def _probe(
     one_chunk: bool = False,
 ) -> Partial:
     acc = ChunkStats(b.num_seqs, b.device, ops)
-    # walked afresh for each pass: a chunk holds its packed sequence ids (8 bytes a token) until it is dropped
-    walk: Callable[[], Iterable] = lambda: chunks(b, chunk_tokens)  # noqa: E731
-    if ops is xp.NUMPY:
-        walk = lambda: [WholeBatch(b)]  # noqa: E731
-    elif one_chunk:  # the chunk itself, not the walk's loop (its bounds would be constants to the compiler)
-        walk = lambda: [Chunk(b, 0, b.logprobs.numel(), (0, b.logprobs.shape[0]))]  # noqa: E731
-    for ch in walk():
+    for ch in _walk(b, chunk_tokens, ops, one_chunk):
         acc.next_chunk()
         families.probe_chunk(acc, b, ch, plan, static, edges, compiled, consts, ops)
     acc.chunks_done()
@@ -172,7 +177,7 @@ def _probe(
         s_lr, s_ok = seq_log_ratio(acc, ops, plan)
         ratio_stats(acc, ops, "seq_ratio", s_lr, s_ok, zero=static.zero_ratio >= 0)
         if seq_clip and b.advantages is not None:
-            for ch in walk():
+            for ch in _walk(b, chunk_tokens, ops, one_chunk):
                 families.probe_gspo_chunk(acc, b, ch, s_lr, static, lut, len(edges), ops)
     view = WholeBatch(b).block if ops is xp.NUMPY else (lambda t, per_seq=None: t)
     lengths = view(b.lengths, False) if b.lengths is not None else acc.seq("length")

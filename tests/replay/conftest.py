@@ -12,6 +12,15 @@ import os
 import pytest
 from replay_runs import quiet_demo_yaml
 
+from rl_guard.demo.tiny import (  # light: torch and transformers are imported inside its functions
+    DEMO_LOSS,
+    TINY_GRPO,
+    build_tiny_model,
+    length_penalty_reward,
+    prompt_dataset,
+    repeat_last_digit_reward,
+)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -41,15 +50,6 @@ def trl_run(tmp_path_factory):
     way the Trainer writes it into every checkpoint (``TrainerState.save_to_json``)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from rl_guard.demo.tiny import (
-        DEMO_LOSS,
-        TINY_GRPO,
-        build_tiny_model,
-        length_penalty_reward,
-        prompt_dataset,
-        repeat_last_digit_reward,
-    )
 
     root = tmp_path_factory.mktemp("trl")
     model = build_tiny_model(root / "model", seed=0)
@@ -94,14 +94,6 @@ def grpo_pair(tmp_path_factory):
 
     from rl_guard.adapters.trl import RLGuardCallback
     from rl_guard.demo.faults import FaultInjector
-    from rl_guard.demo.tiny import (
-        DEMO_LOSS,
-        TINY_GRPO,
-        build_tiny_model,
-        length_penalty_reward,
-        prompt_dataset,
-        repeat_last_digit_reward,
-    )
 
     root = tmp_path_factory.mktemp("pair")
     model = build_tiny_model(root / "model", seed=0)
