@@ -59,10 +59,10 @@ class Engine:
 
     def probe(self, b, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | None = None) -> Partial:
         """All token-level sufficient statistics of one micro-batch (device tensors, no host sync)."""
-        if chunk_tokens is None and self._host_on() and takes_on_host(b, self.host_max_tokens):
-            p = self._on_host(lambda: eager_probe(b, lag_edges, None, ops=xp.NUMPY))
-            if p is not None:
-                return p
+        small = chunk_tokens is None and takes_on_host(b, self.host_max_tokens)
+        p = self._on_host(small, lambda ops: eager_probe(b, lag_edges, None, ops=ops))
+        if p is not None:
+            return p
         if self._compiles(b):
             whole = self.whole_failure is None and whole_compiles(b, chunk_tokens)
             try:
@@ -101,19 +101,12 @@ class Engine:
         fields = sequence_fields(lengths, truncated, rewards)
         if not fields:
             return Partial()
-        if self._host_on() and all(t.device.type == "cpu" for t in fields.values()):
-            p = self._on_host(lambda: eager_sequence_stats(fields, xp.NUMPY))
-            if p is not None:
-                return p
-        return eager_sequence_stats(fields)
+        on_cpu = all(t.device.type == "cpu" for t in fields.values())
+        return self._on_host(on_cpu, lambda ops: eager_sequence_stats(fields, ops)) or eager_sequence_stats(fields)
 
     def loss(self, loss: torch.Tensor) -> Partial:
         """Sum of the finite micro-batch losses and the count of non-finite ones."""
-        if self._host_on() and loss.device.type == "cpu":
-            p = self._on_host(lambda: eager_loss(loss, xp.NUMPY))
-            if p is not None:
-                return p
-        return eager_loss(loss)
+        return self._on_host(loss.device.type == "cpu", lambda ops: eager_loss(loss, ops)) or eager_loss(loss)
 
     def describe(self, device) -> str:
         """What computes the token statistics on ``device``, and for ``auto`` why, in one sentence."""
@@ -143,9 +136,13 @@ class Engine:
     def _host_on(self) -> bool:
         return self.host_max_tokens > 0 and self.host_failure is None
 
-    def _on_host(self, compute) -> Partial | None:
+    def _on_host(self, takes: bool, compute) -> Partial | None:
+        """``compute(xp.NUMPY)`` where the host path ``takes`` the input and is on, else None (a ``Partial`` is a
+        non-empty tuple: ``or`` picks the torch path only for None)."""
+        if not (takes and self._host_on()):
+            return None
         try:
-            return compute()
+            return compute(xp.NUMPY)
         except Exception as e:  # noqa: BLE001 - a fault of the host path must cost speed, never the statistics
             self.host_failure = _short(e)
             warnings.warn(

@@ -18,6 +18,7 @@ Where gradients live, and how ranks merge them (detected; ``sharded_grads`` in t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -131,36 +132,26 @@ class Segments:
     Built once per layout (``segments_for`` caches it): the weights and lengths live on the device, so a step
     makes no host-to-device copy. Sums stay per group: a NaN in one group leaves the others' sums finite."""
 
-    def __init__(self, weights: list[float], lengths: list[int], device):
+    def __init__(self, weights: tuple[float, ...], lengths: tuple[int, ...], device):
         self.groups = len(lengths)
-        self.unit = all(w == 1.0 for w in weights)
-        self.weights = None if self.unit else device_vector(weights, device)
-        self.lengths = device_vector(lengths, device, torch.int64) if self.groups > 1 else None
+        unit = all(w == 1.0 for w in weights)
+        self.weights = None if unit else device_vector(list(weights), device)
+        self.lengths = device_vector(list(lengths), device, torch.int64) if self.groups > 1 else None
 
-    def sums(self, values: torch.Tensor, weighted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(per-group sums [groups], total [1])`` of ``values`` (float64), merge weights applied if asked."""
-        if weighted and self.weights is not None:  # None: unit weights
+    def sums(self, values: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """``(per-group sums, each [1]; total [1])`` of ``values`` (float64), merge weights applied."""
+        if self.weights is not None:  # None: unit weights
             values = values * self.weights
         if self.groups == 1:
             total = values.sum().reshape(1)
-            return total, total
+            return (total,), total
         # unsafe: skip the validation of the lengths (ours, correct by construction), which reads them on the host
         per_group = torch.segment_reduce(values, "sum", lengths=self.lengths, unsafe=True)  # an empty group: 0
-        return per_group, per_group.sum().reshape(1)
+        return per_group.split(1), per_group.sum().reshape(1)
 
 
-_SEGMENTS: dict = {}
-
-
-def segments_for(weights: list[float], lengths: list[int], device) -> Segments:
-    """The cached ``Segments`` of a layout (the parameter set rarely changes: one entry per layout seen)."""
-    key = (tuple(weights), tuple(lengths), device)
-    seg = _SEGMENTS.get(key)
-    if seg is None:
-        if len(_SEGMENTS) > 16:
-            _SEGMENTS.clear()
-        seg = _SEGMENTS[key] = Segments(weights, lengths, device)
-    return seg
+# The cached ``Segments`` of a layout (the parameter set rarely changes: one entry per layout seen).
+segments_for = functools.lru_cache(maxsize=16)(Segments)
 
 
 @torch.no_grad()
@@ -180,14 +171,16 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     figures = Scalars()
     entries = figures.sum if merge_sum else figures.max
     if tensors:
-        seg = segments_for(weights, [b - a for a, b in spans], device)
-        per_group, total, linf = _multi_tensor_figures(tensors, seg)
+        seg = segments_for(tuple(weights), tuple(b - a for a, b in spans), device)
+        per_group, total = seg.sums(squares(tensors))
+        linf = abs_max(tensors)
         # linf: per tensor, NaN / inf where the tensor holds one
         bad = (linf * 0).isnan()
-        bad = bad.sum(0, keepdim=True, dtype=torch.float64) if seg.unit else (bad.double() @ seg.weights).reshape(1)
+        w = seg.weights
+        bad = bad.sum(0, keepdim=True, dtype=torch.float64) if w is None else (bad.double() @ w).reshape(1)
         linf = linf.amax(0, keepdim=True).double()
         if scale != 1.0:
-            per_group = [sq * (scale * scale) for sq in per_group]
+            per_group = tuple(sq * (scale * scale) for sq in per_group)
             total, linf = total * (scale * scale), linf * scale
         entries.extend((keys.grad_group(i), group_sq) for i, group_sq in enumerate(per_group))
         entries.append((keys.GRAD.sq, total))
@@ -207,28 +200,20 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
     return figures.partial(device)
 
 
-def _multi_tensor_figures(tensors: list[torch.Tensor], seg: Segments):
-    """``(per-group sums of squares, their total, per-tensor largest |value|)`` from multi-tensor kernels (fused
-    on CUDA), merge weights applied to the squares; the per-tensor figures keep the tensors' order."""
-    per_group, total = seg.sums(squares(tensors))
-    return (per_group.split(1) if seg.groups > 1 else (per_group,)), total, abs_max(tensors)
-
-
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The squared L2 norm of every tensor, float64, from one multi-tensor norm."""
     l2 = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
     return l2.mul_(l2)
 
 
-def extremes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Per tensor, values whose magnitudes reach its largest |value| and which are NaN / +-inf exactly when the
-    tensor holds a NaN / an infinity: shape [n, 2] (min, max) on CPU, [n, 1] (the inf-norm) elsewhere.
+def abs_max(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest |value| of every tensor, stacked: NaN / inf exactly where the tensor holds a NaN / an infinity.
 
     On CUDA the fused multi-tensor inf-norm; on CPU one min/max pass per tensor, because torch's CPU inf-norm
     kernel is an order of magnitude slower (6.7 ms against 0.5 ms for a 2.4M-parameter model on one thread, and
     ~3 ns an element on small tensors against ~2 us a call for min/max)."""
     if tensors[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(tensors, math.inf)).view(-1, 1)
+        return torch.stack(torch._foreach_norm(tensors, math.inf))
     dtype = tensors[0].dtype
     if any(t.dtype != dtype for t in tensors):
         tensors = [t.to(torch.float32) for t in tensors]  # exact for every gradient dtype but float64
@@ -239,26 +224,16 @@ def extremes(tensors: list[torch.Tensor]) -> torch.Tensor:
             torch.aminmax(t, out=row)
         else:
             row[0].zero_(), row[1].zero_()
-    return out
+    return out.abs().amax(1)
 
 
+@functools.lru_cache(maxsize=8)
 def _extremes_out(n: int, dtype) -> tuple[torch.Tensor, list]:
     """A CPU [n, 2] buffer and per-row (min, max) views for ``aminmax(out=)``: writing in place skips stacking
-    2n scalars, which on CPU costs about as much as the min/max passes. Reused from step to step: callers reduce
-    it before the next probe."""
-    cached = _EXTREMES.get((n, dtype))
-    if cached is None:
-        out = torch.empty(n, 2, dtype=dtype)
-        cached = _EXTREMES[(n, dtype)] = (out, [(out[i, 0], out[i, 1]) for i in range(n)])
-    return cached
-
-
-_EXTREMES: dict = {}
-
-
-def abs_max(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The largest |value| of every tensor, stacked (NaN where a tensor holds one)."""
-    return extremes(tensors).abs().amax(1)
+    2n scalars, which on CPU costs about as much as the min/max passes. Reused from step to step: ``abs_max``
+    reduces it before returning."""
+    out = torch.empty(n, 2, dtype=dtype)
+    return out, [(out[i, 0], out[i, 1]) for i in range(n)]
 
 
 def param_groups_of(optimizer_or_params):

@@ -98,23 +98,14 @@ class _Layout:
         self.grad_groups = [(k, f"{PREFIX}grad/{k.split('.')[1]}/norm") for k in groups] if len(groups) > 1 else []
 
 
-_LAYOUTS: dict[tuple[str, ...], _Layout] = {}
-
-
-def _layout(raw) -> _Layout:
-    key = tuple(raw)
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        if len(_LAYOUTS) > 64:  # layouts are few (one per kind of step); never grow without bound
-            _LAYOUTS.clear()
-        layout = _LAYOUTS[key] = _Layout(key)
-    return layout
+# Layouts are few (one per kind of step); the cache never grows without bound.
+_layout_of = functools.lru_cache(maxsize=64)(_Layout)
 
 
 # -- the step's metrics -----------------------------------------------------------------------------------------------
 def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[dict[str, float], dict]:
     """Metrics ``{rl_guard/<family>/<stat>: float}`` and histograms ``{name: (edges, counts)}`` of one step."""
-    layout = _layout(raw)
+    layout = _layout_of(tuple(raw))
     get = raw.get
 
     def f(key, default=_NAN) -> float:
