@@ -58,19 +58,9 @@ INF = math.inf
 
 
 class Static(NamedTuple):
-    """Everything ``chunk_stats`` branches on (constants to the compiler): the row plan's groups as indices."""
+    """Everything ``chunk_stats`` branches on (constants to the compiler): the row plan and the batch's settings."""
 
-    rows: tuple[str, ...]
-    values: tuple[int, int]
-    n_ext: int
-    log_ratios: int
-    n_ratio: int
-    kl_first: int
-    cells: tuple[int, int]  # first cell row and number of cell rows
-    cell_consts: tuple[tuple, ...]  # per cell row: the sketch constants of ``cell_index_with``
-    n_hist: int
-    ratio_cell: int  # the ratio row's index among the cell rows (-1: no lag cells)
-    ratio_start: int  # where the ratio row's cells start in the joint count
+    plan: RowPlan
     clip_row: int  # -1: no clipping
     clip_a: float
     clip_b: float
@@ -101,36 +91,11 @@ def same_old(b) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _static(plan, token_clip: bool, eps_low, eps_high, versions: bool, lengths: bool, edges, same: bool) -> Static:
-    clip_row = plan.clip_row if token_clip else -1
     lo, hi = math.log1p(-eps_low), math.log1p(eps_high)
     lag = "" if not versions else ("cells" if plan.has("ratio") else "counts")
-    cell_rows = plan.cell_rows
-    ratio_cell = cell_rows.index("ratio") if plan.lag_cells else -1
-    consts = tuple(
-        (spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
-        for spec, start in zip(plan.hist_specs, plan.hist_starts)
-    )
-    return Static(
-        plan.rows,
-        plan.values,
-        plan.n_extremes,
-        plan.log_ratios,
-        len(plan.ratio_families),
-        plan.kl_first,
-        (plan.at(cell_rows[0]) if cell_rows else 0, len(cell_rows)),
-        consts,
-        len(plan.hist_rows),
-        ratio_cell,
-        plan.hist_starts[ratio_cell] if ratio_cell >= 0 else 0,
-        clip_row,
-        (hi - lo) / 2,
-        (hi + lo) / 2,
-        lag,
-        edges[0],
-        edges[-1],
-        lengths,
-        plan.at("ratio") if same else -1,
-    )
+    clip_row = plan.clip_row if token_clip else -1
+    zero_ratio = plan.at("ratio") if same else -1
+    return Static(plan, clip_row, (hi - lo) / 2, (hi + lo) / 2, lag, edges[0], edges[-1], lengths, zero_ratio)
 
 
 K3_SERIES = 0.5  # below this |log r| k3 comes from its Taylor series, above from exp
@@ -187,7 +152,7 @@ def chunk_stats(
     of them into one loop nest that reads each input once, and the per-sequence sums come out of the same loop. A
     stacked ``[fields, ...]`` tensor would instead be rebuilt, one branch per field, inside every loop that reads
     it."""
-    n = ops.size(lp)
+    p, n = s.plan, ops.size(lp)
     m, gate = _gate(ops, mask)
     lpg = ops.cast(lp, ops.f32) + gate
     y = {"logp": lpg}
@@ -203,18 +168,18 @@ def chunk_stats(
         y["behave_imp_weight"] = ops.cast(prox - old, ops.f32) + y["importance_weight"] * 0.0 + y["ratio"] * 0.0
     if ref is not None:
         y["kl_ref"] = ref - lpg
-    ys = [y[r] for r in s.rows]
+    ys = [y[r] for r in p.rows]
     fin = [ops.finite(t) for t in ys]
     z = [ops.where(f, t, 0.0) for f, t in zip(fin, ys)]
     v = [ops.cast(f, ops.f32) for f in fin]
     v_rows = [t.sum(-1) for t in v]
     counts = ops.stack([t.sum() for t in v_rows])
     n_mask = ops.total(m)
-    ext = ys[: s.n_ext]
+    ext = ys[: p.n_extremes]
     out = {
         "tokens": n_mask,
         "counts": counts,
-        "sums": ops.stack([ops.total(t) for t in z[s.values[0] : s.values[1]]]),
+        "sums": ops.stack([ops.total(t) for t in z[slice(*p.values)]]),
         "maxes": ops.stack([ops.max_where(t, f) for f, t in zip(fin, ext)])
         if n
         else ops.full((len(ext),), -INF, ops.f32, lp.device),  # an empty chunk (an empty batch): no extremes
@@ -224,30 +189,31 @@ def chunk_stats(
     }
     if s.lengths:
         out["lengths"] = _seq_sums(ops, ops.cast(m, ops.i32), ids, num_seqs)
-    i_adv = s.rows.index("adv") if "adv" in s.rows else -1
+    i_adv = p.at("adv") if p.has("adv") else -1
     if i_adv >= 0:
         zd = ops.cast(z[i_adv], ops.f64)
         out["adv_sum"], out["adv_sumsq"] = ops.total(zd), ops.total(zd * zd)
     cells = []
-    if s.cells[1]:
-        h0 = s.cells[0]
+    n_hist = len(p.hist_rows)
+    if p.cell_rows:
+        h0 = p.at(p.cell_rows[0])
         cells = [
             ops.full(z[h0 + i].shape, consts[4], ops.i32, lp.device)  # the zero cell (``same_old``)
             if h0 + i == s.zero_ratio
             else cell_index_with(ops, z[h0 + i], *consts)
-            for i, consts in enumerate(s.cell_consts)
+            for i, consts in enumerate(p.cell_consts)
         ]
-        out["hist_cells"], out["hist_invalid"] = tuple(cells[: s.n_hist]), n - counts[h0 : h0 + s.n_hist]
-    r0, k0 = s.log_ratios, s.kl_first
+        out["hist_cells"], out["hist_invalid"] = tuple(cells[:n_hist]), n - counts[h0 : h0 + n_hist]
+    r0, k0, n_ratio = p.log_ratios, p.kl_first, len(p.ratio_families)
     k3s = [t if r0 + i == s.zero_ratio else k3(ops, t) for i, t in enumerate(z[r0:])]  # r - 1 = log r + k3
-    if s.n_ratio:
+    if n_ratio:
         out["ratio_sums"] = (
-            ops.stack([ops.total(t + k) for t, k in zip(z[r0 : r0 + s.n_ratio], k3s)]) + counts[r0 : r0 + s.n_ratio]
+            ops.stack([ops.total(t + k) for t, k in zip(z[r0 : r0 + n_ratio], k3s)]) + counts[r0 : r0 + n_ratio]
         )
     k3s = k3s[k0 - r0 :]
     if k3s:
-        if "ratio" in s.rows:
-            i = s.rows.index("ratio")
+        if p.has("ratio"):
+            i = p.at("ratio")
             out["kl_count"] = counts[i : i + 1]
         per_seq = [_seq_sums(ops, t, ids, num_seqs, rows) for t, rows in zip(v[k0:], v_rows[k0:])]
         per_seq += [_seq_sums(ops, t, ids, num_seqs) for t in (*z[k0:], *(t * t for t in z[k0:]), *k3s)]
@@ -268,12 +234,14 @@ def chunk_stats(
         if s.lag == "counts":
             out["lag_slots"] = ops.cast(slot, ops.i32) + lag_slot_offset((s.lag_lo, s.lag_hi), regions=False)
         else:
-            slot = slot + v[s.rows.index("ratio")] * (-2.0 * slots)
+            slot = slot + v[p.at("ratio")] * (-2.0 * slots)
             if clipped is not None:
                 slot = slot + clipped * float(slots)
             offset = ops.cast(slot, ops.i32)
             base = lag_slot_offset((s.lag_lo, s.lag_hi), regions=True)
-            out["lag_cells"] = cells[s.ratio_cell] + (LOG_RATIO.bins * base - s.ratio_start) + offset * LOG_RATIO.bins
+            ratio_cell = p.cell_rows.index("ratio")  # with versions its cells are counted as the lag cells
+            start = p.hist_starts[ratio_cell]
+            out["lag_cells"] = cells[ratio_cell] + (LOG_RATIO.bins * base - start) + offset * LOG_RATIO.bins
             out["lag_regions"], out["lag_k3"] = offset + base, ops.cast(k3s[0], ops.f64)
     return out
 
@@ -391,17 +359,18 @@ def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, con
     if "adv_sum" in out:
         acc.sum(keys.ADV.sum, out["adv_sum"])
         acc.sum(keys.ADV.sumsq, out["adv_sumsq"])
-    if s.n_hist:  # whole [r, T] outputs keep the compiled loops fused; flattened here (views, or one copy)
+    if plan.hist_rows:  # whole [r, T] outputs keep the compiled loops fused; flattened here (views, or one copy)
         idx = out["hist_cells"]
         idx = idx[0].reshape(-1) if len(idx) == 1 else ops.cat([t.reshape(-1) for t in idx])
-        cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[: s.n_hist]))
-        acc.hist(names["hist"], cells, consts.zero_cells[: s.n_hist], out["hist_invalid"])
+        n_hist = len(plan.hist_rows)
+        cells = count_cells(idx, sum(spec.bins for spec in plan.hist_specs[:n_hist]))
+        acc.hist(names["hist"], cells, consts.zero_cells[:n_hist], out["hist_invalid"])
     if "ratio_sums" in out:
         acc.sum(names["ratio_sum"], out["ratio_sums"])
     if "kl_count" in out:
         acc.sum(names["kl_count"], out["kl_count"])
     if "kl_seq" in out:
-        nk = len(s.rows) - s.kl_first
+        nk = len(plan.kl_families)
         ch.add_seq_sums(acc.seq("kl", 4 * nk).reshape(4, nk, -1), out["kl_seq"])
     acc.sum(names["nonfinite"], out["nonfinite"])
     if "adv_zero" in out:

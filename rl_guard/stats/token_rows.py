@@ -81,6 +81,13 @@ class RowPlan:
         return tuple(int(x) for x in np.cumsum([0] + [spec.bins for spec in self.hist_specs])[:-1])
 
     @functools.cached_property
+    def cell_consts(self) -> tuple[tuple, ...]:  # per cell row: the sketch constants of ``sketch.cell_index_with``
+        return tuple(
+            (spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
+            for spec, start in zip(self.hist_specs, self.hist_starts)
+        )
+
+    @functools.cached_property
     def kl_first(self) -> int:
         return next((i for i, r in enumerate(self.rows) if r in KL_ROWS), len(self.rows))
 
