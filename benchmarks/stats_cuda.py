@@ -141,13 +141,13 @@ def guard_cycle_syncs(
 
     from rl_guard import Guard
     from rl_guard.stats.batch import TokenBatch
-    from rl_guard.stats.engines import make_engine
+    from rl_guard.stats.engines import Engine
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     guard = Guard.from_yaml(ASYNC_PRESET, run_dir=tempfile.mkdtemp(prefix="rl_guard_cuda_")).attach(model, opt)
-    guard.engine = make_engine(stats_engine)
+    guard.engine = Engine(stats_engine)
     d = make_inputs(tokens, device=device)
     rows = d["mask"].shape[0] // micro_batches
     batches = [

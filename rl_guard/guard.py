@@ -53,7 +53,7 @@ from .errors import InputError
 from .stats import keys, ranks
 from .stats.accumulate import StepAccumulator
 from .stats.batch import EmptyMaskError, TokenBatch
-from .stats.engines import HOST_MAX_TOKENS, make_engine
+from .stats.engines import HOST_MAX_TOKENS, Engine
 from .stats.grads import any_nonfinite_grad, param_groups_of, probe_grads
 from .stats.sequences import rank_count
 from .stats.summarize import summarize
@@ -125,7 +125,7 @@ class Guard:
         self.diagnostics = RunDiagnostics(run_dir=self.run_dir if self.rank == 0 else None)
         # How far each optimizer step moves the weights (every configuration has an update; stats/update.py).
         self.update_probe = UpdateProbe(sharded=config.sharded_grads)
-        self.engine = make_engine(config.stats_engine)  # the token statistics' engine: this guard's own
+        self.engine = Engine(config.stats_engine)  # the token statistics' engine: this guard's own
         self._engine_said = False
         self._probed_lrs: list[float] | None = None  # the step's learning rates, when the probe ran before it
         self._host_metrics: dict[str, float] = {}  # run-level diagnostics, merged into the next step's metrics
@@ -182,7 +182,7 @@ class Guard:
     def use_host_reads(self, on: bool) -> Guard:
         """Whether small CPU micro-batches' token statistics and losses are computed by numpy on their memory (the
         default) or take the path a GPU's tensors take (``False``)."""
-        self.engine = make_engine(self.config.stats_engine, HOST_MAX_TOKENS if on else 0)
+        self.engine = Engine(self.config.stats_engine, HOST_MAX_TOKENS if on else 0)
         return self
 
     def attach_state(self, state) -> Guard:

@@ -152,8 +152,3 @@ class Engine:
                 stacklevel=3,
             )
             return None
-
-
-def make_engine(name: str, host_max_tokens: int = HOST_MAX_TOKENS) -> Engine:
-    """The engine ``stats_engine: name`` selects (one per guard: it keeps its own failure state)."""
-    return Engine(name, host_max_tokens)

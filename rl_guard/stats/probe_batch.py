@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .batch import TokenBatch
 from .constants import DEFAULT_LAG_EDGES
-from .engines import make_engine
+from .engines import Engine
 from .partial import Partial
 
 
@@ -14,10 +14,10 @@ def probe_batch(b: TokenBatch, lag_edges=DEFAULT_LAG_EDGES, chunk_tokens: int | 
     """All token-level sufficient statistics of one micro-batch (device tensors, no host sync). ``engine``: an
     engine object (``engines.py``: it keeps its failure state) or a ``stats_engine`` name, for which a fresh engine
     is made."""
-    return (make_engine(engine) if isinstance(engine, str) else engine).probe(b, lag_edges, chunk_tokens)
+    return (Engine(engine) if isinstance(engine, str) else engine).probe(b, lag_edges, chunk_tokens)
 
 
 def sequence_stats(lengths=None, truncated=None, rewards=None, engine="eager") -> Partial:
     """Per-sequence statistics: lengths, truncated (no-EOS) share, scalar rewards (finite values only); no host
     sync. ``engine`` as for ``probe_batch``."""
-    return (make_engine(engine) if isinstance(engine, str) else engine).sequences(lengths, truncated, rewards)
+    return (Engine(engine) if isinstance(engine, str) else engine).sequences(lengths, truncated, rewards)

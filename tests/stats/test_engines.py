@@ -12,7 +12,7 @@ from reference_stats import make_padded
 from rl_guard import Guard
 from rl_guard.stats import eager, families
 from rl_guard.stats.batch import TokenBatch
-from rl_guard.stats.engines import Engine, make_engine
+from rl_guard.stats.engines import Engine
 
 
 @pytest.mark.parametrize("triton", [True, False])
@@ -27,12 +27,12 @@ def test_auto_picks_compiled_on_cuda_with_triton_and_eager_elsewhere(triton):
     assert auto.describe("cpu").startswith("auto -> eager") and "first compile" in auto.describe("cpu")
 
 
-def test_make_engine_by_name():
+def test_engine_by_name():
     for name in ("eager", "compiled", "auto"):
-        engine = make_engine(name)
+        engine = Engine(name)
         assert engine.name == name and engine.compiles_on("cpu") is (name == "compiled")
     with pytest.raises(ValueError, match="auto, eager, compiled"):
-        make_engine("fused")
+        Engine("fused")
 
 
 def test_the_guard_says_its_engine_once_at_attach(tmp_path, capsys):
