@@ -65,19 +65,11 @@ def run_demo(
     exactly as unguarded)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from trl import GRPOConfig, GRPOTrainer
 
     from ..adapters.trl import RLGuardCallback
     from ..sinks.jsonl import read_jsonl
     from .faults import FaultInjector
-    from .tiny import (
-        DEMO_LOSS,
-        TINY_GRPO,
-        build_tiny_model,
-        length_penalty_reward,
-        prompt_dataset,
-        repeat_last_digit_reward,
-    )
+    from .tiny import build_tiny_model, tiny_trainer
 
     run_dir = Path(run_dir)
     for name in ("metrics.jsonl", "incidents.jsonl", "quarantine.jsonl"):  # each demo run starts its own record
@@ -86,28 +78,11 @@ def run_demo(
     work = Path(tempfile.mkdtemp(prefix="rl_guard_demo_"))
     model_path = build_tiny_model(work / "model", seed=seed)
     injector = FaultInjector(fault, at_step=fault_step)
-    settings: dict[str, Any] = dict(
-        **TINY_GRPO,
-        **DEMO_LOSS,
-        output_dir=str(work / "trainer"),
-        max_steps=steps,
-        logging_steps=5,
-        report_to=[],
-        learning_rate=3e-3,
-        save_strategy="no",
-        seed=seed,
-        disable_tqdm=quiet,
-    )
-    settings.update(grpo_overrides)
-    args = GRPOConfig(**settings)
     guard_yaml = guard_yaml or (demo_config(action, mode="shadow") if shadow else demo_config(action))
     guard = RLGuardCallback(guard_yaml, run_dir=str(run_dir))
-    trainer = GRPOTrainer(
-        model=str(model_path),
-        reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
-        args=args,
-        train_dataset=prompt_dataset(256, seed=seed),
-        callbacks=[injector, guard],
+    settings: dict[str, Any] = {"max_steps": steps, "logging_steps": 5, "disable_tqdm": quiet, **grpo_overrides}
+    trainer = tiny_trainer(
+        model_path, work / "trainer", injector=injector, callbacks=[guard], prompts=256, seed=seed, **settings
     )
     _quiet_logs(trainer)
     trainer.train()

@@ -79,3 +79,20 @@ def repeat_last_digit_reward(prompts, completions, **kwargs) -> list[float]:
 def length_penalty_reward(completions, **kwargs) -> list[float]:
     """A small cost per word beyond four (a second reward component, logged separately by TRL)."""
     return [-0.05 * max(0, len(c.split()) - 4) for c in completions]
+
+
+def tiny_trainer(model_path, output_dir, *, injector=None, callbacks=(), prompts: int = 64, seed: int = 0, **settings):
+    """A ``GRPOTrainer`` of the demo's setup on ``model_path``: ``TINY_GRPO`` and ``DEMO_LOSS``, learning rate 3e-3, no
+    checkpoints, no reporting, both rewards on ``prompts`` prompts; ``injector`` (a ``FaultInjector``) comes first
+    among the callbacks and wraps the first reward; ``settings`` add to or override ``GRPOConfig``'s."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = {"learning_rate": 3e-3, "save_strategy": "no", "report_to": [], **TINY_GRPO, **DEMO_LOSS, **settings}
+    first = injector.faulty_reward(repeat_last_digit_reward) if injector is not None else repeat_last_digit_reward
+    return GRPOTrainer(
+        model=str(model_path),
+        args=GRPOConfig(output_dir=str(output_dir), seed=seed, **config),
+        train_dataset=prompt_dataset(prompts, seed=seed),
+        reward_funcs=[first, length_penalty_reward],
+        callbacks=([injector] if injector is not None else []) + list(callbacks),
+    )

@@ -12,14 +12,7 @@ import os
 import pytest
 from replay_runs import quiet_demo_yaml
 
-from rl_guard.demo.tiny import (  # light: torch and transformers are imported inside its functions
-    DEMO_LOSS,
-    TINY_GRPO,
-    build_tiny_model,
-    length_penalty_reward,
-    prompt_dataset,
-    repeat_last_digit_reward,
-)
+from rl_guard.demo.tiny import build_tiny_model, tiny_trainer  # light: torch and trl are imported inside them
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,28 +42,17 @@ def trl_run(tmp_path_factory):
     """An unguarded tiny GRPO run reporting to TensorBoard and (offline) wandb; its trainer_state.json is written the
     way the Trainer writes it into every checkpoint (``TrainerState.save_to_json``)."""
     from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     root = tmp_path_factory.mktemp("trl")
     model = build_tiny_model(root / "model", seed=0)
     (root / "wandb_home").mkdir()
-    args = GRPOConfig(
-        output_dir=str(root / "out"),
+    trainer = tiny_trainer(
+        model,
+        root / "out",
         report_to=["tensorboard", "wandb"],  # events: out/runs/<date>/
-        **TINY_GRPO,
-        **DEMO_LOSS,
-        save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
-        seed=0,
         max_steps=6,
-        learning_rate=3e-3,
-    )
-    trainer = GRPOTrainer(
-        model=str(model),
-        args=args,
-        train_dataset=prompt_dataset(64, seed=0),
-        reward_funcs=[repeat_last_digit_reward, length_penalty_reward],
     )
     trainer.pop_callback(PrinterCallback)  # keep test output short
     with pytest.MonkeyPatch.context() as env:  # an offline wandb run under root/wandb_home/wandb/offline-run-*/
@@ -90,7 +72,6 @@ def grpo_pair(tmp_path_factory):
     """``grpo_pair(guard_yaml, fault, at_step, steps)``: the same seeded tiny GRPO run twice, unguarded and with an
     ``RLGuardCallback`` built from ``guard_yaml``; returns (plain trainer, guarded trainer, guard)."""
     from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from rl_guard.adapters.trl import RLGuardCallback
     from rl_guard.demo.faults import FaultInjector
@@ -101,29 +82,18 @@ def grpo_pair(tmp_path_factory):
     def train(name: str, guard_yaml, fault: str, at_step: int, steps: int):
         injector = FaultInjector(fault, at_step=at_step)
         guard = [RLGuardCallback(guard_yaml, run_dir=str(root / name / "guard"))] if guard_yaml else []
-        callbacks = [injector, *guard]
-        args = GRPOConfig(
-            output_dir=str(root / name / "out"),
-            report_to=[],
-            **TINY_GRPO,
-            **DEMO_LOSS,
-            save_strategy="no",
+        trainer = tiny_trainer(
+            model,
+            root / name / "out",
+            injector=injector,
+            callbacks=guard,
             logging_steps=1,
             disable_tqdm=True,
-            seed=0,
             max_steps=steps,
-            learning_rate=3e-3,
-        )
-        trainer = GRPOTrainer(
-            model=str(model),
-            args=args,
-            train_dataset=prompt_dataset(64, seed=0),
-            callbacks=callbacks,
-            reward_funcs=[injector.faulty_reward(repeat_last_digit_reward), length_penalty_reward],
         )
         trainer.pop_callback(PrinterCallback)
         trainer.train()
-        return trainer, (callbacks[1].guard if guard_yaml else None)
+        return trainer, (guard[0].guard if guard else None)
 
     def pair(guard_yaml: str, fault: str = "lr_blowup", at_step: int = 3, steps: int = 8):
         plain, _ = train("plain", None, fault, at_step, steps)
