@@ -11,6 +11,7 @@ one-chunk micro-batch whole (``whole_kernel``: this same path, one graph), a lar
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import types
@@ -23,6 +24,7 @@ from . import families, keys, xp
 from .batch import BatchError, TokenBatch
 from .chunks import Chunk, ChunkStats, chunk_size, chunks
 from .lags import lag_finish, lag_lut
+from .on_device import host_to_device
 from .partial import Partial
 from .sequences import kl_finish, loss_stats, ratio_stats, seq_log_ratio, sequence_stats
 from .token_rows import constants_of, row_plan
@@ -109,18 +111,25 @@ def eager_probe(
     consts = constants_of(plan, ops, b.device)
     lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
     if compiled and (whole_compiles(b, chunk_tokens) if whole is None else whole):
-        return whole_kernel(**fixed)(b, consts, lut)
+        return whole_kernel(**fixed)(_seqs_on_device(b), consts, lut)
     with np.errstate(all="ignore"):  # numpy: NaN and inf are data here (counted as non-finite), not faults
         return _probe(b, consts, lut, chunk_tokens, compiled, ops, **fixed)
 
 
 def whole_compiles(b: TokenBatch, chunk_tokens) -> bool:
     """Whether the compiled engine compiles micro-batch ``b`` whole: when it is one chunk (every GPU micro-batch up
-    to ``chunks.GPU_CHUNK`` tokens) and, packed, has its ``cu_seqlens`` on its own device (a copy from host memory
-    stays outside compiled code)."""
-    n = b.logprobs.numel()
-    seqs_here = b.cu_seqlens is None or b.cu_seqlens.device == b.device
-    return seqs_here and 0 < n <= chunk_size(b, chunk_tokens)
+    to ``chunks.GPU_CHUNK`` tokens)."""
+    return 0 < b.logprobs.numel() <= chunk_size(b, chunk_tokens)
+
+
+def _seqs_on_device(b: TokenBatch) -> TokenBatch:
+    """``b`` with its ``cu_seqlens`` on its device: a copy from host memory stays outside compiled code (queued,
+    through pinned memory, as the chunk path's own copy is)."""
+    if b.cu_seqlens is None or b.cu_seqlens.device == b.device:
+        return b
+    moved = copy.copy(b)
+    moved.cu_seqlens = host_to_device(b.cu_seqlens, b.device)
+    return moved
 
 
 _WHOLE_IDS = itertools.count()

@@ -23,6 +23,7 @@ from reference_stats import (
 
 from rl_guard import Guard
 from rl_guard.glossary import comparable
+from rl_guard.stats import eager, families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import Engine
@@ -35,9 +36,10 @@ CV = 12
 ALL_FIELDS = ("old", "ref", "entropy", "adv", "versions")
 
 
-def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, **kw) -> dict:
-    """The CPU side of each comparison runs the eager engine, not the host path small CPU batches go to."""
-    on = {k: v.to(device) for k, v in d.items()}
+def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, seqs_on_host=False, **kw) -> dict:
+    """The CPU side of each comparison runs the eager engine, not the host path small CPU batches go to.
+    ``seqs_on_host``: a packed batch's ``cu_seqlens`` stays in host memory, as some trainers keep it."""
+    on = {k: v if seqs_on_host and k == "cu_seqlens" else v.to(device) for k, v in d.items()}
     b = TokenBatch(**on, current_version=CV if "versions" in d else None, **kw)
     acc = StepAccumulator()
     before = compiled_calls()
@@ -49,9 +51,11 @@ def _finished(d: dict, engine: str = "eager", device: str = "cpu", chunk=None, *
     return acc.finish()
 
 
-def _cuda_against_cpu_and_reference(d: dict, engine: str, chunk=None, padded: dict | None = None, **kw) -> None:
+def _cuda_against_cpu_and_reference(
+    d: dict, engine: str, chunk=None, padded: dict | None = None, seqs_on_host=False, **kw
+) -> None:
     """``padded``: the reference's input when ``d`` is packed (the reference reads padded arrays)."""
-    got = _finished(d, engine, "cuda", chunk, **kw)
+    got = _finished(d, engine, "cuda", chunk, seqs_on_host, **kw)
     assert_engines_agree(got, _finished(d, "eager", "cpu", chunk, **kw), FLOAT_SUMS, atol=1e-6)
     level = kw.get("importance_sampling_level", "token")
     check(summarize(got)[0], reference(np_dict(padded or d), cv=CV if "versions" in d else None, level=level))
@@ -76,6 +80,17 @@ def test_cuda_chunks_packed_rows_sequence_level_and_nonfinite_inputs(engine):
     bad["logprobs"][0, 1], bad["old_logprobs"][1, 2] = float("nan"), float("inf")
     bad["entropy"][2, 3], bad["advantages"][3, 0] = float("-inf"), float("nan")
     _cuda_against_cpu_and_reference(bad, engine)
+
+
+def test_a_packed_micro_batch_with_host_cu_seqlens_compiles_whole_on_cuda():
+    """``cu_seqlens`` in host memory is copied to the device before the graph: one compiled micro-batch, not chunk
+    by chunk, with the statistics of the same batch on CPU."""
+    d = make_padded(3, B=6, T=40, fields=ALL_FIELDS)
+    whole, chunked = eager.whole_kernel.cache_info(), families._compiled.cache_info()
+    _cuda_against_cpu_and_reference(packed_from(d), "compiled", padded=d, seqs_on_host=True)
+    now = eager.whole_kernel.cache_info()
+    assert now.hits + now.misses > whole.hits + whole.misses
+    assert families._compiled.cache_info() == chunked  # the chunk kernel did not run
 
 
 def _guarded_run(tmp_path, device: str, engine: str, nan_step: int) -> tuple[list, list, torch.nn.Module]:

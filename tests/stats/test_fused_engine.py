@@ -261,3 +261,16 @@ def test_a_one_chunk_micro_batch_compiles_whole_and_a_larger_one_chunk_by_chunk(
     assert families._compiled.cache_info().hits + families._compiled.cache_info().misses > (
         chunks_before.hits + chunks_before.misses
     )
+
+
+def test_a_host_cu_seqlens_goes_to_the_batch_device_in_a_copy_of_the_batch():
+    """Before a packed micro-batch is compiled whole, its ``cu_seqlens`` joins its tensors' device (``meta`` stands in
+    for a GPU here) in a shallow copy: the caller's batch keeps its own."""
+    d = packed_from(make_padded(6, fields=("old", "adv")))
+    on_meta = {k: v if k == "cu_seqlens" else v.to("meta") for k, v in d.items()}
+    b = TokenBatch(**on_meta)
+    moved = eager._seqs_on_device(b)
+    assert moved.cu_seqlens.device.type == "meta" and b.cu_seqlens.device.type == "cpu"
+    assert moved.logprobs is b.logprobs and moved.num_seqs == b.num_seqs
+    cpu = TokenBatch(**d)
+    assert eager._seqs_on_device(cpu) is cpu  # already on its device: the batch itself
