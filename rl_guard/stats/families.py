@@ -1,9 +1,7 @@
 """Every token family's per-chunk sufficient statistics, defined once: ``chunk_stats``, a pure function of one
-chunk's inputs returning named outputs, written in an array namespace (``xp.py``). The eager engine runs it as it
-is on torch tensors, its host path on numpy views of small CPU batches, the compiled engine under ``torch.compile``
-(C++ loops on CPU, Triton on CUDA: a few fused loops that read each input once or twice); ``probe_chunk`` adds its
-outputs to a ``ChunkStats`` by name, in one order, so any way a micro-batch has the same statistics layout (ranks and
-micro-batches of every engine merge).
+chunk's inputs returning named outputs, written in an array namespace (``xp.py``) so that every engine runs this
+same code (``stats/__init__.py``). ``probe_chunk`` adds its outputs to a ``ChunkStats`` by name, in one order, so
+any way a micro-batch ran it has the same statistics layout (ranks and micro-batches of every engine merge).
 
 A token is valid for a row when its mask is 1 and every input the row is made of is finite: the mask's gate (0 or
 -inf) is added to the log-probs and every log-ratio is a difference with them, so a row is non-finite exactly where
@@ -34,9 +32,8 @@ its token is invalid. The families and their outputs:
 Written for the compiler, which also suits the eager run: per field on ``[r, T]`` tensors (per-sequence fields
 ``[r, 1]`` broadcast), finiteness as ``t - t == 0`` under torch (``xp.py``), and k3 from its series below |log r| =
 0.5 (the compiler turns ``expm1`` into ``exp(x) - 1``, which cancels in float32, and ``expm1(x) - x`` cancels in any
-library). A compile costs ~10-30 s, once per process and combination of fields and dtypes (shapes are dynamic);
-which micro-batches are compiled, and the fallback to running the function as it is after a failure, are the engine
-object's (``engines.Engine``).
+library). Under the compiler (C++ loops on CPU, Triton on CUDA) it becomes a few fused loops that read each input
+once or twice; a compile costs ~10-30 s, once per process and combination of fields and dtypes (shapes are dynamic).
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 
 The token statistics (``families.py``) and the per-sequence ones (``sequences.py``) are written once against one of
 these namespaces: arithmetic, comparisons, bit operators, indexing, ``.sum`` and ``.reshape`` are spelled alike in
-both libraries, and the few operations spelled differently are here. Run with ``TORCH`` they are the eager engine
-(and, under ``torch.compile``, the compiled one); with ``NUMPY`` on CPU tensors read in place, the same statistics
-for small CPU micro-batches, where a torch call's dispatch (a few microseconds) costs more than the arithmetic.
+both libraries, and the few operations spelled differently are here (which engine runs which: ``stats/__init__.py``).
 
 numpy (>= 2: NEP 50) keeps float32 float32 when a Python number joins it; only a result made of Python numbers
 alone would be float64, so ``where`` of two numbers gives float32, as torch does.
