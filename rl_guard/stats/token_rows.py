@@ -162,7 +162,7 @@ class Constants(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def constants_of(plan: RowPlan, ops, device: torch.device) -> Constants:
-    middles = [spec.bins // 2 + start for spec, start in zip(plan.hist_specs, plan.hist_starts)]
+    middles = [consts[4] for consts in plan.cell_consts]  # each cell row's zero cell
     if ops is xp.NUMPY:
         return Constants(
             plan.nonfinite_matrix(),
