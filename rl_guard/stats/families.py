@@ -195,7 +195,7 @@ def chunk_stats(
     if p.cell_rows:
         h0 = p.at(p.cell_rows[0])
         cells = [
-            ops.full(z[h0 + i].shape, consts[4], ops.i32, lp.device)  # the zero cell (``same_old``)
+            ops.full(z[h0 + i].shape, p.zero_cells[i], ops.i32, lp.device)  # the zero cell (``same_old``)
             if h0 + i == s.zero_ratio
             else cell_index_with(ops, z[h0 + i], *consts)
             for i, consts in enumerate(p.cell_consts)

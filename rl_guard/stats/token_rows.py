@@ -81,10 +81,13 @@ class RowPlan:
         return tuple(int(x) for x in np.cumsum([0] + [spec.bins for spec in self.hist_specs])[:-1])
 
     @functools.cached_property
+    def zero_cells(self) -> tuple[int, ...]:  # each cell row's zero cell in the joint count
+        return tuple(spec.bins // 2 + start for spec, start in zip(self.hist_specs, self.hist_starts))
+
+    @functools.cached_property
     def cell_consts(self) -> tuple[tuple, ...]:  # per cell row: the sketch constants of ``sketch.cell_index_with``
         return tuple(
-            (spec.scale, spec.top, spec.shift, spec.base, spec.bins // 2 + start)
-            for spec, start in zip(self.hist_specs, self.hist_starts)
+            (spec.scale, spec.top, spec.shift, spec.base, zero) for spec, zero in zip(self.hist_specs, self.zero_cells)
         )
 
     @functools.cached_property
@@ -162,17 +165,16 @@ class Constants(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def constants_of(plan: RowPlan, ops, device: torch.device) -> Constants:
-    middles = [consts[4] for consts in plan.cell_consts]  # each cell row's zero cell
     if ops is xp.NUMPY:
         return Constants(
             plan.nonfinite_matrix(),
-            np.array(middles, dtype=np.int64),
+            np.array(plan.zero_cells, dtype=np.int64),
             np.array([-1.0, 0.5, 1.0]).reshape(3, 1, 1),
             np.float32(1.0),
         )
     return Constants(
         host_to_device(torch.from_numpy(plan.nonfinite_matrix()), device),
-        device_vector(middles, device, torch.int64),
+        device_vector(list(plan.zero_cells), device, torch.int64),
         device_vector([-1.0, 0.5, 1.0], device).view(3, 1, 1),
         torch.ones((), device=device),
     )
