@@ -101,8 +101,7 @@ def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -
 
 def all_reduce(dist, t: torch.Tensor, largest: bool) -> None:
     """In place across ranks: the elementwise maximum (``largest``) or the sum."""
-    op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
-    dist.all_reduce(t, op)
+    dist.all_reduce(t, dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
 
 
 def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
