@@ -81,12 +81,12 @@ class StepReducer:
         head = min(n_m, MAX_SLOTS)
         buf = _first_buffer(device, n_s, n_m, failed=False, maxes=maxes[:head])
         self.entered = True
-        all_reduce(dist, buf, largest=True)
+        dist.all_reduce(buf, dist.ReduceOp.MAX)
         _check_header(read_header(buf))
         maxes[:head] = buf[HEADER : HEADER + head].to(maxes.device)
         if n_m > head:  # same n_m on every rank (checked above), so every rank enters this one too
-            _merge_into(dist, maxes[head:], device, largest=True)
-        _merge_into(dist, sums, device, largest=False)
+            _merge_into(dist, maxes[head:], device, dist.ReduceOp.MAX)
+        _merge_into(dist, sums, device, dist.ReduceOp.SUM)
 
 
 def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -> torch.Tensor:
@@ -99,21 +99,17 @@ def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -
     return buf
 
 
-def all_reduce(dist, t: torch.Tensor, largest: bool) -> None:
-    """In place across ranks: the elementwise maximum (``largest``) or the sum."""
-    dist.all_reduce(t, dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM)
-
-
 def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), math.inf, t)
 
 
-def _merge_into(dist, t: torch.Tensor, device, largest: bool) -> None:
-    """``all_reduce`` of ``t`` on the collective's device (maxima: NaN sent as +inf), written back into ``t``."""
-    work = _nan_to_inf(t) if largest else t
+def _merge_into(dist, t: torch.Tensor, device, op) -> None:
+    """``all_reduce`` of ``t`` by ``op`` on the collective's device (maxima: NaN sent as +inf), written back into
+    ``t``."""
+    work = _nan_to_inf(t) if op == dist.ReduceOp.MAX else t
     if work.device != device:
         work = host_to_device(work, device)
-    all_reduce(dist, work, largest)
+    dist.all_reduce(work, op)
     if work is not t:
         t.copy_(work)
 
@@ -152,7 +148,7 @@ def abstain() -> None:
     dist = _dist()
     if dist is None:
         return
-    all_reduce(dist, _first_buffer(_device(dist, torch.empty(0)), 0, 0, failed=True), largest=True)
+    dist.all_reduce(_first_buffer(_device(dist, torch.empty(0)), 0, 0, failed=True), dist.ReduceOp.MAX)
 
 
 def any_rank(flag: bool) -> bool:
@@ -162,7 +158,7 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0])
     if dist is not None:
         t = t.to(_device(dist, t))
-        all_reduce(dist, t, largest=True)
+        dist.all_reduce(t, dist.ReduceOp.MAX)
     return t.item() > 0  # the documented host read of this rare path
 
 
