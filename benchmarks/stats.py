@@ -3,7 +3,7 @@
 For each size (tokens in one padded ``[64, T]`` micro-batch with logprobs, old/ref logprobs, entropy, per-token
 advantages and versions, and a mask keeping ~75% of the tokens) it times, interleaved in the same run:
 
-* ``full``:  ``probe_batch`` + ``StepAccumulator.finish`` (the one host transfer) + ``summarize``, once per stats
+* ``full``:  ``Engine.probe`` + ``StepAccumulator.finish`` (the one host transfer) + ``summarize``, once per stats
   engine (``--engine``, default ``compiled,eager``: ``torch.compile``-fused probes, then plain operations; the
   first one's figures are also the JSON's top-level ``<figure>_<size>`` keys, every engine's are
   ``<figure>_<size>_<engine>``; the compiled engine compiles during the warm-up run);
@@ -64,7 +64,7 @@ from stats_common import (  # noqa: E402
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
 from rl_guard.stats.constants import STATS_ENGINES  # noqa: E402
-from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
+from rl_guard.stats.engines import Engine  # noqa: E402
 from rl_guard.stats.summarize import summarize  # noqa: E402
 
 QUICK_SIZES = ("1M", "4M")
@@ -76,8 +76,6 @@ SMALL = {"64": (8, 8), "1K": (16, 64), "8K": (64, 128)}  # (rows, columns) of a 
 
 def small_batches(repeats: int, calls: int = 100) -> dict:
     """ms per probe of small TRL-shaped micro-batches: the eager engine with and without its host path."""
-    from rl_guard.stats.engines import Engine
-
     engines = {True: Engine("eager"), False: Engine("eager", host_max_tokens=0)}
 
     def probe(b, host: bool):
@@ -151,7 +149,7 @@ def transfers_per_step(tokens: int = 1 << 16) -> dict:
         acc = StepAccumulator()
         for r0 in range(0, 8, 2):
             rows = {k: v[r0 : r0 + 2] for k, v in d.items()}
-            acc.add(probe_batch(TokenBatch(**rows, current_version=CURRENT_VERSION)))
+            acc.add(Engine().probe(TokenBatch(**rows, current_version=CURRENT_VERSION)))
         raw = acc.finish()
     summarize(raw)
     return dict(counts)

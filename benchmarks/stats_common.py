@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 from rl_guard.stats.accumulate import StepAccumulator  # noqa: E402
 from rl_guard.stats.batch import TokenBatch  # noqa: E402
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES  # noqa: E402
-from rl_guard.stats.probe_batch import probe_batch  # noqa: E402
+from rl_guard.stats.engines import Engine  # noqa: E402
 from rl_guard.stats.sketch import QUANTILE_NAMES, QUANTILES  # noqa: E402
 from rl_guard.stats.summarize import summarize  # noqa: E402
 
@@ -50,7 +50,7 @@ def full_step(d: dict, engine: str = "eager", chunk: int | None = None) -> dict:
     """The measured path: the probes (``stats_engine``; ``chunk``: tokens per chunk, default the engine's own), the
     one transfer, the host formulas."""
     acc = StepAccumulator()
-    acc.add(probe_batch(TokenBatch(**d, current_version=CURRENT_VERSION), chunk_tokens=chunk, engine=engine))
+    acc.add(Engine(engine).probe(TokenBatch(**d, current_version=CURRENT_VERSION), chunk_tokens=chunk))
     return summarize(acc.finish())[0]
 
 

@@ -1,8 +1,8 @@
 """The statistics engine: token tensors and gradients -> mergeable sufficient statistics -> named step metrics.
 
 One micro-batch: ``batch`` (the ``TokenBatch`` contract) -> an engine object of ``engines`` (``stats_engine: auto |
-eager | compiled``; each guard holds its own, with its own fallback; ``probe_batch`` picks one by name) -> ``eager``
-(the one path every engine runs) -> a packed ``partial`` (the sufficient statistics) -> ``accumulate`` (the step's
+eager | compiled``; each guard holds its own, with its own fallback) -> ``eager`` (the one path every engine runs)
+-> a packed ``partial`` (the sufficient statistics, named by ``chunks.ChunkStats``) -> ``accumulate`` (the step's
 running sum, packed for one transfer) -> ``ranks`` (cross-rank merge) -> ``summarize`` (host formulas).
 
 The one definition: ``families`` (every token family's per-chunk statistics, one pure function with named outputs)

@@ -23,19 +23,6 @@ class RankMismatch(RuntimeError):
     """Ranks fed different statistics layouts (e.g. one rank passed ref_logprobs, another did not)."""
 
 
-def _cat(tensors, device) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    if all(t.dtype == torch.float64 and t.device == device for t in tensors):  # Partial entries already are
-        return torch.cat(tensors)
-    return torch.cat([host_to_device(t, device, torch.float64) for t in tensors])
-
-
-@functools.lru_cache(maxsize=64)
-def _checksum(layouts: tuple) -> float:
-    return float(zlib.crc32(repr(layouts).encode()))
-
-
 @functools.lru_cache(maxsize=64)
 def _plan(layouts: tuple):
     """How the transferred vector splits into named arrays, computed once per layout (a step's layouts rarely
@@ -83,12 +70,6 @@ class StepAccumulator:
             seg[0].add_(s)
             torch.maximum(seg[1], m, out=seg[1])
 
-    def pack(self) -> tuple[list[Layout], torch.Tensor, torch.Tensor]:
-        """Segments in a canonical order plus the concatenated sum and max vectors (still on the device)."""
-        layouts, buf = self._packed()
-        n_sum = _plan(tuple(layouts))[0]
-        return layouts, buf[:n_sum], buf[n_sum:-2]
-
     def _packed(self) -> tuple[list[Layout], torch.Tensor]:
         """The canonical layout order and one vector: the sums, the maxima, then the layout checksum as (+n, -n)
         (after a MAX across ranks the two disagree iff the ranks' layouts differ; it costs nothing extra: it
@@ -96,8 +77,10 @@ class StepAccumulator:
         layouts = sorted(self._segments)
         device = self.device if self.device is not None else torch.device("cpu")
         parts = [self._segments[k][0] for k in layouts] + [self._segments[k][1] for k in layouts]
-        parts.append(_check_pair(_checksum(tuple(layouts)), device))
-        return layouts, _cat(parts, device)
+        parts.append(_check_pair(tuple(layouts), device))
+        if not all(t.dtype == torch.float64 and t.device == device for t in parts):  # a Partial's vectors already are
+            parts = [host_to_device(t, device, torch.float64) for t in parts]
+        return layouts, torch.cat(parts)
 
     def finish(self, reduce: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict[str, np.ndarray]:
         """Reduce (optional), transfer once, reset; returns name -> float64 array with minima un-negated."""
@@ -116,8 +99,10 @@ class StepAccumulator:
 
 
 @functools.lru_cache(maxsize=16)
-def _check_pair(n: float, device: torch.device) -> torch.Tensor:
-    """The layout checksum pair (+n, -n), built on the device once per layout (the concatenation copies it)."""
+def _check_pair(layouts: tuple, device: torch.device) -> torch.Tensor:
+    """The layouts' checksum n as the pair (+n, -n), built on the device once per layout (the concatenation copies
+    it)."""
+    n = float(zlib.crc32(repr(layouts).encode()))
     return device_vector([n, -n], device)
 
 

@@ -104,7 +104,8 @@ class ChunkStats:
     probes in the same order, so from the second chunk on (``next_chunk``) the i-th contribution is merged into the
     i-th piece in place: no lookup by name, and a one-chunk micro-batch (the common small case) only appends.
     Float sums turn float64 when a second chunk arrives (fp32 counts are exact per chunk, not beyond 2^24 in
-    total). ``seq(name)`` is a float64 ``[S]`` (or ``[rows, S]``) accumulator of per-sequence sums."""
+    total). ``seq(name)`` is a float64 ``[S]`` (or ``[rows, S]``) accumulator of per-sequence sums. The gradient and
+    update probes name their figures with one too (one chunk)."""
 
     def __init__(self, num_seqs: int, device: torch.device, ops=xp.TORCH) -> None:
         self.num_seqs, self.device, self.ops = num_seqs, device, ops

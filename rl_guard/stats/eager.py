@@ -109,7 +109,7 @@ def eager_probe(
         "token_clip": token_clip,
     }
     consts = constants_of(plan, ops, b.device)
-    lut = lag_lut(lag_edges, b.device) if b.versions is not None else None
+    lut = lag_lut(fixed["edges"], b.device) if b.versions is not None else None
     if compiled and (whole_compiles(b, chunk_tokens) if whole is None else whole):
         return whole_kernel(**fixed)(_seqs_on_device(b), consts, lut)
     with np.errstate(all="ignore"):  # numpy: NaN and inf are data here (counted as non-finite), not faults

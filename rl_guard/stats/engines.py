@@ -31,10 +31,6 @@ def _short(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".splitlines()[0][:300]
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 class Engine:
     """``stats_engine: name``. ``host_max_tokens``: the largest CPU micro-batch computed by numpy (0: none, every
     CPU tensor takes the path a GPU's takes); ``cpu_min_tokens``: the smallest CPU micro-batch ``compiled``
@@ -49,7 +45,7 @@ class Engine:
         self.host_failure: str | None = None  # why the host path is off for this engine (None: usable)
         self.failure: str | None = None  # why the compiled path is off for this engine (None: usable)
         self.whole_failure: str | None = None  # why compiling a micro-batch whole is off (chunk by chunk still on)
-        self.triton = triton_available()  # this engine's view of the installation, as it found it when made
+        self.triton = importlib.util.find_spec("triton") is not None  # as found when this engine was made
 
     def compiles_on(self, device) -> bool:
         """Whether this engine compiles the statistics of micro-batches on ``device`` (until a failure)."""

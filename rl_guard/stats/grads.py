@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from . import keys
-from .on_device import device_vector
-from .partial import Partial, Scalars
+from .chunks import ChunkStats
+from .on_device import device_vector, host_to_device
+from .partial import Partial
 from .ranks import rank_and_world
 
 if TYPE_CHECKING:
@@ -168,8 +169,8 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
         device = tensors[0].device
     else:  # a rank without gradients: its zeros where the pre-clip norm is, if given
         device = pre_clip_norm.device if torch.is_tensor(pre_clip_norm) else torch.device("cpu")
-    figures = Scalars()
-    entries = figures.sum if merge_sum else figures.max
+    figures = ChunkStats(0, device)
+    add = figures.sum if merge_sum else figures.max
     if tensors:
         seg = segments_for(tuple(weights), tuple(b - a for a, b in spans), device)
         per_group, total = seg.sums(squares(tensors))
@@ -182,22 +183,22 @@ def probe_grads(param_groups, pre_clip_norm=None, sharded: bool | None = None) -
         if scale != 1.0:
             per_group = tuple(sq * (scale * scale) for sq in per_group)
             total, linf = total * (scale * scale), linf * scale
-        entries.extend((keys.grad_group(i), group_sq) for i, group_sq in enumerate(per_group))
-        entries.append((keys.GRAD.sq, total))
-        figures.max.append((keys.GRAD.max_abs, linf))
-        entries.append((keys.GRAD.nonfinite, bad))
+        for i, group_sq in enumerate(per_group):
+            add(keys.grad_group(i), group_sq)
+        add(keys.GRAD.sq, total)
+        figures.max(keys.GRAD.max_abs, linf)
+        add(keys.GRAD.nonfinite, bad)
     else:
-        entries.extend(
-            (keys.grad_group(i), torch.zeros((), dtype=torch.float64, device=device)) for i in range(len(spans))
-        )
+        for i in range(len(spans)):
+            add(keys.grad_group(i), torch.zeros((), dtype=torch.float64, device=device))
     if pre_clip_norm is not None:  # a number is filled in on the device, not copied there
         norm = (
-            pre_clip_norm.to(torch.float64)
+            host_to_device(pre_clip_norm, device, torch.float64)
             if torch.is_tensor(pre_clip_norm)
             else torch.full((), float(pre_clip_norm), dtype=torch.float64, device=device)
         )
-        figures.max.append((keys.GRAD.preclip_sq, norm * norm))
-    return figures.partial(device)
+        figures.max(keys.GRAD.preclip_sq, norm * norm)
+    return figures.partial()
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:

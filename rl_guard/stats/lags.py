@@ -13,15 +13,11 @@ from .chunks import ChunkStats
 from .sketch import LOG_RATIO
 
 
-def lag_lut(edges, device) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def lag_lut(edges: tuple, device: torch.device) -> torch.Tensor:
     """Bucket (int32) of every integer lag in ``[edges[0], edges[-1]]`` plus a last entry ``len(edges)`` for
     masked-out tokens: bucket b holds ``edges[b] <= lag < edges[b+1]``; lags outside the range are clamped into it
     (below ``edges[0]`` -> bucket 0). Built once per edges and device; read only."""
-    return _lag_lut(tuple(edges), torch.device(device))
-
-
-@functools.lru_cache(maxsize=16)
-def _lag_lut(edges: tuple, device: torch.device) -> torch.Tensor:
     lags = torch.arange(edges[0], edges[-1] + 2, device=device)  # built on the device: no host->device copy
     lut = torch.zeros_like(lags, dtype=torch.int32)
     for e in edges[1:]:

@@ -9,8 +9,6 @@ from typing import NamedTuple
 
 import torch
 
-from .on_device import host_to_device
-
 F64 = torch.float64
 
 Layout = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]
@@ -24,32 +22,3 @@ class Partial(NamedTuple):
     layout: Layout = ((), ())
     sums: torch.Tensor = torch.zeros(0, dtype=F64)
     maxes: torch.Tensor = torch.zeros(0, dtype=F64)
-
-    def entries(self) -> tuple[dict, dict]:
-        """``(sums, maxima)`` by name, views of the vectors (minima un-negated, under their own names)."""
-        out: tuple[dict, dict] = ({}, {})
-        for layout, vec, named in zip(self.layout, (self.sums, self.maxes), out):
-            for (name, _), part in zip(layout, vec.split([k for _, k in layout])):
-                if name.startswith("-"):
-                    name, part = name[1:], -part
-                named[name] = part
-        return out
-
-
-class Scalars:
-    """Scalar figures by reduction, ``(name, tensor of one element)`` in the order they were measured; packed into
-    one ``Partial`` at the end (one vector per reduction)."""
-
-    def __init__(self) -> None:
-        self.sum: list[tuple[str, torch.Tensor]] = []
-        self.max: list[tuple[str, torch.Tensor]] = []
-
-    def partial(self, device) -> Partial:
-        layout = (tuple((name, 1) for name, _ in self.sum), tuple((name, 1) for name, _ in self.max))
-        return Partial(layout, _scalar_vector(self.sum, device), _scalar_vector(self.max, device))
-
-
-def _scalar_vector(entries: list, device) -> torch.Tensor:
-    if not entries:
-        return torch.zeros(0, dtype=F64, device=device)
-    return host_to_device(torch.stack([value.reshape(()) for _, value in entries]), device, F64)

@@ -25,9 +25,10 @@ import random
 import torch
 
 from . import keys
+from .chunks import ChunkStats
 from .grads import local_shards, squares
 from .on_device import device_vector
-from .partial import Partial, Scalars
+from .partial import Partial
 
 DEFAULT_SAMPLE = 1024  # elements per large parameter tensor; see the error note above
 WHOLE = 4  # tensors of up to WHOLE x sample elements are taken whole: exact, for a copy of a few sample sizes
@@ -241,7 +242,7 @@ class UpdateProbe:
         self._prev_sq = None  # exact ||theta||^2 at the last pre_step, with the layout it was measured with
         self._prev_layout: _Layout | None = None
         self._base_sq: list | None = None  # exact ||theta_g||^2 before the last step, then the total
-        self._pending: Scalars | None = None  # the last step's update, reported at the next pre_step
+        self._pending: ChunkStats | None = None  # the last step's update, reported at the next pre_step
         self._lr_max: list[float] = []  # largest applied learning rate so far, per group
         self._lr_recent: list[list[float]] = []  # the last GROWTH_STEPS applied rates, per group
         self._last_lrs: list[float] = []
@@ -292,28 +293,28 @@ class UpdateProbe:
     @torch.no_grad()
     def pre_step(self, groups: list[list[torch.Tensor]], lrs: list[float]) -> Partial:
         """The last step's update, the weight change since then, the current norms (device, no sync)."""
-        report = self._pending or Scalars()
-        self._pending = None
         now = self._take(groups)  # first: it finds whether the parameters are shards
         layout = self._layout
         if self._restored is not None:
             self._adopt_restored(layout)
         assert layout is not None
-        entries = report.sum if self._merge_sum else report.max
+        report, self._pending = self._pending or ChunkStats(0, layout.device), None
+        add = report.sum if self._merge_sum else report.max
         fp = layout.fingerprints()  # beside the exact norm: every element of the large tensors
         if self._after is not None and self._after_layout is layout:
-            entries.append((keys.UPDATE.drift_sq, layout.total_sq(now, self._after)))
-            entries.append((keys.UPDATE.changed, layout.changed(now, self._after, fp, self._after_fp)))
+            add(keys.UPDATE.drift_sq, layout.total_sq(now, self._after))
+            add(keys.UPDATE.changed, layout.changed(now, self._after, fp, self._after_fp))
         base = self._param_sq(now)
         base.append(functools.reduce(operator.add, base))  # one add per further group
-        entries.extend((keys.update_group(i, "param_sq"), sq) for i, sq in enumerate(base[:-1]))
-        entries.append((keys.UPDATE.param_sq, base[-1]))
+        for i, sq in enumerate(base[:-1]):
+            add(keys.update_group(i, "param_sq"), sq)
+        add(keys.UPDATE.param_sq, base[-1])
         if self._prev_sq is not None and self._prev_layout is layout:
-            entries.append((keys.UPDATE.prev_param_sq, self._prev_sq))
+            add(keys.UPDATE.prev_param_sq, self._prev_sq)
         self._prev_sq, self._prev_layout = base[-1], layout
         self._base_sq, self._before = base, now
         self._last_lrs = list(lrs)
-        return report.partial(layout.device)
+        return report.partial()
 
     @torch.no_grad()
     def post_step(self, groups: list[list[torch.Tensor]]) -> None:
@@ -323,18 +324,18 @@ class UpdateProbe:
         layout = self._layout
         assert layout is not None and self._base_sq is not None  # set with ``_before`` by pre_step
         after = self._take(groups)
-        report = Scalars()
-        entries = report.sum if self._merge_sum else report.max
+        report = ChunkStats(0, layout.device)
+        add = report.sum if self._merge_sum else report.max
         if self._layout is layout:
             sq = layout.group_sq(after, self._before)
             for i, (s, b) in enumerate(zip(sq, self._base_sq)):
-                entries.append((keys.update_group(i, "sq"), s))
-                entries.append((keys.update_group(i, "base_sq"), b))
+                add(keys.update_group(i, "sq"), s)
+                add(keys.update_group(i, "base_sq"), b)
                 lr = self._last_lrs[i] if i < len(self._last_lrs) else math.nan
-                report.max.append((keys.update_group(i, "lr"), torch.full((), lr, dtype=F64, device=layout.device)))
-            entries.append((keys.UPDATE.sq, functools.reduce(operator.add, sq)))
-            entries.append((keys.UPDATE.base_sq, self._base_sq[-1]))
-            entries.append((keys.UPDATE.count, layout.count_value))
+                report.max(keys.update_group(i, "lr"), torch.full((), lr, dtype=F64, device=layout.device))
+            add(keys.UPDATE.sq, functools.reduce(operator.add, sq))
+            add(keys.UPDATE.base_sq, self._base_sq[-1])
+            add(keys.UPDATE.count, layout.count_value)
         self._pending, self._before = report, None
         self._after, self._after_layout = after, self._layout
         self._after_fp = self._layout.fingerprints() if self._layout is not None else None

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from stats_probes import packed
 
 from rl_guard import Guard
 from rl_guard.glossary import comparable
@@ -28,7 +29,7 @@ def reference(world: int, tmp_path, seed: int = 7, steps: int = 3) -> list:
         for rank in range(world):
             for batch, loss in sc.rank_batches(seed, step, rank):
                 guard.observe(batch, loss=loss)
-        _, sums, maxes = guard._acc.pack()
+        _, sums, maxes = packed(guard._acc)
         decision = guard.check()
         guard.step_done()
         out.append(

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from stats_probes import probe_batch
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, QUANTILES
 from rl_guard.stats.summarize import lag_bucket_names, summarize
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
+from stats_probes import probe_batch
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 B, T = 3, 5

@@ -20,6 +20,7 @@ from reference_stats import (
     reference,
     with_per_sequence_fields,
 )
+from stats_probes import probe_batch
 
 from rl_guard import Guard
 from rl_guard.glossary import comparable
@@ -27,7 +28,6 @@ from rl_guard.stats import eager, families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import Engine
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 pytestmark = pytest.mark.gpu

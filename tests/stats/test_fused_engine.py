@@ -29,6 +29,7 @@ from reference_stats import (
     reference,
     with_per_sequence_fields,
 )
+from stats_probes import probe_batch
 
 from rl_guard import Guard
 from rl_guard.control.config import load_config
@@ -38,7 +39,6 @@ from rl_guard.stats import eager, families
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import BatchError, TokenBatch
 from rl_guard.stats.engines import Engine
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 pytestmark = pytest.mark.slow
@@ -181,12 +181,12 @@ def test_a_missing_compiler_falls_back_to_eager_with_a_warning_per_path(tmp_path
     """A real failure: the C++ compiler the compiler is told to use does not exist (fresh compile cache)."""
     script = textwrap.dedent(f"""
         import sys, warnings
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         import numpy as np
         from reference_stats import make_padded
         from rl_guard.stats.batch import BatchError, TokenBatch
         from rl_guard.stats.engines import Engine
-        from rl_guard.stats.probe_batch import probe_batch
+        from stats_probes import probe_batch
         engine, other = Engine("compiled", cpu_min_tokens=1), Engine("compiled", cpu_min_tokens=1)
         d = make_padded(0, fields=("old", "ref", "entropy", "adv", "versions"))
         with warnings.catch_warnings(record=True) as caught:

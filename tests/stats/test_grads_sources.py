@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stats_probes import entries
 
 from rl_guard.stats import keys
 from rl_guard.stats.grads import (
@@ -50,10 +51,10 @@ def test_plain_gradients_merge_by_max_unless_declared_sharded():
     groups = param_groups_of(_params(torch.tensor([3.0, 4.0])))
     detected = probe_grads(groups)
     assert (
-        keys.GRAD.sq in detected.entries()[1] and keys.GRAD.sq not in detected.entries()[0]
+        keys.GRAD.sq in entries(detected)[1] and keys.GRAD.sq not in entries(detected)[0]
     )  # replicas: identical on every rank
     forced = probe_grads(groups, sharded=True)  # the YAML override: each rank's p.grad is a distinct shard
-    assert keys.GRAD.sq in forced.entries()[0] and float(forced.entries()[0][keys.GRAD.sq]) == 25.0
+    assert keys.GRAD.sq in entries(forced)[0] and float(entries(forced)[0][keys.GRAD.sq]) == 25.0
 
 
 def test_gradient_source_partitions_merge_by_sum_and_unscale():
@@ -73,11 +74,11 @@ def test_gradient_source_partitions_merge_by_sum_and_unscale():
     assert isinstance(src, GradientSource) and param_groups_of(src) is src
     p = probe_grads(src)
     want = sum(float(np.sum(x.astype(np.float32).astype(np.float64) ** 2)) for x in pieces)
-    assert math.isclose(float(p.entries()[0][keys.GRAD.sq]), want, rel_tol=1e-6)
-    assert math.isclose(float(p.entries()[1][keys.GRAD.max_abs]), max(np.abs(x).max() for x in pieces), rel_tol=1e-6)
-    assert float(p.entries()[0][keys.GRAD.nonfinite]) == 0 and keys.grad_group(1) in p.entries()[0]
+    assert math.isclose(float(entries(p)[0][keys.GRAD.sq]), want, rel_tol=1e-6)
+    assert math.isclose(float(entries(p)[1][keys.GRAD.max_abs]), max(np.abs(x).max() for x in pieces), rel_tol=1e-6)
+    assert float(entries(p)[0][keys.GRAD.nonfinite]) == 0 and keys.grad_group(1) in entries(p)[0]
     src.groups[1][0][2] = math.inf
-    assert float(probe_grads(src).entries()[0][keys.GRAD.nonfinite]) == 1
+    assert float(entries(probe_grads(src))[0][keys.GRAD.nonfinite]) == 1
     drop_grads(src)  # a skip leaves the buffers to their owner
     assert src.dropped
 
@@ -138,9 +139,9 @@ def test_grad_figures_match_float64_reference_on_every_layout(shapes, specials, 
         return (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-12)
 
     for i, group in enumerate((x[:cut], x[cut:])):
-        assert same(float(p.entries()[1][keys.grad_group(i)]), sum(float((v**2).sum()) for v in group))
-    assert same(float(p.entries()[1][keys.GRAD.sq]), sum(float((v**2).sum()) for v in x))
+        assert same(float(entries(p)[1][keys.grad_group(i)]), sum(float((v**2).sum()) for v in group))
+    assert same(float(entries(p)[1][keys.GRAD.sq]), sum(float((v**2).sum()) for v in x))
     want_max = max((math.nan if np.isnan(v).any() else float(np.abs(v).max())) for v in x)
     want_max = math.nan if any(np.isnan(v).any() for v in x) else want_max
-    assert same(float(p.entries()[1][keys.GRAD.max_abs]), want_max)
-    assert float(p.entries()[1][keys.GRAD.nonfinite]) == sum(not np.isfinite(v).all() for v in x)
+    assert same(float(entries(p)[1][keys.GRAD.max_abs]), want_max)
+    assert float(entries(p)[1][keys.GRAD.nonfinite]) == sum(not np.isfinite(v).all() for v in x)

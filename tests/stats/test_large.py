@@ -41,7 +41,7 @@ def child() -> dict:
 
     from rl_guard.stats.accumulate import StepAccumulator
     from rl_guard.stats.batch import TokenBatch
-    from rl_guard.stats.probe_batch import probe_batch
+    from rl_guard.stats.engines import Engine
     from rl_guard.stats.summarize import summarize
 
     torch.set_num_threads(1)  # on a shared 2-core machine, spinning worker threads cost far more than they give
@@ -57,7 +57,7 @@ def child() -> dict:
     before = _memory_kib()
     reset = _reset_peak()
     acc = StepAccumulator()
-    acc.add(probe_batch(TokenBatch(lp, mask, old_logprobs=old)))
+    acc.add(Engine().probe(TokenBatch(lp, mask, old_logprobs=old)))
     m, hists = summarize(acc.finish())
     after = _memory_kib()
     return {

@@ -27,13 +27,13 @@ from reference_stats import (
     reference,
     with_per_sequence_fields,
 )
+from stats_probes import probe_batch
 
 from rl_guard.stats import eager as eager_path
 from rl_guard.stats import families, xp
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import HOST_MAX_TOKENS, Engine
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.summarize import summarize
 
 FLOAT_SUMS = (".sum", ".sumsq", ".k1.", ".k2.", ".k3", "seq_ratio.")  # summed in another order by numpy
@@ -217,7 +217,7 @@ def _sequences(draw):
 def test_sequence_statistics_on_the_host_equal_eager(fields):
     """``Guard.observe_sequences`` (rewards at generation time) takes the host path for small CPU tensors: the same
     layout and statistics as the eager one, whatever the fields, dtypes and non-finite rewards."""
-    from rl_guard.stats.probe_batch import sequence_stats
+    from stats_probes import sequence_stats
 
     with pytest.MonkeyPatch.context() as m:
         calls = _count_calls(m, eager_path, "sequence_stats")

@@ -15,13 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_stats import check, make_padded, np_dict, packed_from, reference, step, with_per_sequence_fields
+from stats_probes import probe_batch
 
 from rl_guard.stats.accumulate import StepAccumulator
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.eager import eager_loss
 from rl_guard.stats.engines import Engine
 from rl_guard.stats.grads import param_groups_of, probe_grads
-from rl_guard.stats.probe_batch import probe_batch
 from rl_guard.stats.sketch import QUANTILE_NAMES
 from rl_guard.stats.summarize import summarize
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stats_probes import packed, probe_batch
 from sync_detector import SyncDetector
 
 from rl_guard import Guard
@@ -23,7 +24,6 @@ from rl_guard.stats import accumulate, sequences, sketch
 from rl_guard.stats.batch import TokenBatch
 from rl_guard.stats.engines import Engine
 from rl_guard.stats.on_device import device_vector, host_to_device
-from rl_guard.stats.probe_batch import probe_batch
 
 ASYNC = Path(__file__).resolve().parents[2] / "rl_guard" / "presets" / "async.yaml"
 TRANSFER = ["Tensor.cpu", "Tensor.numpy"]  # the step's transfer: .cpu() of the packed vector, .numpy() of the copy
@@ -251,7 +251,7 @@ def test_the_step_transfer_is_recognised_only_inside_to_host():
     acc.add(probe_batch(micro_batch(0), engine=AS_ON_A_GPU))
     with det:
         acc.finish()
-        acc.pack()[1].cpu().numpy()  # the same calls elsewhere are not the documented transfer
+        packed(acc)[1].cpu().numpy()  # the same calls elsewhere are not the documented transfer
     assert [(e.op, e.site) for e in det.events] == [
         ("Tensor.cpu", "step transfer"),
         ("Tensor.numpy", "step transfer"),
