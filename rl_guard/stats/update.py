@@ -60,7 +60,7 @@ class _Layout:
         self.structure, self.device = structure, device
         self.storage: tuple | None = None
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
-        self.plan, self.spans, big_counts, elem_w = [], [], [], []
+        self.plan, self.spans, self.big_spans, elem_w = [], [], [], []
         big_w: list[float] = []
         self.whole_lengths: list[list[int]] = []  # per group, the lengths of its whole tensors in vector order
         self.count = 0.0  # elements over all tensors, merge weights applied (update/rms_per_lr divides by it)
@@ -71,7 +71,7 @@ class _Layout:
             strides = [stride_for(t.numel(), sample) for t, _ in group]
             whole = [(i, t, w) for (i, (t, w)), s in zip(indexed, strides) if s is None]
             sampled = [(i, t, w, s) for (i, (t, w)), s in zip(indexed, strides) if s is not None]
-            lo = pos
+            lo, big_lo = pos, len(big_w)
             self.whole_lengths.append([t.numel() for _, t, _ in whole])
             self.count += sum(t.numel() * w for t, w in group)
             for i, t, w in whole:
@@ -86,17 +86,13 @@ class _Layout:
                 elem_w.append((w * s, n))
                 pos += n
                 big_w.append(w)
-            big_counts.append(len(sampled))
+            self.big_spans.append((big_lo, len(big_w)))
             self.spans.append((lo, mid, pos))
         self.size = pos
         self.weights: torch.Tensor | None = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
         self.big_weights = None if all(w == 1.0 for w in big_w) else device_vector(big_w, device)
-        self.big_spans, start = [], 0
-        for n in big_counts:
-            self.big_spans.append((start, start + n))
-            start += n
         self.views: list[torch.Tensor] = []
         self.big: list[torch.Tensor] = []
         self.count_value = torch.full((), self.count, dtype=F64, device=device)
