@@ -1,5 +1,5 @@
-"""The tests' ways into the statistics engine: a micro-batch or per-sequence fields through a named engine, and a
-``Partial`` or a step accumulator read back by name."""
+"""The tests' ways into the statistics engine: a micro-batch or per-sequence fields through a named engine, a
+``Partial`` read back by name, and a step accumulator's packed vectors."""
 
 from __future__ import annotations
 
