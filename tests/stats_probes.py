@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from rl_guard.stats import accumulate
 from rl_guard.stats.constants import DEFAULT_LAG_EDGES
 from rl_guard.stats.engines import Engine
 
@@ -32,5 +33,5 @@ def packed(acc):
     """A ``StepAccumulator``'s segments in their canonical order and its sum and max vectors, still on the device
     (the layout checksum pair left out)."""
     layouts, buf = acc._packed()
-    n_sum = sum(size for lay in layouts for _, size in lay[0])
+    n_sum = accumulate._plan(tuple(layouts))[0]
     return layouts, buf[:n_sum], buf[n_sum:-2]
