@@ -26,7 +26,7 @@ import torch
 
 from . import keys
 from .chunks import ChunkStats
-from .grads import local_shards, squares
+from .grads import Segments, local_shards, squares
 from .on_device import device_vector
 from .partial import Partial
 
@@ -60,8 +60,9 @@ class _Layout:
         self.structure, self.device = structure, device
         self.storage: tuple | None = None
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
-        self.plan, self.spans, self.big_spans, elem_w = [], [], [], []
+        self.plan, self.spans, elem_w = [], [], []
         big_w: list[float] = []
+        big_counts: list[int] = []  # per group, how many of its tensors are sampled
         self.whole_lengths: list[list[int]] = []  # per group, the lengths of its whole tensors in vector order
         self.count = 0.0  # elements over all tensors, merge weights applied (update/rms_per_lr divides by it)
         pos = first = 0
@@ -86,13 +87,13 @@ class _Layout:
                 elem_w.append((w * s, n))
                 pos += n
                 big_w.append(w)
-            self.big_spans.append((big_lo, len(big_w)))
+            big_counts.append(len(big_w) - big_lo)
             self.spans.append((lo, mid, pos))
         self.size = pos
         self.weights: torch.Tensor | None = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
-        self.big_weights = None if all(w == 1.0 for w in big_w) else device_vector(big_w, device)
+        self.big_segments = Segments(tuple(big_w), tuple(big_counts), device)
         self.views: list[torch.Tensor] = []
         self.big: list[torch.Tensor] = []
         self.count_value = torch.full((), self.count, dtype=F64, device=device)
@@ -148,16 +149,11 @@ class _Layout:
         return torch.dot(d if self.weights is None else d * self.weights, d)
 
     def big_sq(self) -> list | None:
-        """Per group, the exact merge-weighted squared norm of its sampled (large) tensors; None when there are
-        none (one multi-tensor norm over all of them)."""
+        """Per group, the exact merge-weighted squared norm of its sampled (large) tensors, 0-d like ``group_sq``'s
+        (so every rank lays out the same statistics); None when there are none (one multi-tensor norm over all)."""
         if not self.big:
             return None
-        sq = squares(self.big)
-        if self.big_weights is not None:
-            sq = sq * self.big_weights
-        if len(self.big_spans) == 1:
-            return [sq.sum()]
-        return [sq[a:b].sum() if b > a else self._zero() for a, b in self.big_spans]
+        return [t.reshape(()) for t in self.big_segments.sums(squares(self.big))[0]]
 
     def fingerprints(self):
         """Every sampled (large) tensor's ``fingerprint`` (an int64 vector); None when there is no such tensor. Reads
