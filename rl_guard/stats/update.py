@@ -60,9 +60,8 @@ class _Layout:
         self.structure, self.device = structure, device
         self.storage: tuple | None = None
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
-        self.plan, self.spans, elem_w = [], [], []
+        self.plan, self.spans, big_counts, elem_w = [], [], [], []  # big_counts: per group, its sampled tensors
         big_w: list[float] = []
-        big_counts: list[int] = []  # per group, how many of its tensors are sampled
         self.whole_lengths: list[list[int]] = []  # per group, the lengths of its whole tensors in vector order
         self.count = 0.0  # elements over all tensors, merge weights applied (update/rms_per_lr divides by it)
         pos = first = 0
@@ -72,7 +71,7 @@ class _Layout:
             strides = [stride_for(t.numel(), sample) for t, _ in group]
             whole = [(i, t, w) for (i, (t, w)), s in zip(indexed, strides) if s is None]
             sampled = [(i, t, w, s) for (i, (t, w)), s in zip(indexed, strides) if s is not None]
-            lo, big_lo = pos, len(big_w)
+            lo = pos
             self.whole_lengths.append([t.numel() for _, t, _ in whole])
             self.count += sum(t.numel() * w for t, w in group)
             for i, t, w in whole:
@@ -87,7 +86,7 @@ class _Layout:
                 elem_w.append((w * s, n))
                 pos += n
                 big_w.append(w)
-            big_counts.append(len(big_w) - big_lo)
+            big_counts.append(len(sampled))
             self.spans.append((lo, mid, pos))
         self.size = pos
         self.weights: torch.Tensor | None = None
