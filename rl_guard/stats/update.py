@@ -53,8 +53,9 @@ class _Layout:
     (``structure``: shapes, dtypes, merge weights and grouping; the sample positions follow from it and the seed).
 
     Per group, its whole tensors come first, then its sampled ones, so a group is one contiguous span
-    ``[lo, hi)`` of the vector and its whole tensors the span ``[lo, mid)``. ``weights``: per sampled element,
-    ``s`` (1 for a whole tensor) times the merge weight; None when all are 1."""
+    ``[lo, hi)`` of the vector and its whole tensors the span ``[lo, mid)``. ``lengths``: every tensor's length in
+    the vector (on the device). ``weights``: per sampled element, ``s`` (1 for a whole tensor) times the merge
+    weight; None when all are 1."""
 
     def __init__(self, pairs, structure: tuple, sample: int, seed: int, device):
         self.structure, self.device = structure, device
@@ -62,7 +63,6 @@ class _Layout:
         # plan: per tensor in vector order, (its index in the flattened pairs, offset, stride); stride 1: whole
         self.plan, self.spans, big_counts, elem_w = [], [], [], []  # big_counts: per group, its sampled tensors
         big_w: list[float] = []
-        self.whole_lengths: list[list[int]] = []  # per group, the lengths of its whole tensors in vector order
         self.count = 0.0  # elements over all tensors, merge weights applied (update/rms_per_lr divides by it)
         pos = first = 0
         for group in pairs:
@@ -72,7 +72,6 @@ class _Layout:
             whole = [(i, t, w) for (i, (t, w)), s in zip(indexed, strides) if s is None]
             sampled = [(i, t, w, s) for (i, (t, w)), s in zip(indexed, strides) if s is not None]
             lo = pos
-            self.whole_lengths.append([t.numel() for _, t, _ in whole])
             self.count += sum(t.numel() * w for t, w in group)
             for i, t, w in whole:
                 self.plan.append((i, 0, 1))
@@ -88,17 +87,16 @@ class _Layout:
                 big_w.append(w)
             big_counts.append(len(sampled))
             self.spans.append((lo, mid, pos))
-        self.size = pos
         self.weights: torch.Tensor | None = None
         if any(w != 1.0 for w, _ in elem_w):
             self.weights = torch.cat([torch.full((n,), w, dtype=F64, device=device) for w, n in elem_w])
+        self.lengths = device_vector([n for _, n in elem_w], device, torch.int64)
+        taken_whole = [float(s == 1) for _, _, s in self.plan]
+        self.whole = device_vector(taken_whole, device) if any(taken_whole) else None
         self.big_segments = Segments(tuple(big_w), tuple(big_counts), device)
         self.views: list[torch.Tensor] = []
         self.big: list[torch.Tensor] = []
         self.count_value = torch.full((), self.count, dtype=F64, device=device)
-        self._whole_segments = [
-            None if len(n) < 2 else device_vector(n, device, torch.int64) for n in self.whole_lengths
-        ]
 
     def bind(self, pairs, storage: tuple | None) -> None:
         """The sample views of these tensors (same structure): 1-D views that alias the live weights, so they are
@@ -121,26 +119,14 @@ class _Layout:
             return torch.zeros(0, dtype=F64, device=self.device)
         return torch.cat(self.views).to(F64)
 
-    def _zero(self):
-        return torch.zeros((), dtype=F64, device=self.device)
-
-    def group_sq(self, a, b, part: int = 2) -> list:
-        """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over the group's span: its
-        whole tensors only (``part`` 1) or all its samples (``part`` 2); 0-d tensors. One
-        dot product per group: a NaN in one group leaves the others finite."""
+    def group_sq(self, a, b, whole_only: bool = False) -> list:
+        """Per group, the weighted sum of ``(a - b)^2`` (``a^2`` when ``b`` is None) over its whole tensors
+        (``whole_only``) or all its samples; 0-d tensors. One dot product per group (an empty one: 0): a NaN in
+        one group leaves the others finite."""
         d = a if b is None else a - b
         dw = d if self.weights is None else d * self.weights
-        out = []
-        for span in self.spans:
-            lo, hi = span[0], span[part]
-            if hi == lo:
-                out.append(self._zero())
-            elif lo == 0 and hi == self.size:
-                out.append(torch.dot(dw, d))
-            else:
-                x = d[lo:hi]
-                out.append(torch.dot(x if dw is d else dw[lo:hi], x))
-        return out
+        end = 1 if whole_only else 2  # in a span (lo, mid, hi)
+        return [torch.dot(dw[span[0] : span[end]], d[span[0] : span[end]]) for span in self.spans]
 
     def total_sq(self, a, b):
         """The weighted sum of ``(a - b)^2`` over every sample."""
@@ -165,19 +151,13 @@ class _Layout:
         """How many tensors changed between the samples ``after`` and ``now`` (same layout): a whole tensor when any
         of its elements differs (every element is in the sample), a large one when its fingerprint differs (every
         element is in the fingerprint). A NaN counts as a change. A 0-d float64 tensor."""
-        d = now != after
-        parts = []
-        for (lo, mid, _), lengths, seg in zip(self.spans, self.whole_lengths, self._whole_segments):
-            if not lengths:
-                continue
-            if seg is None:  # one whole tensor in the group
-                parts.append(d[lo:mid].any().to(F64))
-            else:
-                per_tensor = torch.segment_reduce(d[lo:mid].to(F64), "max", lengths=seg, unsafe=True)
-                parts.append(per_tensor.sum())
+        n = torch.zeros((), dtype=F64, device=self.device)
+        if self.whole is not None:  # per tensor, its changed elements (on CPU "sum" is 4x faster than "max")
+            per_tensor = torch.segment_reduce((now != after).to(F64), "sum", lengths=self.lengths, unsafe=True)
+            n = torch.dot((per_tensor > 0).to(F64), self.whole)  # counted for the whole tensors
         if fp_now is not None and fp_after is not None:
-            parts.append((fp_now != fp_after).sum().to(F64))
-        return functools.reduce(operator.add, parts) if parts else self._zero()
+            n = n + (fp_now != fp_after).sum().to(F64)
+        return n
 
 
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -276,7 +256,7 @@ class UpdateProbe:
         larger ones from one multi-tensor norm."""
         layout = self._layout
         assert layout is not None  # ``_take`` made it
-        sq = layout.group_sq(now, None, part=1)
+        sq = layout.group_sq(now, None, whole_only=True)
         big = layout.big_sq()
         return sq if big is None else [a + b for a, b in zip(sq, big)]
 

@@ -227,6 +227,23 @@ def test_every_element_is_covered_by_the_integrity_count(corrupt, where):
         assert got["rl_guard/update/param_norm_change"] > 1e20
 
 
+def test_integrity_count_counts_each_changed_tensor_once_in_every_group():
+    """Changes in four tensors taken whole, spread over three groups (two in one tensor), and one in a large
+    tensor: five tensors changed."""
+    torch.manual_seed(0)
+    groups = [[torch.randn(100_000), torch.randn(7, 3)], [torch.randn(5)], [torch.randn(3), torch.randn(4, 4)]]
+    probe = UpdateProbe(sample=1024)
+    probe.pre_step(groups, [0.1] * 3)
+    probe.post_step(groups)
+    groups[0][0][17] *= -1
+    groups[0][1][2, 1] += 1.0
+    groups[0][1][0, 0] += 1.0
+    groups[1][0][4] = math.nan
+    groups[2][0][0] += 1.0
+    groups[2][1][3, 3] += 1.0
+    assert _metrics(probe.pre_step(groups, [0.1] * 3))["rl_guard/update/external_changed"] == 5.0
+
+
 def test_integrity_count_is_zero_across_healthy_steps_and_a_restore():
     groups = _model(big=200_000)
     opt = torch.optim.Adam([{"params": groups[0]}, {"params": groups[1]}], lr=1e-3)
