@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
-import types
 from collections.abc import Iterable
 
 import numpy as np
@@ -132,18 +130,11 @@ def _seqs_on_device(b: TokenBatch) -> TokenBatch:
     return moved
 
 
-_WHOLE_IDS = itertools.count()
-
-
 @functools.lru_cache(maxsize=32)
 def whole_kernel(**fixed):
-    """``_probe`` compiled for one micro-batch's constants: chunk statistics, finishing and packing in one graph, whose
-    inputs are the batch, the plan's constant tensors and the lag table. Each gets its own copy of ``_probe``'s code
-    object (see ``families._compiled``)."""
-    code = _probe.__code__.replace(co_name=f"microbatch_stats_{next(_WHOLE_IDS)}")
-    fn = types.FunctionType(code, _probe.__globals__, code.co_name, _probe.__defaults__)
-    fn.__kwdefaults__ = {**fixed, "one_chunk": True}
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    """``_probe`` compiled for one micro-batch's constants (``families.compiled_copy``): chunk statistics, finishing
+    and packing in one graph, whose inputs are the batch, the plan's constant tensors and the lag table."""
+    return families.compiled_copy(_probe, **fixed, one_chunk=True)
 
 
 def _walk(b: TokenBatch, chunk_tokens, ops, one_chunk: bool) -> Iterable:

@@ -39,6 +39,7 @@ once or twice; a compile costs ~10-30 s, once per process and combination of fie
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import types
 from typing import NamedTuple
@@ -316,14 +317,21 @@ def kernel(s: Static, compiled: bool, ops=xp.TORCH):
 
 @functools.lru_cache(maxsize=32)
 def _compiled(s: Static):
-    """The compiled function for one ``Static``. Each gets its own copy of ``chunk_stats``'s code object: the
-    compiler keeps a bounded number of versions per code object (8 by default; each combination of fields needs
-    2-4) and, with ``fullgraph``, fails beyond it, which would turn the engine off; combinations must not share
-    one."""
-    code = chunk_stats.__code__.replace(co_name=f"chunk_stats_{_compiled.cache_info().currsize}")
-    fn = types.FunctionType(code, chunk_stats.__globals__, code.co_name)
-    fn.__kwdefaults__ = {"s": s, "ops": xp.TORCH}  # constants to the compiler (a partial would share one code object)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    return compiled_copy(chunk_stats, s=s, ops=xp.TORCH)  # one per combination of fields: they must not share one
+
+
+_COPIES = itertools.count()
+
+
+def compiled_copy(fn, **constants):
+    """``fn`` compiled with ``constants`` (constants to the compiler) as its keyword defaults, on its own copy of
+    ``fn``'s code object: the compiler keeps a bounded number of versions per code object (8 by default; each
+    combination of fields needs 2-4) and, with ``fullgraph``, fails beyond it, which would turn the engine off (a
+    ``functools.partial`` would share one code object)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__.lstrip('_')}_{next(_COPIES)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+    copy.__kwdefaults__ = constants
+    return torch.compile(copy, dynamic=True, fullgraph=True)
 
 
 def probe_chunk(acc, b, ch, plan: RowPlan, s: Static, edges, compiled: bool, consts, ops=xp.TORCH) -> None:
