@@ -18,7 +18,6 @@ import numpy as np
 from . import keys
 from .constants import DEFAULT_LAG_EDGES, EXP_ARG_MAX
 from .sketch import ENTROPY, LOG_RATIO, QUANTILE_NAMES, quantiles_from_counts
-from .update import summarize_update
 
 PREFIX = "rl_guard/"
 _NAN = math.nan
@@ -86,7 +85,7 @@ def _lag_names(edges: tuple) -> list[tuple[str, ...]]:
 class _Layout:
     """What varies with the set of keys a step carries (input fields, optimizer groups), worked out once per set."""
 
-    __slots__ = ("inputs", "grad_groups")
+    __slots__ = ("inputs", "grad_groups", "update_groups")
 
     def __init__(self, raw_keys: tuple[str, ...]):
         self.inputs = [
@@ -96,6 +95,8 @@ class _Layout:
         ]
         groups = sorted(k for k in raw_keys if k.startswith(keys.GRAD_GROUP_PREFIX))
         self.grad_groups = [(k, f"{PREFIX}grad/{k.split('.')[1]}/norm") for k in groups] if len(groups) > 1 else []
+        prefix = keys.UPDATE_GROUP_PREFIX
+        self.update_groups = sorted({int(k[len(prefix) :].split(".")[0]) for k in raw_keys if k.startswith(prefix)})
 
 
 # Layouts are few (one per kind of step); the cache never grows without bound.
@@ -142,9 +143,7 @@ def summarize(raw: dict[str, np.ndarray], lag_edges=DEFAULT_LAG_EDGES) -> tuple[
         out[PREFIX + "length/truncated_frac"] = f(keys.LENGTH.truncated) / n_seq
     _values(out, f, "reward", std=True)
     _values(out, f, "logp")
-    for name, value in summarize_update(raw).items():
-        if value is not None:
-            out[PREFIX + name] = float(value)
+    _update(out, f, layout.update_groups)
     _grad(out, raw, f, layout)
     _loss(out, raw, f)
     hists = {}
@@ -227,6 +226,43 @@ def _lag(out: dict, raw, f, edges: tuple) -> None:
         out[k3_name] = float(raw[keys.LAG.k3][i]) / count
     if hist is not None and nb:
         raw.setdefault(keys.RATIO.hist, hist.reshape(nb, bins).sum(0))
+
+
+def _update(out: dict, f, groups: list[int]) -> None:
+    """The update probe's figures (``stats/update.py``)."""
+    param_sq = f(keys.UPDATE.param_sq, None)
+    if param_sq is not None:
+        out[PREFIX + "update/param_norm"] = math.sqrt(param_sq)
+        drift = f(keys.UPDATE.drift_sq, None)
+        if drift is not None and param_sq > 0:
+            out[PREFIX + "update/external_rel"] = math.sqrt(drift / param_sq)
+        changed = f(keys.UPDATE.changed, None)
+        if changed is not None:
+            out[PREFIX + "update/external_changed"] = changed
+        prev = f(keys.UPDATE.prev_param_sq, None)
+        if prev is not None and prev > 0:
+            out[PREFIX + "update/param_norm_change"] = abs(math.sqrt(param_sq) - math.sqrt(prev)) / math.sqrt(prev)
+    several = groups if len(groups) > 1 else []
+    for g in several:
+        sq = f(keys.update_group(g, "param_sq"), None)
+        if sq is not None:
+            out[f"{PREFIX}update/group{g}/param_norm"] = math.sqrt(sq)
+    sq, base = f(keys.UPDATE.sq, None), f(keys.UPDATE.base_sq, None)
+    if sq is None or base is None:
+        return
+    out[PREFIX + "update/norm"] = math.sqrt(sq)
+    if base > 0:
+        out[PREFIX + "update/rel"] = math.sqrt(sq / base)
+    lr = max((x for x in (f(keys.update_group(g, "lr")) for g in groups) if math.isfinite(x)), default=None)
+    if lr and base > 0:
+        out[PREFIX + "update/rel_per_lr"] = math.sqrt(sq / base) / lr
+    count = f(keys.UPDATE.count, None)
+    if lr and count:
+        out[PREFIX + "update/rms_per_lr"] = math.sqrt(sq / count) / lr
+    for g in several:
+        g_sq, g_base = f(keys.update_group(g, "sq"), None), f(keys.update_group(g, "base_sq"), None)
+        if g_sq is not None and g_base:
+            out[f"{PREFIX}update/group{g}/rel"] = math.sqrt(g_sq / g_base)
 
 
 def _grad(out: dict, raw, f, layout: _Layout) -> None:
