@@ -151,10 +151,11 @@ class _Layout:
         """How many tensors changed between the samples ``after`` and ``now`` (same layout): a whole tensor when any
         of its elements differs (every element is in the sample), a large one when its fingerprint differs (every
         element is in the fingerprint). A NaN counts as a change. A 0-d float64 tensor."""
-        n = torch.zeros((), dtype=F64, device=self.device)
-        if self.whole is not None:  # per tensor, its changed elements (on CPU "sum" is 4x faster than "max")
+        if self.whole is None:
+            n = torch.zeros((), dtype=F64, device=self.device)
+        else:  # per tensor, its changed elements (on CPU "sum" is 4x faster than "max"), counted for the whole ones
             per_tensor = torch.segment_reduce((now != after).to(F64), "sum", lengths=self.lengths, unsafe=True)
-            n = torch.dot((per_tensor > 0).to(F64), self.whole)  # counted for the whole tensors
+            n = torch.dot((per_tensor > 0).to(F64), self.whole)
         if fp_now is not None and fp_after is not None:
             n = n + (fp_now != fp_after).sum().to(F64)
         return n
