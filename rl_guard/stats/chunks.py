@@ -99,17 +99,18 @@ def chunks(b: TokenBatch, size: int | None = None):
 
 
 class ChunkStats:
-    """Chunk contributions of one micro-batch, as an ordered list of pieces per reduction (sum, max, min): each
+    """Chunk contributions of one micro-batch, as an ordered list of pieces per reduction (sum, max): each
     piece is a tensor (0-d or 1-D) and the statistic names its elements carry. The chunks of a batch run the same
     probes in the same order, so from the second chunk on (``next_chunk``) the i-th contribution is merged into the
     i-th piece in place: no lookup by name, and a one-chunk micro-batch (the common small case) only appends.
+    A minimum is a maximum of the negated values, under its name prefixed ``-`` (as a ``Partial`` carries it).
     Float sums turn float64 when a second chunk arrives (fp32 counts are exact per chunk, not beyond 2^24 in
     total). ``seq(name)`` is a float64 ``[S]`` (or ``[rows, S]``) accumulator of per-sequence sums. The gradient and
     update probes name their figures with one too (one chunk)."""
 
     def __init__(self, num_seqs: int, device: torch.device, ops=xp.TORCH) -> None:
         self.num_seqs, self.device, self.ops = num_seqs, device, ops
-        self._pieces: dict[str, list] = {"sum": [], "max": [], "min": []}
+        self._pieces: dict[str, list] = {"sum": [], "max": []}
         self._cursor: dict[str, int] | None = None
         self._chunks = 0
         self._seq: dict = {}
@@ -118,7 +119,7 @@ class ChunkStats:
         """Called before each chunk's probes; after the last chunk, ``chunks_done``."""
         self._chunks += 1
         if self._chunks > 1:
-            self._cursor = {"sum": 0, "max": 0, "min": 0}
+            self._cursor = {"sum": 0, "max": 0}
 
     def chunks_done(self) -> None:
         self._cursor = None
@@ -137,7 +138,7 @@ class ChunkStats:
                 cur = piece[1] = cur.to(F64)
             piece[1] = cur.add_(t) if cur.dim() else cur + t  # a 0-d piece may be a view of a row vector
         else:
-            piece[1] = (torch.maximum if op == "max" else torch.minimum)(cur, t)
+            piece[1] = torch.maximum(cur, t)
 
     def sum(self, name, t) -> None:
         """Adds ``t`` under ``name``, or, for a row vector, under ``((name, 1), ...)``: one name per element
@@ -148,7 +149,8 @@ class ChunkStats:
         self._add("max", name if isinstance(name, tuple) else ((name, 1),), t)
 
     def min(self, name, t) -> None:
-        self._add("min", name if isinstance(name, tuple) else ((name, 1),), t)
+        layout = name if isinstance(name, tuple) else ((name, 1),)
+        self._add("max", tuple(("-" + n, k) for n, k in layout), -t)
 
     def pop_sum(self, name: str) -> torch.Tensor:
         """Removes and returns the summed vector ``name`` (a working total that is not itself a statistic)."""
@@ -182,14 +184,11 @@ class ChunkStats:
         return self._seq[name]
 
     def partial(self) -> Partial:
-        """One packed ``Partial``: every piece in one float64 vector per reduction (sum, max; minima negated), whose
-        views are the named entries. Pieces are grouped by dtype, vectors first (torch concatenates each group at
-        once, and stacks the 0-d pieces, because on a small micro-batch a kernel per statistic would cost more than
-        the statistics); numpy fills one preallocated vector in that same order, so both layouts agree."""
-        (s_lay, s), (m_lay, m), (n_lay, n) = (self._joined(self._pieces[op]) for op in ("sum", "max", "min"))
-        if n_lay:
-            m_lay += tuple(("-" + name, k) for name, k in n_lay)
-            m = torch.cat([m, n.neg_()])
+        """One packed ``Partial``: every piece in one float64 vector per reduction (sum, max), whose views are the
+        named entries. Pieces are grouped by dtype, vectors first (torch concatenates each group at once, and stacks
+        the 0-d pieces, because on a small micro-batch a kernel per statistic would cost more than the statistics);
+        numpy joins them the same way, so both layouts agree."""
+        (s_lay, s), (m_lay, m) = (self._joined(self._pieces[op]) for op in ("sum", "max"))
         return Partial((s_lay, m_lay), s, m)
 
     def _joined(self, pieces: list) -> tuple[tuple, torch.Tensor]:
