@@ -96,7 +96,13 @@ class _Layout:
         groups = sorted(k for k in raw_keys if k.startswith(keys.GRAD_GROUP_PREFIX))
         self.grad_groups = [(k, f"{PREFIX}grad/{k.split('.')[1]}/norm") for k in groups] if len(groups) > 1 else []
         prefix = keys.UPDATE_GROUP_PREFIX
-        self.update_groups = sorted({int(k[len(prefix) :].split(".")[0]) for k in raw_keys if k.startswith(prefix)})
+        ids = sorted({int(k[len(prefix) :].split(".")[0]) for k in raw_keys if k.startswith(prefix)})
+        # per group: its keys lr, param_sq, sq, base_sq and its metrics param_norm, rel (these with several groups)
+        self.update_groups = [
+            tuple(keys.update_group(g, f) for f in ("lr", "param_sq", "sq", "base_sq"))
+            + _names(f"update/group{g}", "param_norm", "rel")
+            for g in ids
+        ]
 
 
 # Layouts are few (one per kind of step); the cache never grows without bound.
@@ -228,8 +234,8 @@ def _lag(out: dict, raw, f, edges: tuple) -> None:
         raw.setdefault(keys.RATIO.hist, hist.reshape(nb, bins).sum(0))
 
 
-def _update(out: dict, f, groups: list[int]) -> None:
-    """The update probe's figures (``stats/update.py``)."""
+def _update(out: dict, f, groups: list[tuple]) -> None:
+    """The update probe's figures (``stats/update.py``); ``groups``: ``_Layout.update_groups``."""
     param_sq = f(keys.UPDATE.param_sq, None)
     if param_sq is not None:
         out[PREFIX + "update/param_norm"] = math.sqrt(param_sq)
@@ -243,26 +249,26 @@ def _update(out: dict, f, groups: list[int]) -> None:
         if prev is not None and prev > 0:
             out[PREFIX + "update/param_norm_change"] = abs(math.sqrt(param_sq) - math.sqrt(prev)) / math.sqrt(prev)
     several = groups if len(groups) > 1 else []
-    for g in several:
-        sq = f(keys.update_group(g, "param_sq"), None)
+    for _, param_sq_key, _, _, param_norm, _ in several:
+        sq = f(param_sq_key, None)
         if sq is not None:
-            out[f"{PREFIX}update/group{g}/param_norm"] = math.sqrt(sq)
+            out[param_norm] = math.sqrt(sq)
     sq, base = f(keys.UPDATE.sq, None), f(keys.UPDATE.base_sq, None)
     if sq is None or base is None:
         return
     out[PREFIX + "update/norm"] = math.sqrt(sq)
     if base > 0:
         out[PREFIX + "update/rel"] = math.sqrt(sq / base)
-    lr = max((x for x in (f(keys.update_group(g, "lr")) for g in groups) if math.isfinite(x)), default=None)
+    lr = max((x for x in (f(g[0]) for g in groups) if math.isfinite(x)), default=None)
     if lr and base > 0:
         out[PREFIX + "update/rel_per_lr"] = math.sqrt(sq / base) / lr
     count = f(keys.UPDATE.count, None)
     if lr and count:
         out[PREFIX + "update/rms_per_lr"] = math.sqrt(sq / count) / lr
-    for g in several:
-        g_sq, g_base = f(keys.update_group(g, "sq"), None), f(keys.update_group(g, "base_sq"), None)
+    for _, _, sq_key, base_key, _, rel in several:
+        g_sq, g_base = f(sq_key, None), f(base_key, None)
         if g_sq is not None and g_base:
-            out[f"{PREFIX}update/group{g}/rel"] = math.sqrt(g_sq / g_base)
+            out[rel] = math.sqrt(g_sq / g_base)
 
 
 def _grad(out: dict, raw, f, layout: _Layout) -> None:
