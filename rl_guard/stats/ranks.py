@@ -81,12 +81,12 @@ class StepReducer:
         head = min(n_m, MAX_SLOTS)
         buf = _first_buffer(device, n_s, n_m, failed=False, maxes=maxes[:head])
         self.entered = True
-        dist.all_reduce(buf, dist.ReduceOp.MAX)
+        _all_reduce(dist, buf, "max")
         _check_header(read_header(buf))
         maxes[:head] = buf[HEADER : HEADER + head].to(maxes.device)
         if n_m > head:  # same n_m on every rank (checked above), so every rank enters this one too
-            _merge_into(dist, maxes[head:], device, dist.ReduceOp.MAX)
-        _merge_into(dist, sums, device, dist.ReduceOp.SUM)
+            _merge_into(dist, maxes[head:], device, "max")
+        _merge_into(dist, sums, device, "sum")
 
 
 def _first_buffer(device, n_sums: int, n_maxes: int, failed: bool, maxes=None) -> torch.Tensor:
@@ -103,15 +103,20 @@ def _nan_to_inf(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), math.inf, t)
 
 
-def _merge_into(dist, t: torch.Tensor, device, op) -> None:
-    """``all_reduce`` of ``t`` by ``op`` on the collective's device (maxima: NaN sent as +inf), written back into
+def _all_reduce(dist, t: torch.Tensor, op: str) -> None:
+    """``all_reduce`` of ``t`` in place by ``op``, ``"sum"`` or ``"max"``: every collective of the statistics."""
+    dist.all_reduce(t, getattr(dist.ReduceOp, op.upper()))
+
+
+def _merge_into(dist, t: torch.Tensor, device, op: str) -> None:
+    """``_all_reduce`` of ``t`` by ``op`` on the collective's device (maxima: NaN sent as +inf), written back into
     ``t``."""
-    work = _nan_to_inf(t) if op == dist.ReduceOp.MAX else t
-    if work.device != device:
-        work = host_to_device(work, device)
-    dist.all_reduce(work, op)
-    if work is not t:
-        t.copy_(work)
+    merged = _nan_to_inf(t) if op == "max" else t
+    if merged.device != device:
+        merged = host_to_device(merged, device)
+    _all_reduce(dist, merged, op)
+    if merged is not t:
+        t.copy_(merged)
 
 
 def read_header(buf: torch.Tensor) -> list[float]:
@@ -148,7 +153,7 @@ def abstain() -> None:
     dist = _dist()
     if dist is None:
         return
-    dist.all_reduce(_first_buffer(_device(dist, torch.empty(0)), 0, 0, failed=True), dist.ReduceOp.MAX)
+    _all_reduce(dist, _first_buffer(_device(dist, torch.empty(0)), 0, 0, failed=True), "max")
 
 
 def any_rank(flag: bool) -> bool:
@@ -158,7 +163,7 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0])
     if dist is not None:
         t = t.to(_device(dist, t))
-        dist.all_reduce(t, dist.ReduceOp.MAX)
+        _all_reduce(dist, t, "max")
     return t.item() > 0  # the documented host read of this rare path
 
 
