@@ -249,7 +249,7 @@ def _update(out: dict, f, groups: list[tuple]) -> None:
         if prev is not None and prev > 0:
             out[PREFIX + "update/param_norm_change"] = abs(math.sqrt(param_sq) - math.sqrt(prev)) / math.sqrt(prev)
     several = groups if len(groups) > 1 else []
-    for _, param_sq_key, _, _, param_norm, _ in several:
+    for _lr, param_sq_key, _sq, _base, param_norm, _rel in several:
         sq = f(param_sq_key, None)
         if sq is not None:
             out[param_norm] = math.sqrt(sq)
@@ -259,13 +259,13 @@ def _update(out: dict, f, groups: list[tuple]) -> None:
     out[PREFIX + "update/norm"] = math.sqrt(sq)
     if base > 0:
         out[PREFIX + "update/rel"] = math.sqrt(sq / base)
-    lr = max((x for x in (f(g[0]) for g in groups) if math.isfinite(x)), default=None)
+    lr = max((x for x in (f(lr_key) for lr_key, *_ in groups) if math.isfinite(x)), default=None)
     if lr and base > 0:
         out[PREFIX + "update/rel_per_lr"] = math.sqrt(sq / base) / lr
     count = f(keys.UPDATE.count, None)
     if lr and count:
         out[PREFIX + "update/rms_per_lr"] = math.sqrt(sq / count) / lr
-    for _, _, sq_key, base_key, _, rel in several:
+    for _lr, _param_sq, sq_key, base_key, _param_norm, rel in several:
         g_sq, g_base = f(sq_key, None), f(base_key, None)
         if g_sq is not None and g_base:
             out[rel] = math.sqrt(g_sq / g_base)
