@@ -12,7 +12,8 @@ On CPU nothing synchronises, so the detector models what a GPU would do. Two int
   ``torch.where(cond)``, ``masked_select``, ``unique*``, ``repeat_interleave`` with tensor repeats and no
   ``output_size``, ``bincount``, indexing with a boolean mask), device->host copies (``_to_copy`` / ``copy_`` /
   ``_foreach_copy_`` from a non-CPU tensor or from a tensor marked device-side into a CPU one), blocking
-  host->device copies into a device-side tensor (CUDA synchronises the stream for those too; ``t[i] = 3`` is one),
+  host->device copies into a device-side tensor (CUDA synchronises the stream for those too; ``t[i] = 3`` is one
+  up to torch 2.14, which copies the number from a host tensor; 2.15 fills it in),
   and collectives (``c10d.*``).
 
 A call counted at the Python level hides the kernels it runs (``.item()`` is one event, not two).
