@@ -108,8 +108,9 @@ class ChunkStats:
     total). ``seq(name)`` is a float64 ``[S]`` (or ``[rows, S]``) accumulator of per-sequence sums. The gradient and
     update probes name their figures with one too (one chunk)."""
 
-    def __init__(self, num_seqs: int, device: torch.device, ops=xp.TORCH) -> None:
-        self.num_seqs, self.device, self.ops = num_seqs, device, ops
+    def __init__(self, num_seqs: int, device: torch.device, ops=None) -> None:
+        # not ``ops=xp.TORCH``: the compiler of torch < 2.13 cannot trace a default it has no source for
+        self.num_seqs, self.device, self.ops = num_seqs, device, xp.TORCH if ops is None else ops
         self._pieces: dict[str, list] = {"sum": [], "max": []}
         self._cursor: dict[str, int] | None = None
         self._chunks = 0
