@@ -7,6 +7,7 @@ is checked with ``min_steps=1``; refusing a short history is checked in tests/te
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -67,7 +68,8 @@ def test_thresholds_follow_the_quantile_and_margin(healthy_demo):
 
 def test_spike_suggestions_are_the_live_detectors_edge_of_silence(healthy_demo):
     """margin 1: the suggested z is the largest the live detector reached, rounded up. Replaying with it is silent;
-    with the unrounded maximum lowered by 0.1% the same live detector fires (so the z-scores are the live ones)."""
+    just below every value the evidence's maximum can stand for (it prints 3 significant digits) the same live
+    detector fires (so the z-scores are the live ones)."""
     history = load_history(healthy_demo.run_dir)
     config = load_config(RULES)
     assert _fired(history, [r for r in config.rules if r["name"] in ("entropy_jump", "kl_rise", "grad_vs_early")]) != {
@@ -81,11 +83,12 @@ def test_spike_suggestions_are_the_live_detectors_edge_of_silence(healthy_demo):
         fired = _fired(history, [rule])
         assert fired[name] == [], (name, suggested[name].evidence)
         worst = float(suggested[name].evidence[0].split(" max " if key == "threshold" else "early max ")[1].split()[0])
-        if key == "factor" and worst * 0.999 < 1:  # never reached the early max again: the smallest factor allowed
+        lowest = (worst - 0.5 * 10 ** (math.floor(math.log10(worst)) - 2)) * 0.999  # "1.64" is [1.635, 1.645)
+        if key == "factor" and lowest < 1:  # never reached the early max again: the smallest factor allowed
             assert rule["spike"]["factor"] == 1.0
             continue
         below = copy.deepcopy(rule)
-        below["spike"][key] = worst * 0.999
+        below["spike"][key] = lowest
         assert _fired(history, [below])[name] != [], (name, worst)
 
 
