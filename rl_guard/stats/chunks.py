@@ -109,7 +109,7 @@ class ChunkStats:
     update probes name their figures with one too (one chunk)."""
 
     def __init__(self, num_seqs: int, device: torch.device, ops=None) -> None:
-        # not ``ops=xp.TORCH``: the compiler of torch < 2.13 cannot trace a default it has no source for
+        # not ``ops=xp.TORCH``: the compiler of torch 2.4-2.6 cannot trace a default it has no source for
         self.num_seqs, self.device, self.ops = num_seqs, device, xp.TORCH if ops is None else ops
         self._pieces: dict[str, list] = {"sum": [], "max": []}
         self._cursor: dict[str, int] | None = None
