@@ -268,13 +268,23 @@ class Guard:
         with self._clock, self.protect("observe_samples"):
             self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
 
-    def observe_culprits(self, family: str, candidates: list[dict]) -> None:
+    def observe_culprits(self, family: str, candidates) -> None:
         """The candidate culprit sequences of one family (``"rewards"``) for the steps that train on this generation
         batch: dicts with ``prompt``, ``prompt_key``, ``completion``, ``reward``, ``rewards``, ``nonfinite`` (see
-        ``rl_guard/control/culprits.py``). Host data, read only when a rule acts."""
+        ``rl_guard/control/culprits.py``). Host data. ``candidates``: their list, or a function that makes it, called
+        only when a rule acts (choosing and describing them would cost every healthy step ~0.1-0.2 ms) or, where an
+        enabled quarantine does not know how many prompts the data holds, at once (its share counts those seen)."""
         with self._clock:
             self.culprit_candidates[family] = candidates
-            self.quarantine.seen.update(c["prompt_key"] for c in candidates if "prompt_key" in c)
+            if self.config.quarantine["enabled"] and self.quarantine.population is None:
+                self.quarantine.seen.update(c["prompt_key"] for c in self.culprits_of(family) if "prompt_key" in c)
+
+    def culprits_of(self, family: str | None) -> list[dict]:
+        """The candidates ``observe_culprits`` last received for ``family`` (made now if they were deferred)."""
+        found = self.culprit_candidates.get(family or "", [])
+        if callable(found):
+            found = self.culprit_candidates[family or ""] = found()
+        return found
 
     def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
         """Add statistics measured outside ``observe`` to this step, e.g. the update probe's device ``Partial``

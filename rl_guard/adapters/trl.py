@@ -339,7 +339,7 @@ class RLGuardCallback(TrainerCallback):
         self.guard.observe_samples(samples)
         k = self.guard.config.quarantine["culprits"]
         self.guard.observe_culprits(
-            "rewards", reward_culprits(samples, start, prompts, completions, completion_ids_list, k)
+            "rewards", lambda: reward_culprits(samples, start, prompts, completions, completion_ids_list, k)
         )
 
     def _describe(self, inputs, row: int) -> dict:

@@ -30,7 +30,7 @@ from ..stats.culprits import host_candidates
 from .action_names import Action
 from .checkpoint import SnapshotRing, atomic_save, prune_checkpoints
 from .controller import Decision
-from .culprits import culprits_for, write_bundle
+from .culprits import culprits_for, family_of, write_bundle
 from .incident import incident_record
 from .shadow import SnapshotPlan, snapshot_due
 
@@ -113,7 +113,7 @@ class Actions:
                 out[f.rule.name] = (
                     host_candidates(kept, family, k, g.describe_sequence)
                     if family
-                    else culprits_for(f.verdict.metric, g.culprit_candidates)[:k]
+                    else culprits_for(f.verdict.metric, g.culprits_of(family_of(f.verdict.metric)))[:k]
                 )
         return out
 

@@ -40,9 +40,9 @@ def family_of(metric: str | None) -> str | None:
     return next((family for prefix, family in FAMILIES.items() if metric and metric.startswith(prefix)), None)
 
 
-def culprits_for(metric: str | None, candidates: dict[str, list[dict]]) -> list[dict]:
-    """The candidates behind a firing on ``metric``: for a non-finite metric the non-finite sequences, else all."""
-    found = candidates.get(family_of(metric) or "", [])
+def culprits_for(metric: str | None, found: list[dict]) -> list[dict]:
+    """The candidates behind a firing on ``metric`` (``found``: its family's): for a non-finite metric the non-finite
+    sequences, else all."""
     if metric and "nonfinite" in metric:
         return [c for c in found if c.get("nonfinite")]
     return found

@@ -71,3 +71,42 @@ def test_an_acting_rule_names_its_culprit_rows_and_writes_a_bundle(tmp_path):
     assert [c["prompt"] for c in bundle["rules"][0]["culprits"]] == ["p1", "q0"]
     assert bundle["learning_rates"] == [0.1] and bundle["decision"] == "skip_step"
     assert guard.step_batches == []  # nothing kept past the step
+
+
+REWARD_RULE = """
+quarantine: {culprits: 1}
+rules:
+  - {name: reward_high, metric: rl_guard/reward/mean, op: ">", threshold: 5.0, action: skip_step}
+"""
+
+
+def test_reward_candidates_are_made_only_when_a_rule_acts(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard.from_yaml(REWARD_RULE, run_dir=tmp_path / "run").attach(model, opt)
+    made = []
+
+    def candidates(prompt):
+        made.append(prompt)
+        return [{"prompt": prompt, "prompt_key": prompt, "reward": 9.0, "nonfinite": False}]
+
+    decisions = []
+    for step, reward in enumerate((1.0, 2.0, 9.0)):
+        model(torch.ones(1, 3)).sum().backward()
+        guard.observe_sequences(rewards=torch.full((4,), reward))
+        guard.observe_culprits("rewards", lambda p=f"prompt{step}": candidates(p))
+        decisions.append(guard.check().action)
+        guard.step_done()
+        opt.zero_grad()
+    guard.close()
+    assert decisions == [None, None, "skip_step"]
+    assert made == ["prompt2"]  # the healthy steps never chose or described a candidate
+    incident = next(i for i in read_jsonl(tmp_path / "run" / "incidents.jsonl") if i["rule"] == "reward_high")
+    assert [c["prompt"] for c in incident["culprits"]] == ["prompt2"]
+
+
+def test_reward_candidates_are_made_at_once_where_the_data_size_is_unknown(tmp_path):
+    guard = Guard.from_yaml(REWARD_RULE.replace("{culprits: 1}", "{enabled: true, culprits: 1}"), run_dir=tmp_path)
+    guard.observe_culprits("rewards", lambda: [{"prompt": "p", "prompt_key": "k1"}, {"prompt": "q"}])
+    assert guard.quarantine.seen == {"k1"}  # the share of quarantined prompts counts the prompts seen
+    guard.close()
