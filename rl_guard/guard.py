@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,7 +108,8 @@ class Guard:
         self.actions = Actions(self)
         self.announcer = Announcer()  # one console line per action, and the end-of-run summary
         self.quarantine = Quarantine(config.quarantine["max_share"])
-        self.culprit_candidates: dict[str, list[dict]] = {}  # family -> sequences (control/culprits.py)
+        # family -> sequences (control/culprits.py), or the function that makes them when a rule acts
+        self.culprit_candidates: dict[str, list[dict] | Callable[[], list[dict]]] = {}
         self.last_bundle: dict | None = None  # the last incident bundle: path, bytes, seconds to write
         # this step's micro-batches (detached) with the adapter's context, for culprits if a rule acts
         self.step_batches: list[tuple[TokenBatch, object]] = []
@@ -268,7 +270,7 @@ class Guard:
         with self._clock, self.protect("observe_samples"):
             self._host_metrics.update(self.diagnostics.update(samples, self.step, optimizer_updates=optimizer_updates))
 
-    def observe_culprits(self, family: str, candidates) -> None:
+    def observe_culprits(self, family: str, candidates: list[dict] | Callable[[], list[dict]]) -> None:
         """The candidate culprit sequences of one family (``"rewards"``) for the steps that train on this generation
         batch: dicts with ``prompt``, ``prompt_key``, ``completion``, ``reward``, ``rewards``, ``nonfinite`` (see
         ``rl_guard/control/culprits.py``). Host data. ``candidates``: their list, or a function that makes it, called
@@ -283,7 +285,7 @@ class Guard:
         """The candidates ``observe_culprits`` last received for ``family`` (made now if they were deferred)."""
         found = self.culprit_candidates.get(family or "", [])
         if callable(found):
-            found = self.culprit_candidates[family or ""] = found()
+            self.culprit_candidates[family or ""] = found = found()
         return found
 
     def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
