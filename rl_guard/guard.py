@@ -283,9 +283,10 @@ class Guard:
 
     def culprits_of(self, family: str | None) -> list[dict]:
         """The candidates ``observe_culprits`` last received for ``family`` (made now if they were deferred)."""
-        found = self.culprit_candidates.get(family or "", [])
+        key = family or ""
+        found = self.culprit_candidates.get(key, [])
         if callable(found):
-            self.culprit_candidates[family or ""] = found = found()
+            self.culprit_candidates[key] = found = found()
         return found
 
     def observe_partial(self, partial=None, host_metrics: dict | None = None) -> None:
